@@ -1,0 +1,1 @@
+"""qla's intermediate representations: RecurrenceIR, ChunkIR, KernelIR. Each prints and draws."""

@@ -1,0 +1,189 @@
+"""ChunkIR: the program that processes one chunk of C tokens, as a dataflow graph of block ops.
+
+A networkx DiGraph whose nodes are named values (`R`, `T_r`, `v_new`, ...), each with an op from
+`chunk_ops.OPS`, ordered arguments and a block shape. `state_in` is the state entering the chunk
+and `outputs["state"]` the state leaving it: that pair is the scan's loop-carried edge. Nodes that
+do not depend on `state_in` are parallel over chunks; the rest form the sequential scan.
+
+    >>> from qla_compiler import compile_spec
+    >>> print(compile_spec("specs/gdn.py").chunk)          # doctest: +SKIP
+    chunk_program gdn  C=64  { in q:C×K k:C×K v:C×V g:C beta:C ; state S0:K×V ; param scale
+      # parallel over chunks
+      g_cum:C = cumsum g
+      ...
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from .chunk_ops import OPS
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: str
+    args: tuple[str, ...]
+    shape: tuple[str, ...]
+    attrs: tuple = ()  # sorted (key, value) pairs: hashable, so CSE can compare nodes
+
+    @property
+    def attr(self) -> dict:
+        return dict(self.attrs)
+
+    def key(self):
+        """What makes two nodes compute the same value (for CSE)."""
+        return (self.op, self.args, self.attrs)
+
+
+@dataclass
+class ChunkIR:
+    name: str
+    chunk_size: int
+    graph: nx.DiGraph = field(default_factory=nx.DiGraph)
+    outputs: dict = field(default_factory=dict)  # role -> node: "o" (C×V), "state" (K×V)
+    history: tuple = ()  # names of the passes that produced this program
+
+    # ---- building -------------------------------------------------------------------------
+    def add(self, name: str, op: str, /, *args: str, **attrs) -> str:
+        """Add a node and return its (unique) name."""
+        opdef = OPS[op]
+        if opdef.arity >= 0 and len(args) != opdef.arity:
+            raise ValueError(f"{op} takes {opdef.arity} arguments, got {len(args)}")
+        shapes = [self.node(a).shape for a in args]
+        shape = tuple(opdef.shape(shapes, attrs))
+        name = self._fresh(name)
+        self.graph.add_node(name, node=Node(name, op, tuple(args), shape, tuple(sorted(attrs.items()))))
+        for pos, a in enumerate(args):
+            self.graph.add_edge(a, name, pos=pos)
+        return name
+
+    def _fresh(self, name: str) -> str:
+        if name not in self.graph:
+            return name
+        i = 2
+        while f"{name}_{i}" in self.graph:
+            i += 1
+        return f"{name}_{i}"
+
+    def copy(self) -> "ChunkIR":
+        return ChunkIR(self.name, self.chunk_size, self.graph.copy(), dict(self.outputs), self.history)
+
+    # ---- reading --------------------------------------------------------------------------
+    def node(self, name: str) -> Node:
+        return self.graph.nodes[name]["node"]
+
+    def order(self) -> list[Node]:
+        """Topological order, ties broken by insertion: a stable print."""
+        index = {n: i for i, n in enumerate(self.graph.nodes)}
+        return [self.node(n) for n in nx.lexicographical_topological_sort(self.graph, key=index.get)]
+
+    def users(self, name: str) -> list[Node]:
+        return [self.node(u) for u in self.graph.successors(name)]
+
+    def of_op(self, op: str) -> list[Node]:
+        return [n for n in self.order() if n.op == op]
+
+    @property
+    def state_in(self) -> str | None:
+        return next((n.name for n in self.order() if n.op == "state_in"), None)
+
+    def scan_nodes(self) -> set[str]:
+        """Nodes that depend on the state entering the chunk: they run in the sequential scan."""
+        s = self.state_in
+        return set(nx.descendants(self.graph, s)) | {s} if s else set()
+
+    def inputs(self) -> list[Node]:
+        return [n for n in self.order() if n.op == "input"]
+
+    # ---- editing (used by passes, on a copy) -------------------------------------------------
+    def replace_uses(self, old: str, new: str) -> None:
+        """Point every user of `old` (and any output) at `new`."""
+        for u in list(self.graph.successors(old)):
+            n = self.node(u)
+            args = tuple(new if a == old else a for a in n.args)
+            self.graph.nodes[u]["node"] = Node(n.name, n.op, args, n.shape, n.attrs)
+            self.graph.remove_edge(old, u)
+            for pos, a in enumerate(args):
+                if a == new:
+                    self.graph.add_edge(new, u, pos=pos)
+        self.outputs = {r: (new if v == old else v) for r, v in self.outputs.items()}
+
+    def remove_dead(self) -> int:
+        """Drop nodes no output depends on; returns how many."""
+        live = set(self.outputs.values())
+        for o in list(live):
+            live |= nx.ancestors(self.graph, o)
+        dead = [n for n in self.graph if n not in live]
+        self.graph.remove_nodes_from(dead)
+        return len(dead)
+
+    def verify(self) -> None:
+        """Structural invariants: acyclic, args exist in order, shapes recomputable."""
+        if not nx.is_directed_acyclic_graph(self.graph):
+            raise ValueError(f"{self.name}: the chunk program has a cycle")
+        for n in self.order():
+            for a in n.args:
+                if a not in self.graph:
+                    raise ValueError(f"{n.name}: argument {a} does not exist")
+            shape = tuple(OPS[n.op].shape([self.node(a).shape for a in n.args], n.attr))
+            if shape != n.shape:
+                raise ValueError(f"{n.name}: recorded shape {n.shape}, op gives {shape}")
+        for role, o in self.outputs.items():
+            if o not in self.graph:
+                raise ValueError(f"output {role} = {o} does not exist")
+
+    # ---- display ----------------------------------------------------------------------------
+    def __str__(self) -> str:
+        nodes = self.order()
+        scan = self.scan_nodes()
+        leaves = [n for n in nodes if OPS[n.op].arity == 0 and n.op not in ("valid", "positions", "const")]
+        ins = " ".join(f"{n.name}:{_shape(n.shape)}" for n in leaves if n.op == "input")
+        extra = [f"state {n.name}:{_shape(n.shape)}" for n in leaves if n.op == "state_in"]
+        extra += [f"param {n.name}" for n in leaves if n.op == "param"]
+        extra += [f"head-const {n.name}" for n in leaves if n.op == "head_log"]
+        head = f"chunk_program {self.name}  C={self.chunk_size} {{ in {ins}" + "".join(
+            f" ; {e}" for e in extra)
+        lines = [head]
+        body = [n for n in nodes if n not in leaves]
+        for title, group in (("parallel over chunks", [n for n in body if n.name not in scan]),
+                             ("scan over chunks (carries the state)", [n for n in body if n.name in scan])):
+            if group:
+                lines.append(f"  # {title}")
+                width = max(len(f"{n.name}:{_shape(n.shape)}") for n in group)
+                lines += [f"  {f'{n.name}:{_shape(n.shape)}':<{width}} = {_rhs(n)}" for n in group]
+        outs = " ".join(f"{r}={v}" for r, v in self.outputs.items())
+        lines.append(f"}} out {outs}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from .chunk_draw import to_svg  # drawing needs matplotlib; the IR itself does not
+
+        try:
+            svg = to_svg(self)
+        except ImportError:
+            svg = ""
+        return f"<pre>{html.escape(str(self))}</pre>{svg}"
+
+    def counts(self) -> dict:
+        """What the program does, for comparing before/after rewrites."""
+        nodes = self.order()
+        return {
+            "nodes": len(nodes),
+            "exponentials": sum(n.op in ("exp", "exp2") for n in nodes),
+            "CxC matmuls": sum(n.op == "matmul" and n.shape == ("C", "C") for n in nodes),
+            "matmuls": sum(n.op == "matmul" for n in nodes),
+            "triangular inverses": sum(n.op == "inv_unit_lower" for n in nodes),
+        }
+
+
+def _shape(shape) -> str:
+    return "×".join(shape) if shape else "()"
+
+
+def _rhs(n: Node) -> str:
+    attrs = ",".join(f"{k}={v}" for k, v in n.attrs)
+    return f"{n.op}{f'[{attrs}]' if attrs else ''} {' '.join(n.args)}".rstrip()

@@ -1,0 +1,165 @@
+"""The block operations of ChunkIR: for each op its shape rule and its interpretation in torch.
+
+Blocks live on one chunk of C tokens: C×K, C×V, C×C, K×V, vectors over the chunk (C) and
+scalars (). Tensors carry leading batch dims (sequences, heads, chunks) before the block dims.
+Adding an op means adding one entry here (and, for the GPU, one lowering rule).
+
+Facts about ops used by the rewrites and the verifier are data here too: ELEMENTWISE, LINEAR.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Shape = tuple  # of dim names: "C", "K", "V"
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    arity: int  # -1: any
+    shape: Callable  # (arg shapes, attrs) -> shape
+    eval: Callable  # (ctx, args, attrs, arg shapes) -> tensor
+    doc: str
+
+
+class Context:
+    """What the interpreter knows beyond the block inputs: chunk lengths, runtime params, head
+    constants, the state entering the chunk. `nb` is the number of batch dims."""
+
+    def __init__(self, inputs, lengths, params, head_consts, state, chunk_size, nb):
+        self.inputs, self.lengths, self.params = inputs, lengths, params
+        self.head_consts, self.state, self.C, self.nb = head_consts, state, chunk_size, nb
+
+
+def _bcast(x: torch.Tensor, xs: Shape, target: Shape) -> torch.Tensor:
+    """Right-pad a lower-rank block (a scalar () or a vector (C,)) so it broadcasts against target."""
+    return x.reshape(*x.shape, *([1] * (len(target) - len(xs))))
+
+
+def _elementwise(fn):
+    def ev(ctx, args, attrs, shapes):
+        out = max(shapes, key=len)
+        return fn(*[_bcast(a, s, out) for a, s in zip(args, shapes)])
+    return ev
+
+
+def _elementwise_shape(shapes, attrs):
+    out = max(shapes, key=len)
+    for s in shapes:
+        if s and s != out:
+            raise ValueError(f"elementwise shapes {list(shapes)} do not match")
+    return out
+
+
+def _matmul_shape(shapes, attrs):
+    (a, b), ta, tb = shapes, attrs.get("ta", False), attrs.get("tb", False)
+    if len(a) != 2 or len(b) != 2:
+        raise ValueError(f"matmul of non-matrices {a}, {b}")
+    a, b = (a[::-1] if ta else a), (b[::-1] if tb else b)
+    if a[1] != b[0]:
+        raise ValueError(f"matmul inner dims differ: {a} · {b}")
+    return (a[0], b[1])
+
+
+def _matmul(ctx, args, attrs, shapes):
+    a, b = args
+    if attrs.get("ta"):
+        a = a.transpose(-1, -2)
+    if attrs.get("tb"):
+        b = b.transpose(-1, -2)
+    return a @ b
+
+
+def _tri_mask(C, strict, like):
+    return torch.ones(C, C, dtype=torch.bool, device=like.device).tril(-1 if strict else 0)
+
+
+def _masked_diff(ctx, args, attrs, shapes):
+    (x,) = args
+    d = x.unsqueeze(-1) - x.unsqueeze(-2)
+    keep = _tri_mask(x.shape[-1], attrs["mask"] == "strict", x)
+    return torch.where(keep, d, torch.full_like(d, -math.inf))
+
+
+def _inv_unit_lower(ctx, args, attrs, shapes):
+    (a,) = args
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+    return torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
+
+
+def _last(ctx, args, attrs, shapes):
+    (x,) = args
+    idx = (ctx.lengths - 1).clamp(min=0).expand(x.shape[:-1]).unsqueeze(-1)
+    return x.gather(-1, idx).squeeze(-1)
+
+
+def _iota(ctx):
+    return torch.arange(ctx.C, device=ctx.lengths.device)
+
+
+def _valid(ctx, args, attrs, shapes):
+    dt = ctx.state.dtype
+    return (_iota(ctx) < ctx.lengths.unsqueeze(-1)).to(dt)
+
+
+def _positions(ctx, args, attrs, shapes):
+    return torch.minimum(_iota(ctx) + 1, ctx.lengths.unsqueeze(-1)).to(ctx.state.dtype)
+
+
+def _const(ctx, args, attrs, shapes):
+    sizes = {"C": ctx.C}
+    batch = ctx.lengths.shape
+    return torch.full((*batch, *[sizes[d] for d in attrs["shape"]]), float(attrs["value"]),
+                      dtype=ctx.state.dtype, device=ctx.state.device)
+
+
+def _same(shapes, attrs):
+    return shapes[0]
+
+
+def _fixed(shape):
+    return lambda shapes, attrs: shape
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def _op(name, arity, shape, ev, doc):
+    OPS[name] = OpDef(name, arity, shape, ev, doc)
+
+
+_op("input", 0, lambda s, a: {"key": ("C", "K"), "value": ("C", "V")}.get(a["kind"], ("C",)),
+    lambda ctx, args, a, s: ctx.inputs[a["name"]], "a block of a per-token input")
+_op("head_log", 0, _fixed(()), lambda ctx, args, a, s: ctx.head_consts[a["name"]],
+    "log of a per-head constant decay")
+_op("param", 0, _fixed(()), lambda ctx, args, a, s: ctx.params[a["name"]], "a runtime scalar")
+_op("const", 0, lambda s, a: tuple(a["shape"]), _const, "a constant block")
+_op("state_in", 0, _fixed(("K", "V")), lambda ctx, args, a, s: ctx.state, "the state entering the chunk")
+_op("valid", 0, _fixed(("C",)), _valid, "1 for tokens of the chunk, 0 for padding")
+_op("positions", 0, _fixed(("C",)), _positions, "i+1, clipped at the chunk's length (= cumsum(valid))")
+_op("cumsum", 1, _same, lambda ctx, args, a, s: args[0].cumsum(-1), "chunk-local inclusive prefix sum")
+_op("last", 1, _fixed(()), _last, "the value at the chunk's last token")
+_op("masked_diff", 1, lambda s, a: ("C", "C"), _masked_diff,
+    "x_i − x_j where j ≤ i (mask=lower) or j < i (mask=strict), −inf elsewhere")
+_op("exp", 1, _same, lambda ctx, args, a, s: torch.exp(args[0]), "e^x")
+_op("exp2", 1, _same, lambda ctx, args, a, s: torch.exp2(args[0]), "2^x")
+_op("neg", 1, _same, lambda ctx, args, a, s: -args[0], "−x")
+_op("add", 2, _elementwise_shape, _elementwise(torch.add), "x + y")
+_op("sub", 2, _elementwise_shape, _elementwise(torch.sub), "x − y")
+_op("mul", 2, _elementwise_shape, _elementwise(torch.mul), "x ⊙ y (a scalar or vector broadcasts)")
+_op("scale_rows", 2, lambda s, a: s[1], lambda ctx, args, a, s: args[0].unsqueeze(-1) * args[1],
+    "diag(d) X")
+_op("matmul", 2, _matmul_shape, _matmul, "X · Y (ta, tb: transpose an operand)")
+_op("tril", 1, _same,
+    lambda ctx, args, a, s: args[0] * _tri_mask(args[0].shape[-1], a.get("strict", False), args[0]),
+    "keep the lower triangle (strict: below the diagonal)")
+_op("inv_unit_lower", 1, _same, _inv_unit_lower, "(I + A)⁻¹ for strictly lower triangular A")
+
+ELEMENTWISE = {"exp", "exp2", "neg", "add", "sub", "mul"}
+# ops through which a scaling of the input scales the output by the same factor
+LINEAR = {"cumsum", "last", "masked_diff", "neg", "add", "sub"}
+EXPONENTIALS = {"exp", "exp2"}

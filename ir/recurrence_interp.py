@@ -1,0 +1,82 @@
+"""The RecurrenceIR interpreter: runs the spec's own step, token by token. The ground truth.
+
+It evaluates the sympy expressions the user wrote (not the classified structure), so anything
+downstream — chunk programs, rewrites, kernels — is checked against the spec itself.
+
+Every value is a tensor [N, HV, rows, cols]; scalars are [N, HV, 1, 1], so sympy's scalar·matrix
+products broadcast and its matrix products are `@`.
+"""
+from __future__ import annotations
+
+import sympy as sp
+import torch
+from sympy.matrices.expressions.matexpr import MatrixExpr
+
+from .recurrence import RecurrenceIR
+
+
+def run_recurrence(ir: RecurrenceIR, inputs: dict, lengths, scale: float, initial_state=None):
+    """Run the recurrence over padded sequences (value heads already expanded).
+
+    inputs: key inputs [N, L, HV, K], value inputs [N, L, HV, V], scalars and gates [N, L, HV].
+    lengths: [N] tokens of each sequence (positions past a sequence's length are ignored).
+    Returns o [N, L, HV, V] (zero past each length) and the final state [N, HV, K, V].
+
+        >>> o, S = run_recurrence(ir, {"q": q, "k": k, "v": v}, [T], scale=K ** -0.5)   # doctest: +SKIP
+    """
+    first = next(iter(inputs.values()))
+    N, L, HV = first.shape[:3]
+    dtype, device = first.dtype, first.device
+    kdim = inputs[next(i.name for i in ir.inputs if i.kind == "key")].shape[-1]
+    vdim = inputs[next(i.name for i in ir.inputs if i.kind == "value")].shape[-1]
+    S = (torch.zeros(N, HV, kdim, vdim, dtype=dtype, device=device) if initial_state is None
+         else initial_state.to(dtype).clone())
+    consts = {c.symbol: torch.tensor(c.values(HV), dtype=dtype, device=device).view(1, HV, 1, 1)
+              for c in ir.constants}
+    lengths = torch.as_tensor(lengths, device=device).view(N, 1, 1, 1)
+    out = torch.zeros(N, L, HV, vdim, dtype=dtype, device=device)
+    eye = torch.eye(kdim, dtype=dtype, device=device)
+    for t in range(L):
+        env = dict(consts)
+        for i in ir.inputs:
+            x = inputs[i.name][:, t]
+            env[i.symbol] = x.unsqueeze(-1) if i.kind in ("key", "value") else x.view(N, HV, 1, 1)
+        env[ir.state] = S
+        active = t < lengths
+        S = torch.where(active, _eval(ir.step, env, eye), S)
+        env[ir.state] = S
+        o = _eval(ir.output, env, eye)
+        out[:, t] = torch.where(active, scale * o, 0.0).squeeze(-1)
+    return out, S
+
+
+def _eval(e, env, eye):
+    if e in env:
+        return env[e]
+    if isinstance(e, sp.Identity):
+        return eye
+    if isinstance(e, sp.Transpose):
+        return _eval(e.arg, env, eye).transpose(-1, -2)
+    if isinstance(e, sp.MatMul):
+        mats = [_eval(a, env, eye) for a in e.args if isinstance(a, MatrixExpr)]
+        acc = mats[0]
+        for m in mats[1:]:
+            acc = acc @ m
+        for a in e.args:
+            if not isinstance(a, MatrixExpr):
+                acc = _eval(a, env, eye) * acc
+        return acc
+    if isinstance(e, (sp.MatAdd, sp.Add)):
+        return sum(_eval(a, env, eye) for a in e.args)
+    if isinstance(e, sp.Mul):
+        acc = 1.0
+        for a in e.args:
+            acc = acc * _eval(a, env, eye)
+        return acc
+    if isinstance(e, sp.exp):
+        return torch.exp(_eval(e.args[0], env, eye))
+    if isinstance(e, sp.Pow):
+        return _eval(e.base, env, eye) ** _eval(e.exp, env, eye)
+    if e.is_Number:
+        return float(e)
+    raise NotImplementedError(f"the recurrence interpreter cannot evaluate {type(e).__name__}: {e}")

@@ -1,0 +1,1 @@
+"""TileLang building blocks and the runtime that compiles, caches and launches kernels."""

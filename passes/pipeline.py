@@ -1,0 +1,106 @@
+"""The pass manager: the ordered pipeline from a spec file to the chunk program (and on to kernels).
+
+    frontend   spec file      → RecurrenceIR
+    classify   RecurrenceIR   → RecurrenceIR (+ structure)
+    chunk      RecurrenceIR   → ChunkIR        (MATH.md's six steps, direct form)
+    ...        ChunkIR        → ChunkIR        (the rewrites in passes/rewrites.py, in order)
+
+Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
+stop early (`stop_after`), and in check mode runs the interpreter against the reference after
+every ChunkIR pass, naming the first pass that breaks agreement.
+
+    >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
+    >>> [name for name, _ in prog.stages]
+    ['frontend', 'classify', 'chunk']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from qla_compiler.errors import PassError, SpecError
+from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.recurrence import RecurrenceIR
+
+from .chunk import derive_chunks
+from .classify import classify
+from .frontend import load_spec
+from .rewrites import CHUNK_PASSES
+
+TARGETS = ("sm90", "cpu")
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable
+    doc: str
+
+
+@dataclass
+class Program:
+    """Everything the pipeline produced, stage by stage."""
+
+    path: str
+    target: str
+    chunk_size: int
+    recurrence: RecurrenceIR | None = None
+    chunk: ChunkIR | None = None
+    stages: list = field(default_factory=list)  # (pass name, IR after it)
+
+    def stage(self, name: str):
+        return next(ir for n, ir in self.stages if n == name)
+
+
+def passes(chunk_size: int) -> list[Pass]:
+    front = [
+        Pass("frontend", load_spec, "spec file → RecurrenceIR"),
+        Pass("classify", classify, "recognise A_t and B_t"),
+        Pass("chunk", lambda ir: derive_chunks(ir, chunk_size), "derive the chunk program"),
+    ]
+    return front + list(CHUNK_PASSES)
+
+
+def pass_names() -> list[str]:
+    return [p.name for p in passes(64)]
+
+
+def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: str | None = None,
+                 print_after: Callable | None = None, check: bool = False) -> Program:
+    if target not in TARGETS:
+        raise ValueError(f"target: expected one of {', '.join(TARGETS)}, got {target!r}")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: expected a power of two, got {chunk_size}")
+    names = pass_names()
+    if stop_after is not None and stop_after not in names:
+        raise ValueError(f"stop_after: no pass named {stop_after!r}; passes: {', '.join(names)}")
+    prog = Program(str(path), target, chunk_size)
+    ir = path
+    checker = None
+    for p in passes(chunk_size):
+        try:
+            ir = p.run(ir)
+            if isinstance(ir, ChunkIR):
+                ir.history = ir.history if ir.history[-1:] == (p.name,) else ir.history + (p.name,)
+                ir.verify()
+        except SpecError:
+            raise
+        except PassError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
+            raise PassError(p.name, f"{type(e).__name__}: {e}") from e
+        prog.stages.append((p.name, ir))
+        if isinstance(ir, RecurrenceIR):
+            prog.recurrence = ir
+        else:
+            prog.chunk = ir
+            if check:
+                from .check import Checker  # the numerical check needs torch; plain compiles do not
+
+                checker = checker or Checker(prog.recurrence)
+                checker.check(p.name, ir)
+        if print_after is not None:
+            print_after(p.name, ir)
+        if p.name == stop_after:
+            break
+    return prog

@@ -1,0 +1,2 @@
+"""The ChunkIR rewrite passes, in pipeline order (filled in by the rewrite work)."""
+CHUNK_PASSES: list = []

@@ -1,0 +1,106 @@
+"""Argument checks for compiled ops: every bad input is a ValueError naming the argument.
+
+The checks read only shapes, dtypes and devices, plus the values of cu_seqlens when it lives on
+the CPU; values on the GPU are not read (that would synchronise the host, and break CUDA-graph
+capture), so `check_cu_seqlens_values` is separate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Dims:
+    B: int
+    T: int
+    H: int  # query/key heads
+    HV: int  # value heads
+    K: int
+    V: int
+    N: int  # sequences
+
+
+def _tensor(name, x, ndim, what):
+    if not torch.is_tensor(x):
+        raise ValueError(f"{name}: expected a tensor {what}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {what}, got shape {list(x.shape)}")
+    if x.dtype not in FLOATS:
+        raise ValueError(f"{name}: expected a floating dtype (bf16, fp16, fp32, fp64), got {x.dtype}")
+
+
+def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) -> Dims:
+    """inputs: name -> tensor, kinds: name -> key|value|scalar|gate (in the spec's order)."""
+    keys = [n for n in kinds if kinds[n] == "key"]
+    values = [n for n in kinds if kinds[n] == "value"]
+    for n in keys:
+        _tensor(n, inputs[n], 4, "[B, T, H, K]")
+    for n in values:
+        _tensor(n, inputs[n], 4, "[B, T, HV, V]")
+    B, T, H, K = inputs[keys[0]].shape
+    _, _, HV, V = inputs[values[0]].shape
+    for n in keys[1:]:
+        if tuple(inputs[n].shape) != (B, T, H, K):
+            raise ValueError(f"{n}: expected shape {[B, T, H, K]} like {keys[0]}, got {list(inputs[n].shape)}")
+    for n in values:
+        if tuple(inputs[n].shape[:2]) != (B, T):
+            raise ValueError(f"{n}: expected [B={B}, T={T}, HV, V], got {list(inputs[n].shape)}")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"{values[0]}: its {HV} value heads must be a multiple of the {H} query/key "
+                         f"heads of {keys[0]} (grouped value heads)")
+    for n, kind in kinds.items():
+        if kind in ("scalar", "gate"):
+            _tensor(n, inputs[n], 3, f"[B={B}, T={T}, HV={HV}]")
+            if tuple(inputs[n].shape) != (B, T, HV):
+                raise ValueError(f"{n}: expected shape {[B, T, HV]}, got {list(inputs[n].shape)}")
+    first = inputs[keys[0]]
+    dt = first.dtype
+    for n in keys + values:
+        if inputs[n].dtype != dt:
+            raise ValueError(f"{n}: dtype {inputs[n].dtype} differs from {keys[0]}'s {dt}; "
+                             "q, k and v must share one dtype")
+    for n, x in inputs.items():
+        if x.device != first.device:
+            raise ValueError(f"{n}: on {x.device}, but {keys[0]} is on {first.device}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise ValueError(f"scale: expected a float or None, got {type(scale).__name__}")
+
+    N = B
+    if cu_seqlens is not None:
+        if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (
+                torch.int32, torch.int64):
+            raise ValueError("cu_seqlens: expected a 1-D int32 or int64 tensor [N+1]")
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need B = 1, got B = {B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
+        if cu_seqlens.device != first.device:
+            raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but the inputs are on {first.device}")
+        N = cu_seqlens.numel() - 1
+        if cu_seqlens.device.type == "cpu":
+            check_cu_seqlens_values(cu_seqlens, T)
+    if initial_state is not None:
+        if not torch.is_tensor(initial_state) or initial_state.dtype not in FLOATS:
+            raise ValueError("initial_state: expected a floating tensor [N, HV, K, V]")
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(f"initial_state: expected shape {[N, HV, K, V]} (N sequences, HV value heads, "
+                             f"K, V), got {list(initial_state.shape)}")
+        if initial_state.device != first.device:
+            raise ValueError(f"initial_state: on {initial_state.device}, but the inputs are on {first.device}")
+    return Dims(B, T, H, HV, K, V, N)
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens: must start at 0, starts at {cu[0]}")
+    if cu[-1] != T:
+        raise ValueError(f"cu_seqlens: must end at T = {T} (the number of tokens), ends at {cu[-1]}")
+    bad = next((i for i in range(len(cu) - 1) if cu[i + 1] <= cu[i]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens: must be strictly increasing, but cu_seqlens[{bad}] = {cu[bad]} "
+                         f"and cu_seqlens[{bad + 1}] = {cu[bad + 1]}")

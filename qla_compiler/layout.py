@@ -1,0 +1,58 @@
+"""Token layouts: FLA's [B, T, H, ...] (dense or packed with cu_seqlens) ↔ per-sequence blocks.
+
+Dense batches are treated as packed ones with equal lengths, so everything downstream sees
+sequences given by (start, length) into the flattened B·T tokens. Padding is zeros: a token with
+k = 0, v = 0, β = 0 and g = 0 leaves the state unchanged, which is what makes padded chunks exact.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sequence_bounds(B: int, T: int, cu_seqlens, device="cpu"):
+    """(starts, lengths) of each sequence in the flattened B·T tokens, as int64 tensors."""
+    if cu_seqlens is None:
+        starts = torch.arange(B, device=device, dtype=torch.int64) * T
+        return starts, torch.full((B,), T, device=device, dtype=torch.int64)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    return cu[:-1], cu[1:] - cu[:-1]
+
+
+def token_index(starts, lengths, L: int):
+    """[N, L] flat token indices and the mask of real tokens."""
+    pos = torch.arange(L, device=starts.device)
+    mask = pos < lengths[:, None]
+    return torch.where(mask, starts[:, None] + pos, 0), mask
+
+
+def gather(x: torch.Tensor, starts, lengths, L: int) -> torch.Tensor:
+    """x [B, T, H, ...] -> [N, L, H, ...], zero past each sequence's length."""
+    flat = x.reshape(-1, *x.shape[2:])
+    idx, mask = token_index(starts, lengths, L)
+    out = flat[idx]
+    return out * mask.view(*mask.shape, *([1] * (out.dim() - 2))).to(out.dtype)
+
+
+def scatter(y: torch.Tensor, starts, lengths, B: int, T: int) -> torch.Tensor:
+    """y [N, L, H, ...] -> [B, T, H, ...], the inverse of gather on the real tokens."""
+    idx, mask = token_index(starts, lengths, y.shape[1])
+    out = y.new_zeros(B * T, *y.shape[2:])
+    out[idx[mask]] = y[mask]
+    return out.view(B, T, *y.shape[2:])
+
+
+def expand_heads(x: torch.Tensor, n_value_heads: int) -> torch.Tensor:
+    """Grouped value heads: q/k head h serves value heads h·G … h·G + G − 1 (G = HV / H)."""
+    return x.repeat_interleave(n_value_heads // x.shape[2], dim=2) if x.shape[2] != n_value_heads else x
+
+
+def to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
+    """[N, L, H, ...] with L a multiple of C -> [N, H, L/C, C, ...]."""
+    N, L, H = x.shape[:3]
+    return x.reshape(N, L // C, C, H, *x.shape[3:]).movedim(3, 1)
+
+
+def from_chunks(x: torch.Tensor) -> torch.Tensor:
+    """[N, H, NC, C, ...] -> [N, NC·C, H, ...]."""
+    N, H, NC, C = x.shape[:4]
+    return x.movedim(1, 3).reshape(N, NC * C, H, *x.shape[4:])

@@ -1,0 +1,118 @@
+"""The compiled op: FLA's call conventions over a compiled spec.
+
+    >>> import qla_compiler
+    >>> op = qla_compiler.compile("specs/gdn.py", target="sm90")
+    >>> o, final = op(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+    ...               cu_seqlens=cu)                                            # doctest: +SKIP
+
+Arguments are the spec's inputs in the spec's order (positional or by name), then `scale=None`
+(K^-1/2), `initial_state=None` [N, HV, K, V], `output_final_state=False`, `cu_seqlens=None`
+(packed sequences, B = 1) and `use_qk_l2norm_in_kernel=False`. Returns `(o, final_state or None)`;
+o has v's dtype and shape [B, T, HV, V]; the state is float32 (float64 for float64 inputs).
+CPU tensors run the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in
+float64 with the same arguments.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .checks import Dims, check_inputs
+from .ir.chunk_interp import run_chunks
+from .ir.recurrence_interp import run_recurrence
+from .layout import expand_heads, from_chunks, gather, scatter, sequence_bounds, to_chunks
+
+OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel")
+
+
+class CompiledOp:
+    def __init__(self, program):
+        self.program = program
+        rec = program.recurrence
+        self.name = rec.name
+        self.input_names = rec.input_names
+        self.kinds = {i.name: i.kind for i in rec.inputs}
+        self.__doc__ = f"{rec.name}({', '.join(self.input_names)}, " + ", ".join(
+            f"{o}=..." for o in OPTIONS) + ")\n\n" + (__doc__ or "")
+
+    def __repr__(self) -> str:
+        return f"<qla op {self.name}({', '.join(self.input_names)}) target={self.program.target}>"
+
+    # ---- argument handling -----------------------------------------------------------------
+    def _bind(self, args, named):
+        if len(args) > len(self.input_names):
+            raise ValueError(f"{self.name}: takes {len(self.input_names)} inputs "
+                             f"({', '.join(self.input_names)}), got {len(args)} positional arguments")
+        inputs = dict(zip(self.input_names, args))
+        for n, x in named.items():
+            if n not in self.input_names:
+                raise ValueError(f"{self.name}: unknown argument {n!r}; inputs are "
+                                 f"{', '.join(self.input_names)}, options {', '.join(OPTIONS)}")
+            if n in inputs:
+                raise ValueError(f"{n}: given both by position and by name")
+            inputs[n] = x
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise ValueError(f"{self.name}: missing input(s) {', '.join(missing)}")
+        return inputs
+
+    def _prepare(self, args, named, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
+        inputs = self._bind(args, named)
+        dims = check_inputs(inputs, self.kinds, initial_state, cu_seqlens, scale)
+        if use_qk_l2norm_in_kernel:
+            inputs = {n: (_l2norm(x) if self.kinds[n] == "key" else x) for n, x in inputs.items()}
+        scale = dims.K ** -0.5 if scale is None else float(scale)
+        return inputs, dims, scale
+
+    # ---- entry points ------------------------------------------------------------------------
+    def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                 use_qk_l2norm_in_kernel=False, **named):
+        inputs, dims, scale = self._prepare(args, named, scale, initial_state, cu_seqlens,
+                                            use_qk_l2norm_in_kernel)
+        v = inputs[next(n for n in self.input_names if self.kinds[n] == "value")]
+        work = torch.float64 if v.dtype == torch.float64 else torch.float32
+        o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work)
+        return o.to(v.dtype), (final.to(work) if output_final_state else None)
+
+    def reference(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  use_qk_l2norm_in_kernel=False, **named):
+        """The spec's recurrence, token by token, in float64: the ground truth (slow)."""
+        inputs, dims, scale = self._prepare(args, named, scale, initial_state, cu_seqlens,
+                                            use_qk_l2norm_in_kernel)
+        starts, lengths = sequence_bounds(dims.B, dims.T, cu_seqlens, device=_device(inputs))
+        L = int(lengths.max())
+        seqs = {n: gather(self._heads(n, x, dims).double(), starts, lengths, L) for n, x in inputs.items()}
+        h0 = None if initial_state is None else initial_state.double()
+        o, final = run_recurrence(self.program.recurrence, seqs, lengths, scale, h0)
+        return scatter(o, starts, lengths, dims.B, dims.T), (final if output_final_state else None)
+
+    # ---- execution ---------------------------------------------------------------------------
+    def _heads(self, name, x, dims: Dims):
+        return expand_heads(x, dims.HV) if self.kinds[name] == "key" else x
+
+    def _interpret(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work):
+        chunk = self.program.chunk
+        C = chunk.chunk_size
+        device = _device(inputs)
+        starts, lengths = sequence_bounds(dims.B, dims.T, cu_seqlens, device=device)
+        NC = max(1, math.ceil(int(lengths.max()) / C))
+        blocks = {n: to_chunks(gather(self._heads(n, x, dims).to(work), starts, lengths, NC * C), C)
+                  for n, x in inputs.items()}
+        chunk_lengths = (lengths[:, None] - C * torch.arange(NC, device=device)).clamp(0, C)
+        head_consts = {c.name: [math.log(x) for x in c.values(dims.HV)]
+                       for c in self.program.recurrence.constants}
+        h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
+              if initial_state is None else initial_state.to(work))
+        o, final = run_chunks(chunk, blocks, chunk_lengths, {"scale": scale}, head_consts, h0)
+        return scatter(from_chunks(o), starts, lengths, dims.B, dims.T), final
+
+
+def _device(inputs):
+    return next(iter(inputs.values())).device
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """FLA's use_qk_l2norm_in_kernel: x / sqrt(sum(x²) + 1e-6) along the head dim."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)

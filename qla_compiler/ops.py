@@ -1,0 +1,33 @@
+"""Ready-made ops for the shipped specs, with FLA's names.
+
+    >>> from qla_compiler.ops import chunk_gated_delta_rule
+    >>> o, final = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)   # doctest: +SKIP
+
+Each op compiles its spec on first use (and caches the result for the process).
+"""
+from __future__ import annotations
+
+import functools
+
+from .compiler import compile as _compile
+
+
+@functools.lru_cache(maxsize=None)
+def _op(name: str):
+    return _compile(name, target="sm90")
+
+
+def _make(name: str, fla_name: str):
+    def op(*args, **kwargs):
+        return _op(name)(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = fla_name
+    op.__doc__ = f"FLA's `{fla_name}`, compiled from specs/{name}.py: see qla_compiler.op."
+    return op
+
+
+chunk_gated_delta_rule = _make("gdn", "chunk_gated_delta_rule")
+chunk_delta_rule = _make("delta_net", "chunk_delta_rule")
+chunk_simple_gla = _make("simple_gla", "chunk_simple_gla")
+chunk_retention = _make("retnet", "chunk_retention")
+chunk_linear_attn = _make("linear_attn", "chunk_linear_attn")

@@ -1,0 +1,123 @@
+"""The spec language: one token step of a linear-attention recurrence, in sympy.
+
+A spec file declares its per-token inputs, the K×V state and one `recurrence(step=..., output=...)`:
+
+    from qla_compiler.spec import I, exp, gate, key, recurrence, scalar, state, value
+
+    q, k = key("q"), key("k")          # K-vectors per token and query/key head
+    v = value("v")                     # V-vector per token and value head
+    g = gate("g")                      # log-space decay per token and value head (≤ 0)
+    beta = scalar("beta")              # a scalar per token and value head
+    S = state()                        # the K×V state
+    recurrence(step=exp(g) * (I - beta * k * k.T) * S + beta * k * v.T, output=S.T * q)
+
+`*` is the matrix product (sympy's), `.T` the transpose, `I` the K×K identity. The op scales the
+output by `scale` (default K^-1/2), as FLA does. Declarations are recorded with their line so that
+errors in later passes can point back at the spec.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Callable
+
+import sympy as sp
+
+from .errors import SpecError
+
+K, V = sp.symbols("K V", integer=True, positive=True)
+I = sp.Identity(K)
+exp = sp.exp
+
+INPUT_KINDS = ("key", "value", "scalar", "gate")
+
+
+@dataclass
+class Declared:
+    """What a spec file declared; turned into a RecurrenceIR by the frontend pass."""
+
+    path: str  # as the user named it, for messages
+    filename: str  # as the spec's code object knows it
+    inputs: list = field(default_factory=list)  # (name, kind, symbol, line)
+    constants: list = field(default_factory=list)  # (name, fn, symbol, line)
+    state: tuple | None = None  # (symbol, line)
+    recurrence: tuple | None = None  # (step, output, line)
+
+
+_current: ContextVar[Declared | None] = ContextVar("qla_spec", default=None)
+
+
+def _record() -> tuple[Declared, int]:
+    decl = _current.get()
+    if decl is None:
+        raise RuntimeError("spec declarations only run inside qla's frontend (qla_compiler.compile)")
+    # the innermost frame running the spec file itself gives the line
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename != decl.filename:
+        frame = frame.f_back
+    return decl, frame.f_lineno if frame is not None else None
+
+
+def _input(name: str, kind: str, symbol):
+    decl, line = _record()
+    if not name.isidentifier():
+        raise SpecError(f"input name {name!r} is not a Python identifier", decl.path, line)
+    if any(n == name for n, *_ in decl.inputs) or any(n == name for n, *_ in decl.constants):
+        raise SpecError(f"input {name!r} is declared twice", decl.path, line)
+    decl.inputs.append((name, kind, symbol, line))
+    return symbol
+
+
+def key(name: str) -> sp.MatrixSymbol:
+    """A K-vector per token and query/key head (q, k), passed as [B, T, H, K]."""
+    return _input(name, "key", sp.MatrixSymbol(name, K, 1))
+
+
+def value(name: str) -> sp.MatrixSymbol:
+    """A V-vector per token and value head (v), passed as [B, T, HV, V]."""
+    return _input(name, "value", sp.MatrixSymbol(name, V, 1))
+
+
+def scalar(name: str) -> sp.Symbol:
+    """A scalar per token and value head (β), passed as [B, T, HV]."""
+    return _input(name, "scalar", sp.Symbol(name, real=True))
+
+
+def gate(name: str) -> sp.Symbol:
+    """A log-space decay per token and value head (g ≤ 0), passed as [B, T, HV]; use as exp(g)."""
+    return _input(name, "gate", sp.Symbol(name, nonpositive=True))
+
+
+def head_constant(name: str, fn: Callable[[int], float]) -> sp.Symbol:
+    """A constant per value head h, fn(h) (RetNet's γ_h); no tensor is passed for it."""
+    decl, line = _record()
+    if any(n == name for n, *_ in decl.inputs) or any(n == name for n, *_ in decl.constants):
+        raise SpecError(f"constant {name!r} is declared twice", decl.path, line)
+    for h in range(4):
+        val = float(fn(h))
+        if not (0.0 < val <= 1.0) or math.isnan(val):
+            raise SpecError(f"head constant {name!r} must lie in (0, 1] (a decay); fn({h}) = {val}",
+                            decl.path, line)
+    symbol = sp.Symbol(name, positive=True)
+    decl.constants.append((name, fn, symbol, line))
+    return symbol
+
+
+def state(name: str = "S") -> sp.MatrixSymbol:
+    """The K×V state carried from token to token."""
+    decl, line = _record()
+    if decl.state is not None:
+        raise SpecError("a spec has one state; state() is called twice", decl.path, line)
+    symbol = sp.MatrixSymbol(name, K, V)
+    decl.state = (symbol, line)
+    return symbol
+
+
+def recurrence(step, output) -> None:
+    """S_t = step(S_{t-1}, inputs_t);  o_t = output(S_t, inputs_t) (times the op's `scale`)."""
+    decl, line = _record()
+    if decl.recurrence is not None:
+        raise SpecError("recurrence() is called twice", decl.path, line)
+    decl.recurrence = (step, output, line)

@@ -1,0 +1,47 @@
+"""Random inputs for any compiled op, and the error measure every check uses.
+
+    >>> op = qla_compiler.compile("specs/gdn.py")
+    >>> args = random_inputs(op, T=100, H=2, HV=4, K=16, V=16, seed=0)      # doctest: +SKIP
+    >>> rel_err(op(**args)[0], op.reference(**args)[0])                      # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def random_inputs(op, *, B=1, T=64, H=1, HV=1, K=16, V=16, cu_seqlens=None, dtype=torch.float64,
+                  gate=None, beta=None, initial_state=False, device="cpu", seed=0) -> dict:
+    """Keyword arguments for `op`: unit-norm keys, normal values, β in (0, 1), log-gates in
+    [log 0.9, 0] by default (or filled with `gate` / `beta` when given as a number)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, kind in op.kinds.items():
+        if kind == "key":
+            x = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+        elif kind == "value":
+            x = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+        elif kind == "gate":
+            x = (torch.full((B, T, HV), float(gate), dtype=torch.float64) if gate is not None
+                 else F.logsigmoid(torch.randn(B, T, HV, generator=gen, dtype=torch.float64) + 3.0))
+        else:
+            x = (torch.full((B, T, HV), float(beta), dtype=torch.float64) if beta is not None
+                 else torch.rand(B, T, HV, generator=gen, dtype=torch.float64))
+        out[name] = x.to(device=device, dtype=dtype if kind in ("key", "value") else
+                         (torch.float64 if dtype == torch.float64 else torch.float32))
+    if cu_seqlens is not None:
+        out["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    if initial_state:
+        N = B if cu_seqlens is None else len(cu_seqlens) - 1
+        s = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)
+        out["initial_state"] = s.to(device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    out["output_final_state"] = True
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; inf if out has any inf or NaN."""
+    out, ref = out.double(), ref.double().to(out.device)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))

@@ -1,0 +1,21 @@
+import pytest
+import torch
+
+import qla_compiler
+
+SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """One compiled op per shipped spec (compiling is the slow part of a CPU test)."""
+    return {name: qla_compiler.compile(name, target="sm90") for name in SPECS}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
