@@ -100,9 +100,11 @@ class ChunkIR:
         return [n for n in self.order() if n.op == "input"]
 
     # ---- editing (used by passes, on a copy) -------------------------------------------------
-    def replace_uses(self, old: str, new: str) -> None:
-        """Point every user of `old` (and any output) at `new`."""
+    def replace_uses(self, old: str, new: str, exclude=()) -> None:
+        """Point every user of `old` (and any output) at `new`, except the users in `exclude`."""
         for u in list(self.graph.successors(old)):
+            if u in exclude:
+                continue
             n = self.node(u)
             args = tuple(new if a == old else a for a in n.args)
             self.graph.nodes[u]["node"] = Node(n.name, n.op, args, n.shape, n.attrs)
@@ -111,6 +113,27 @@ class ChunkIR:
                 if a == new:
                     self.graph.add_edge(new, u, pos=pos)
         self.outputs = {r: (new if v == old else v) for r, v in self.outputs.items()}
+
+    def rename(self, old: str, new: str) -> None:
+        """Give a node a new (unused) name, updating its users and the outputs."""
+        if new in self.graph:
+            raise ValueError(f"cannot rename {old} to {new}: the name is taken")
+        users = list(self.graph.successors(old))
+        nx.relabel_nodes(self.graph, {old: new}, copy=False)
+        n = self.node(new)
+        self.graph.nodes[new]["node"] = Node(new, n.op, n.args, n.shape, n.attrs)
+        for u in users:
+            un = self.node(u)
+            self.graph.nodes[u]["node"] = Node(u, un.op, tuple(new if a == old else a for a in un.args),
+                                               un.shape, un.attrs)
+        self.outputs = {r: (new if v == old else v) for r, v in self.outputs.items()}
+
+    def tidy_names(self) -> None:
+        """A rewrite names a replacement `x'`; once the old `x` is gone it takes the name back."""
+        for name in [n for n in self.graph if n.endswith("'")]:
+            base = name.rstrip("'")
+            if base not in self.graph:
+                self.rename(name, base)
 
     def remove_dead(self) -> int:
         """Drop nodes no output depends on; returns how many."""
@@ -140,7 +163,7 @@ class ChunkIR:
     def __str__(self) -> str:
         nodes = self.order()
         scan = self.scan_nodes()
-        leaves = [n for n in nodes if OPS[n.op].arity == 0 and n.op not in ("valid", "positions", "const")]
+        leaves = [n for n in nodes if n.op in ("input", "state_in", "param", "head_log")]
         ins = " ".join(f"{n.name}:{_shape(n.shape)}" for n in leaves if n.op == "input")
         extra = [f"state {n.name}:{_shape(n.shape)}" for n in leaves if n.op == "state_in"]
         extra += [f"param {n.name}" for n in leaves if n.op == "param"]
@@ -185,5 +208,7 @@ def _shape(shape) -> str:
 
 
 def _rhs(n: Node) -> str:
+    if n.op == "const":
+        return f"const {n.attr['value']:.9g}"
     attrs = ",".join(f"{k}={v}" for k, v in n.attrs)
     return f"{n.op}{f'[{attrs}]' if attrs else ''} {' '.join(n.args)}".rstrip()

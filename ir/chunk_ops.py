@@ -153,6 +153,12 @@ _op("sub", 2, _elementwise_shape, _elementwise(torch.sub), "x − y")
 _op("mul", 2, _elementwise_shape, _elementwise(torch.mul), "x ⊙ y (a scalar or vector broadcasts)")
 _op("scale_rows", 2, lambda s, a: s[1], lambda ctx, args, a, s: args[0].unsqueeze(-1) * args[1],
     "diag(d) X")
+_op("scale_cols", 2, lambda s, a: s[0], lambda ctx, args, a, s: args[0] * args[1].unsqueeze(-2),
+    "X diag(d)")
+_op("causal_mask", 0, _fixed(("C", "C")),
+    lambda ctx, args, a, s: _tri_mask(ctx.C, a["mask"] == "strict", ctx.lengths).to(ctx.state.dtype)
+    .view(*[1] * ctx.nb, ctx.C, ctx.C),
+    "1 where j ≤ i (mask=lower) or j < i (mask=strict), else 0")
 _op("matmul", 2, _matmul_shape, _matmul, "X · Y (ta, tb: transpose an operand)")
 _op("tril", 1, _same,
     lambda ctx, args, a, s: args[0] * _tri_mask(args[0].shape[-1], a.get("strict", False), args[0]),

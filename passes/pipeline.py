@@ -26,6 +26,7 @@ from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
 from .rewrites import CHUNK_PASSES
+from .verify_exponents import verify_exponents
 
 TARGETS = ("sm90", "cpu")
 
@@ -83,9 +84,8 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
             if isinstance(ir, ChunkIR):
                 ir.history = ir.history if ir.history[-1:] == (p.name,) else ir.history + (p.name,)
                 ir.verify()
-        except SpecError:
-            raise
-        except PassError:
+                verify_exponents(ir)
+        except (SpecError, PassError):
             raise
         except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
             raise PassError(p.name, f"{type(e).__name__}: {e}") from e

@@ -1,2 +1,38 @@
-"""The ChunkIR rewrite passes, in pipeline order (filled in by the rewrite work)."""
-CHUNK_PASSES: list = []
+"""The ChunkIR passes after `chunk`, in pipeline order.
+
+    fold_constant_gates  no gate → causal masks, no exponentials; constant gate → l·positions
+    gate_out_of_inverse  T = R ⊙ T_r, T_r = (I + StrictLower(diag(β) K Kᵀ))⁻¹ free of the gate
+    fold_wy              v_new = T (diag(b)V − diag(sΓ)K S₀): no W, U tensors
+    factor_scalar        β out of the scan: (T diag(β)) (V − diag(Γ) K S₀)
+    exp2                 γ·log₂e once, exp2 everywhere
+    cse                  merge identical nodes
+    verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
+"""
+from qla_compiler.errors import PassError
+
+from .rewrite import Rewrite
+from .rewrite_const_gates import FOLD_CONSTANT_GATES
+from .rewrite_cse import CSE
+from .rewrite_exp2 import EXP2
+from .rewrite_factor_scalar import FACTOR_SCALAR
+from .rewrite_gate_inverse import GATE_OUT_OF_INVERSE
+from .rewrite_wy import FOLD_WY
+from .verify_exponents import verify_exponents
+
+REWRITES: list[Rewrite] = [FOLD_CONSTANT_GATES, GATE_OUT_OF_INVERSE, FOLD_WY, FACTOR_SCALAR, EXP2, CSE]
+
+
+class _Verify:
+    """verify_exponents as a pipeline pass (it returns the program unchanged)."""
+
+    name = "verify_exponents"
+    doc = "every exponential's argument is provably ≤ 0"
+    proof = None
+
+    @staticmethod
+    def run(ir):
+        return verify_exponents(ir)
+
+
+CHUNK_PASSES = [*REWRITES, _Verify()]
+__all__ = ["CHUNK_PASSES", "REWRITES", "PassError"]

@@ -1,0 +1,70 @@
+"""What a rewrite is: a ChunkIR → ChunkIR pass that states the identity it relies on and can prove it.
+
+`identity` is the math in one line (it is printed with the pass). `proof()` returns (lhs, rhs) as
+sympy expressions over small symbolic blocks; `proves()` checks lhs − rhs simplifies to zero.
+Tests run every proof; the interpreter checks every rewrite numerically in `--check` mode.
+
+    >>> from qla_compiler.passes.rewrites import CHUNK_PASSES
+    >>> all(r.proves() for r in CHUNK_PASSES if r.proof)       # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import sympy as sp
+
+from qla_compiler.ir.chunk import ChunkIR, Node
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    name: str
+    identity: str
+    apply: Callable[[ChunkIR], None]  # edits a copy in place
+    proof: Callable[[], tuple] | None = None
+
+    @property
+    def doc(self) -> str:
+        return self.identity
+
+    def run(self, ir: ChunkIR) -> ChunkIR:
+        out = ir.copy()
+        self.apply(out)
+        out.remove_dead()
+        out.tidy_names()
+        out.history = ir.history + (self.name,)
+        return out
+
+    def proves(self) -> bool:
+        lhs, rhs = self.proof()
+        diff = sp.simplify(sp.expand(lhs - rhs))
+        return diff.is_zero_matrix if isinstance(diff, sp.MatrixBase) else diff == 0
+
+
+# ---- small pattern helpers shared by the rewrites ----------------------------------------------
+
+def arg(ir: ChunkIR, n: Node, i: int) -> Node:
+    return ir.node(n.args[i])
+
+
+def is_op(n: Node | None, op: str, **attrs) -> bool:
+    return n is not None and n.op == op and all(n.attr.get(k) == v for k, v in attrs.items())
+
+
+def is_ratio_mask(ir: ChunkIR, n: Node, mask: str = "lower") -> bool:
+    """R = exp(masked_diff γ): the decay between positions j ≤ i."""
+    return is_op(n, "exp") and is_op(arg(ir, n, 0), "masked_diff", mask=mask)
+
+
+def const_value(n: Node):
+    return n.attr["value"] if n.op == "const" else None
+
+
+def lower_tri(C: int, f) -> sp.Matrix:
+    return sp.Matrix(C, C, lambda i, j: f(i, j) if j <= i else 0)
+
+
+def strict_lower(M: sp.Matrix) -> sp.Matrix:
+    return sp.Matrix(M.rows, M.cols, lambda i, j: M[i, j] if j < i else 0)
