@@ -6,14 +6,13 @@ loop-carried edge, from the state leaving the chunk back to the state entering t
 
     >>> from qla_compiler import compile_spec
     >>> from qla_compiler.ir.chunk_draw import draw, to_svg
-    >>> prog = compile_spec("gdn")
+    >>> prog = compile_spec("gdn")                          # doctest: +SKIP
     >>> draw(prog.chunk).savefig("gdn_chunk.png")          # doctest: +SKIP
-    >>> svg = to_svg(prog.chunk)                            # what _repr_html_ embeds
+    >>> svg = to_svg(prog.chunk)         # what _repr_html_ embeds   # doctest: +SKIP
 """
 from __future__ import annotations
 
 import io
-
 
 LEAF_OPS = {"input", "param", "head_log", "const", "valid", "positions"}
 COLOURS = {"leaf": "#e6e6e6", "parallel": "#cfe2f3", "scan": "#fbd9b4", "output": "#cdeac0"}
@@ -43,8 +42,7 @@ def _layout(chunk_ir, col, lane):
     An edge that skips layers gets a narrow virtual node in each layer it crosses, ordered like
     the real ones, so it runs between boxes instead of under them. A few barycenter sweeps then
     order each layer to cut crossings."""
-    g, names = chunk_ir.graph, [n.name for n in chunk_ir.order()]
-    layer = {}
+    g, names, layer = chunk_ir.graph, [n.name for n in chunk_ir.order()], {}
     for n in names:
         layer[n] = 1 + max((layer[p] for p in g.predecessors(n)), default=-1)
     for n in names:
@@ -62,29 +60,26 @@ def _layout(chunk_ir, col, lane):
     rows = [[] for _ in range(max(layer.values()) + 1)]
     for n in layer:
         rows[layer[n]].append(n)
+    # The loop-carried arrow runs down the right margin: keep its two ends on the right edge.
+    ends = {chunk_ir.state_in, chunk_ir.outputs.get("state")}
     pos = {n: i for r in rows for i, n in enumerate(r)}
     for sweep in range(12):
         down = sweep % 2 == 0
         for r in (rows[1:] if down else rows[-2::-1]):
             nbrs = {n: (preds if down else succs)[n] for n in r}
-            r.sort(key=lambda n: sum(pos[m] for m in nbrs[n]) / len(nbrs[n]) if nbrs[n] else pos[n])
+            r.sort(key=lambda n: (n in ends, sum(pos[m] for m in nbrs[n]) / len(nbrs[n])
+                                  if nbrs[n] else pos[n]))
             pos.update({n: i for i, n in enumerate(r)})
-    # The loop-carried arrow runs down the right margin: keep its two ends on the right edge.
-    ends = {chunk_ir.state_in, chunk_ir.outputs.get("state")}
-    for r in rows:
-        r.sort(key=lambda n: n in ends)
     # x: pull every node towards the mean of its neighbours, then push apart to keep the order
     # and spacing (average of a left-packed and a right-packed pass); this is what straightens
     # the long edges, which plain packing would bend into S-curves.
     w = {n: col if isinstance(n, str) else lane for n in layer}
-    x = {}
-    for r in rows:
-        for i, n in enumerate(r):
-            x[n] = sum(w[m] for m in r[:i]) + w[n] / 2 - sum(w[m] for m in r) / 2
+    x = {n: sum(w[m] for m in r[:i]) + w[n] / 2 - sum(w[m] for m in r) / 2
+         for r in rows for i, n in enumerate(r)}
     for sweep in range(24):
         for r in (rows if sweep % 2 == 0 else rows[::-1]):
-            want = [sum(x[m] for m in preds[n] + succs[n]) / len(preds[n] + succs[n])
-                    if preds[n] + succs[n] else x[n] for n in r]
+            nbrs = [preds[n] + succs[n] for n in r]
+            want = [sum(x[m] for m in ns) / len(ns) if ns else x[n] for n, ns in zip(r, nbrs)]
             gap = [(w[a] + w[b]) / 2 for a, b in zip(r, r[1:])]
             left, right = want[:], want[:]
             for i in range(1, len(r)):
@@ -92,8 +87,7 @@ def _layout(chunk_ir, col, lane):
             for i in range(len(r) - 2, -1, -1):
                 right[i] = min(want[i], right[i + 1] - gap[i])
             x.update({n: (lo + hi) / 2 for n, lo, hi in zip(r, left, right)})
-    xy = {n: (x[n], -layer[n] * ROW) for n in layer}
-    return xy, routes
+    return {n: (x[n], -layer[n] * ROW) for n in layer}, routes
 
 
 def draw(chunk_ir, ax=None):
@@ -103,13 +97,13 @@ def draw(chunk_ir, ax=None):
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
     from matplotlib.path import Path
 
-    scan = chunk_ir.scan_nodes()
+    g, scan = chunk_ir.graph, chunk_ir.scan_nodes()
     labels = {n.name: f"{n.name}\n{n.op} {_shape(n.shape)}" for n in chunk_ir.order()}
     chars = max(len(s) for lab in labels.values() for s in lab.split("\n"))
     box_w = chars * FONT * 0.62 / 72 + 0.2  # ~0.6 em per character of DejaVu Sans
     xy, routes = _layout(chunk_ir, col=box_w + 0.3, lane=0.22)
     xs, ys = [p[0] for p in xy.values()], [p[1] for p in xy.values()]
-    margin, loop_room, top, bottom = 0.3, 1.1, 0.6, 0.75  # title above, legend below
+    margin, loop_room, top, bottom = 0.3, 1.3, 0.6, 0.75  # title above, legend below
     x0, x1 = min(xs) - box_w / 2 - margin, max(xs) + box_w / 2 + loop_room
     y0, y1 = min(ys) - BOX_H / 2 - bottom, BOX_H / 2 + top
     if ax is None:
@@ -121,14 +115,12 @@ def draw(chunk_ir, ax=None):
     ax.set_aspect("equal")
     ax.axis("off")
 
-    boxes = {}
     for n in labels:
         (x, y), role = xy[n], _role(chunk_ir, n, scan)
-        boxes[n] = FancyBboxPatch((x - box_w / 2, y - BOX_H / 2), box_w, BOX_H,
-                                  boxstyle="round,pad=0,rounding_size=0.06", fc=COLOURS[role],
-                                  ec="#2a6b1f" if role == "output" else "#555555",
-                                  lw=1.6 if role == "output" else 0.8, zorder=3)
-        ax.add_patch(boxes[n])
+        ax.add_patch(FancyBboxPatch((x - box_w / 2, y - BOX_H / 2), box_w, BOX_H,
+                                    boxstyle="round,pad=0,rounding_size=0.06", fc=COLOURS[role],
+                                    ec="#2a6b1f" if role == "output" else "#555555",
+                                    lw=1.6 if role == "output" else 0.8, zorder=3))
         ax.text(x, y, labels[n], ha="center", va="center", fontsize=FONT, zorder=4,
                 linespacing=1.15, fontweight="bold" if role == "output" else "normal")
 
@@ -136,12 +128,12 @@ def draw(chunk_ir, ax=None):
     # so that arrowheads into a node with several inputs do not land on one point.
     port = {}
     for n in labels:
-        g = chunk_ir.graph
         for side, edges, near in ((-1, g.out_edges(n), 1), (1, g.in_edges(n), -2)):
             edges = sorted(edges, key=lambda e: xy[routes[e][near]][0])
             step = min(0.22, 0.7 * box_w / max(len(edges), 1))
             for i, e in enumerate(edges):
-                port[e, side] = (xy[n][0] + (i - (len(edges) - 1) / 2) * step, xy[n][1] + side * BOX_H / 2)
+                port[e, side] = (xy[n][0] + (i - (len(edges) - 1) / 2) * step,
+                                 xy[n][1] + side * BOX_H / 2)
     for (a, b), route in routes.items():
         pts = [port[(a, b), -1], *[xy[v] for v in route[1:-1]], port[(a, b), 1]]
         # Catmull-Rom through the lanes, leaving and entering the boxes vertically: one smooth
@@ -159,17 +151,19 @@ def draw(chunk_ir, ax=None):
 
     s_in, s_out = chunk_ir.state_in, chunk_ir.outputs.get("state")
     if s_in and s_out:
-        # A cubic out to the right margin and back: a loop edge drawn through the graph would
-        # read as one more dataflow edge.
+        # Out to the right margin, up, and back in: both ends are the rightmost boxes of their
+        # layers and the margin is beyond every box and lane, so the loop edge crosses nothing
+        # and cannot be mistaken for one more dataflow edge.
         (xa, ya), (xb, yb) = xy[s_out], xy[s_in]
-        xr = x1 - loop_room * 0.3
-        path = Path([(xa + box_w / 2, ya), (xr, ya), (xr, yb), (xb + box_w / 2, yb)],
-                    [Path.MOVETO, Path.CURVE4, Path.CURVE4, Path.CURVE4])
+        xr, r = max(xs) + box_w / 2 + 0.3, min(0.25, (yb - ya) / 2)
+        path = Path([(xa + box_w / 2, ya), (xr - r, ya), (xr, ya), (xr, ya + r), (xr, yb - r),
+                     (xr, yb), (xr - r, yb), (xb + box_w / 2, yb)],
+                    [Path.MOVETO, Path.LINETO, Path.CURVE3, Path.CURVE3, Path.LINETO,
+                     Path.CURVE3, Path.CURVE3, Path.LINETO])
         ax.add_patch(FancyArrowPatch(path=path, arrowstyle="-|>", mutation_scale=14, lw=1.8,
                                      ls="--", color=LOOP_COLOUR, zorder=5))
-        mid_x = 0.75 * xr + 0.25 * (xa + xb + box_w) / 2  # where the cubic turns
-        ax.text(mid_x, (ya + yb) / 2, "next chunk", color=LOOP_COLOUR, fontsize=FONT + 0.5, rotation=90, ha="center", va="center", fontweight="bold",
-                bbox=dict(fc="white", ec="none", pad=1), zorder=6)
+        ax.text(xr + 0.06, (ya + yb) / 2, "next chunk", color=LOOP_COLOUR, fontsize=FONT + 0.5,
+                ha="left", va="center", fontweight="bold", zorder=6)
 
     ax.text((x0 + x1) / 2, y1 - top / 2, f"{chunk_ir.name}   C={chunk_ir.chunk_size}",
             ha="center", va="center", fontsize=FONT + 4, fontweight="bold")

@@ -28,7 +28,11 @@ class Checker:
                              initial_state=True, seed=1)
         if self.expected is None:
             self.expected = op.reference(**args)
-        got = op(**args)
+        try:
+            got = op(**args)
+        except Exception as e:  # noqa: BLE001 - a program the interpreter cannot run names the pass too
+            raise PassError(pass_name, f"the interpreter cannot run the chunk program: "
+                                       f"{type(e).__name__}: {e}") from e
         for what, a, b in (("o", got[0], self.expected[0]), ("final state", got[1], self.expected[1])):
             err = rel_err(a, b)
             if not err <= TOLERANCE:

@@ -4,6 +4,11 @@
     classify   RecurrenceIR   → RecurrenceIR (+ structure)
     chunk      RecurrenceIR   → ChunkIR        (MATH.md's six steps, direct form)
     ...        ChunkIR        → ChunkIR        (the rewrites in passes/rewrites.py, in order)
+    partition  ChunkIR        → Partition      (which node runs in which kernel)
+    schedule   Partition      → KernelIR       (buffers placed, statements ordered)
+
+The lowering to TileLang (passes/lower_tilelang.py) needs a shape class, so it runs when an op is
+first called with concrete shapes (or for `qla-compile --emit tilelang` with a default class).
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
@@ -20,11 +25,14 @@ from typing import Callable
 
 from qla_compiler.errors import PassError, SpecError
 from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.kernel import KernelIR
 from qla_compiler.ir.recurrence import RecurrenceIR
 
 from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
+from .partition import Partition, partition
+from .schedule import schedule
 from .rewrites import CHUNK_PASSES
 from .verify_exponents import verify_exponents
 
@@ -47,6 +55,7 @@ class Program:
     chunk_size: int
     recurrence: RecurrenceIR | None = None
     chunk: ChunkIR | None = None
+    kernels: KernelIR | None = None
     stages: list = field(default_factory=list)  # (pass name, IR after it)
 
     def stage(self, name: str):
@@ -59,7 +68,11 @@ def passes(chunk_size: int) -> list[Pass]:
         Pass("classify", classify, "recognise A_t and B_t"),
         Pass("chunk", lambda ir: derive_chunks(ir, chunk_size), "derive the chunk program"),
     ]
-    return front + list(CHUNK_PASSES)
+    back = [
+        Pass("partition", partition, "split the chunk program into kernels"),
+        Pass("schedule", schedule, "place buffers, order statements"),
+    ]
+    return front + list(CHUNK_PASSES) + back
 
 
 def pass_names() -> list[str]:
@@ -84,7 +97,10 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
             if isinstance(ir, ChunkIR):
                 ir.history = ir.history if ir.history[-1:] == (p.name,) else ir.history + (p.name,)
                 ir.verify()
-                verify_exponents(ir)
+                try:
+                    verify_exponents(ir)
+                except PassError as e:  # name the pass that introduced the bad exponential
+                    raise PassError(p.name, str(e)) from e
         except (SpecError, PassError):
             raise
         except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
@@ -92,7 +108,9 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
         prog.stages.append((p.name, ir))
         if isinstance(ir, RecurrenceIR):
             prog.recurrence = ir
-        else:
+        elif isinstance(ir, KernelIR):
+            prog.kernels = ir
+        elif isinstance(ir, ChunkIR):
             prog.chunk = ir
             if check:
                 from .check import Checker  # the numerical check needs torch; plain compiles do not

@@ -40,7 +40,7 @@ class Rewrite:
     def proves(self) -> bool:
         lhs, rhs = self.proof()
         diff = sp.simplify(sp.expand(lhs - rhs))
-        return diff.is_zero_matrix if isinstance(diff, sp.MatrixBase) else diff == 0
+        return bool(diff.is_zero_matrix) if isinstance(diff, sp.MatrixBase) else bool(diff == 0)
 
 
 # ---- small pattern helpers shared by the rewrites ----------------------------------------------

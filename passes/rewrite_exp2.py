@@ -20,7 +20,8 @@ LOG2E = 1.0 / math.log(2.0)
 
 def _linear_closure(ir: ChunkIR, start: str):
     """Nodes reached from `start` through linear ops, and the exponentials at their ends; None if
-    some path ends anywhere else."""
+    some path ends anywhere else, or if a sum or difference on the way also takes a term that does
+    not come from `start` (scaling γ would not scale that term)."""
     seen, exps, todo = {start}, set(), [start]
     while todo:
         for u in ir.users(todo.pop()):
@@ -31,6 +32,9 @@ def _linear_closure(ir: ChunkIR, start: str):
                 todo.append(u.name)
             elif u.op not in LINEAR:
                 return None
+    # a sum scales with γ only if every term does: (γ + c)·log₂e ≠ γ·log₂e + c
+    if any(not set(ir.node(n).args) <= seen for n in seen - {start}):
+        return None
     return exps
 
 

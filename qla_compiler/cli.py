@@ -5,6 +5,9 @@
     qla-compile specs/gdn.py --emit chunk --print-after-all # the IR after every pass
     qla-compile specs/gdn.py --emit chunk --stop-after chunk
     qla-compile specs/gdn.py --check                        # interpreter vs reference after each pass
+    qla-compile specs/gdn.py --emit kernel                  # kernels, buffers, roles, statements
+    qla-compile specs/gdn.py --emit tilelang -o out/        # the generated TileLang module
+    qla-compile specs/gdn.py --emit cuda --shape H=4,HV=16,K=128,V=128,BV=32
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from pathlib import Path
 from .compiler import compile_spec
 from .errors import PassError, SpecError
 
-EMITS = ("recurrence", "chunk")
+EMITS = ("recurrence", "chunk", "kernel", "tilelang", "cuda")
+DEFAULT_SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16"  # Qwen3-Next's GDN layer under TP8
 
 
 def main(argv=None) -> int:
@@ -27,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--emit", choices=EMITS, help="print this IR instead of the summary")
     ap.add_argument("-o", "--output", metavar="DIR", help="also write what is printed into DIR")
     ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--shape", default=DEFAULT_SHAPE,
+                    help=f"shape class for --emit tilelang/cuda (default: {DEFAULT_SHAPE})")
     ap.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass")
     ap.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
     ap.add_argument("--check", action="store_true",
@@ -45,11 +51,16 @@ def main(argv=None) -> int:
         return 1
     if args.emit == "recurrence":
         text = str(prog.recurrence)
-    elif args.emit == "chunk":
-        if prog.chunk is None:
-            print("qla-compile: error: the pipeline stopped before the chunk program existed", file=sys.stderr)
+    elif args.emit in ("chunk", "kernel", "tilelang", "cuda"):
+        stage = prog.chunk if args.emit == "chunk" else prog.kernels
+        if stage is None:
+            print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
-        text = str(prog.chunk)
+        try:
+            text = _emit(args.emit, prog, args.shape)
+        except (PassError, ValueError) as e:
+            print(f"qla-compile: error: {e}", file=sys.stderr)
+            return 1
     else:
         text = summary(prog)
     if not args.print_after_all or args.emit is None:
@@ -57,10 +68,40 @@ def main(argv=None) -> int:
     if args.output:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
-        name = f"{prog.recurrence.name}.{args.emit or 'summary'}.txt"
+        ext = {"tilelang": "py", "cuda": "cu"}.get(args.emit, "txt")
+        name = f"{prog.recurrence.name}.{args.emit or 'summary'}.{ext}"
         (out / name).write_text(text + "\n")
         print(f"wrote {out / name}", file=sys.stderr)
     return 0
+
+
+def parse_shape(text: str):
+    """'H=2,HV=8,K=128,V=128,BV=64,io=bfloat16' -> ShapeClass."""
+    from .passes.lower_tilelang import ShapeClass
+
+    fields = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in ("H", "HV", "K", "V", "BV", "io", "stages"):
+            raise ValueError(f"--shape: unknown field {key!r} (fields: H, HV, K, V, BV, io, stages)")
+        fields[key] = value if key == "io" else int(value)
+    shape = ShapeClass(**fields)
+    if shape.HV % shape.H:
+        raise ValueError(f"--shape: HV={shape.HV} is not a multiple of H={shape.H}")
+    return shape
+
+
+def _emit(what: str, prog, shape_text: str) -> str:
+    if what == "chunk":
+        return str(prog.chunk)
+    if what == "kernel":
+        return str(prog.kernels)
+    from .kernels.runtime import lower_to_cuda, module_source  # imports TileLang
+
+    shape = parse_shape(shape_text)
+    if what == "tilelang":
+        return module_source(prog, shape)
+    return "\n\n".join(f"// ===== kernel {name} =====\n{src}" for name, src in lower_to_cuda(prog, shape).items())
 
 
 def summary(prog) -> str:
@@ -77,6 +118,9 @@ def summary(prog) -> str:
             f"{c['triangular inverses']} triangular inverses",
             f"  target {prog.target}; see --emit chunk for the program",
         ]
+    if prog.kernels is not None:
+        lines.append(f"kernels: {', '.join(k.name for k in prog.kernels.kernels)}  "
+                     "(--emit kernel, --emit tilelang, --emit cuda)")
     return "\n".join(lines)
 
 

@@ -72,7 +72,13 @@ class CompiledOp:
                                             use_qk_l2norm_in_kernel)
         v = inputs[next(n for n in self.input_names if self.kinds[n] == "value")]
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
-        o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work)
+        if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
+            from .kernels.forward import forward  # tilelang is imported only when kernels run
+
+            o, final = forward(self.program, inputs, self.kinds, dims, scale, initial_state, cu_seqlens,
+                               self._head_logs(dims.HV))
+        else:
+            o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work)
         return o.to(v.dtype), (final.to(work) if output_final_state else None)
 
     def reference(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -88,6 +94,18 @@ class CompiledOp:
         return scatter(o, starts, lengths, dims.B, dims.T), (final if output_final_state else None)
 
     # ---- execution ---------------------------------------------------------------------------
+    def _head_logs(self, HV: int) -> dict:
+        """log of each per-head constant decay, per value head."""
+        out = {}
+        for c in self.program.recurrence.constants:
+            values = c.values(HV)
+            bad = next((h for h, x in enumerate(values) if not 0.0 < x <= 1.0), None)
+            if bad is not None:
+                raise ValueError(f"{c.name}: the head constant must lie in (0, 1] (a decay), but "
+                                 f"{c.name}[{bad}] = {values[bad]} for {HV} value heads")
+            out[c.name] = [math.log(x) for x in values]
+        return out
+
     def _heads(self, name, x, dims: Dims):
         return expand_heads(x, dims.HV) if self.kinds[name] == "key" else x
 
@@ -100,8 +118,7 @@ class CompiledOp:
         blocks = {n: to_chunks(gather(self._heads(n, x, dims).to(work), starts, lengths, NC * C), C)
                   for n, x in inputs.items()}
         chunk_lengths = (lengths[:, None] - C * torch.arange(NC, device=device)).clamp(0, C)
-        head_consts = {c.name: [math.log(x) for x in c.values(dims.HV)]
-                       for c in self.program.recurrence.constants}
+        head_consts = self._head_logs(dims.HV)
         h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
               if initial_state is None else initial_state.to(work))
         o, final = run_chunks(chunk, blocks, chunk_lengths, {"scale": scale}, head_consts, h0)

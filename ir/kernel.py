@@ -1,0 +1,153 @@
+"""KernelIR: the chunk program split into GPU kernels, with buffers placed and statements ordered.
+
+Per kernel: the grid, the global tensors it reads and writes, its buffers and where they live
+(shared memory, register fragments), the warpgroup roles, and three statement lists — before the
+chunk loop, inside it, after it. Sizes stay symbolic (C, K, V, BV, H, HV); the lowering fills in
+a `ShapeClass`.
+
+Statements are plain data: `Stmt(op, dst, srcs, attrs)`. Element-wise work carries an expression
+tree (`Expr`) indexed by the loop variables of one `T.Parallel` loop.
+
+    >>> kir = compile_spec("specs/gdn.py").kernels                     # doctest: +SKIP
+    >>> print(kir)                                                      # doctest: +SKIP
+    kernel gdn_solve  grid(chunk_slots, HV)  threads 128 ...
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+# ---- expressions -----------------------------------------------------------------------------
+# An Expr is a tuple: ("buf", name, idx...) | ("lit", value) | ("param", name) | ("head", name)
+# | (op, a, b) for add, sub, mul | (op, a) for neg, exp, exp2 | ("select_lower"|"select_strict", i, j,
+# then, else) | ("select_valid", i, then, else) | ("min_pos", i). Index entries are expressions over
+# the loop variables i, j and n_valid (the tokens of the chunk).
+
+
+def expr_str(e) -> str:
+    """Readable infix form of an expression (for printing KernelIR)."""
+    tag = e[0]
+    if tag == "buf":
+        return f"{e[1]}[{', '.join(e[2:])}]"
+    if tag == "lit":
+        return f"{e[1]:.6g}" if isinstance(e[1], float) else str(e[1])
+    if tag in ("add", "sub", "mul"):
+        sym = {"add": "+", "sub": "−", "mul": "·"}[tag]
+        return f"({expr_str(e[1])} {sym} {expr_str(e[2])})"
+    if tag == "neg":
+        return f"−{expr_str(e[1])}"
+    if tag in ("exp", "exp2"):
+        return f"{tag}({expr_str(e[1])})"
+    if tag in ("select_lower", "select_strict"):
+        rel = "≤" if tag == "select_lower" else "<"
+        return f"[{e[2]}{rel}{e[1]} ? {expr_str(e[3])} : {expr_str(e[4])}]"
+    if tag == "select_valid":
+        return f"[{e[1]}<n_valid ? {expr_str(e[2])} : {expr_str(e[3])}]"
+    if tag == "min_pos":
+        return f"min({e[1]}+1, n_valid)"
+    if tag == "param":
+        return e[1]
+    if tag == "head":
+        return f"log_{e[1]}[head]"
+    raise ValueError(f"unknown expression {e!r}")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A global-memory tensor the kernel takes; dims are names (T tokens, N sequences, ...)."""
+    name: str
+    shape: tuple
+    dtype: str  # "io" (the op's q/k/v dtype), "float32", "int32"
+    role: str  # "in" | "out"
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    shape: tuple  # of dim names
+    dtype: str  # "io" | "float32" | "tfloat32"
+    scope: str  # "shared" | "fragment"
+
+
+@dataclass(frozen=True)
+class Stmt:
+    """op: load | load_vec | zero_pad | copy | gemm | ewise | cumsum | inverse | store | store_state
+    | load_state | clear."""
+    op: str
+    dst: str | None
+    srcs: tuple = ()
+    attrs: tuple = ()
+
+    @property
+    def attr(self) -> dict:
+        return dict(self.attrs)
+
+    def __str__(self) -> str:
+        a = self.attr
+        if self.op == "ewise":
+            return f"{self.dst}[{','.join(a['index'])}] = {expr_str(a['expr'])}"
+        if self.op == "gemm":
+            ta, tb = ("ᵀ" if a.get("ta") else ""), ("ᵀ" if a.get("tb") else "")
+            acc = "+=" if a.get("accumulate") else "="
+            return f"{self.dst} {acc} {self.srcs[0]}{ta} · {self.srcs[1]}{tb}   (wgmma)"
+        extra = " ".join(f"{k}={v}" for k, v in a.items())
+        return f"{self.dst} = {self.op} {' '.join(self.srcs)} {extra}".rstrip()
+
+
+@dataclass
+class Kernel:
+    name: str
+    grid: tuple  # ((axis, extent), ...)
+    threads: int
+    params: list
+    buffers: list
+    prologue: list
+    body: list  # inside the loop over chunks (the loop is None for one-chunk kernels)
+    epilogue: list
+    loop: str | None = None  # "chunks of the sequence" for the scan
+    roles: tuple = ()  # warpgroup roles, as lowered
+    stages: int = 1
+    doc: str = ""
+
+    def buffer(self, name: str) -> Buffer:
+        return next(b for b in self.buffers if b.name == name)
+
+    def __str__(self) -> str:
+        grid = ", ".join(f"{a}:{e}" for a, e in self.grid)
+        lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}  # {self.doc}"]
+        for p in self.params:
+            lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"
+                         + (f"   # {p.doc}" if p.doc else ""))
+        for b in self.buffers:
+            lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]")
+        for r in self.roles:
+            lines.append(f"  role     {r}")
+        lines += [f"  {s}" for s in self.prologue]
+        if self.loop:
+            lines.append(f"  for chunk in {self.loop} (pipelined, {self.stages} stage(s)):")
+            lines += [f"    {s}" for s in self.body]
+        else:
+            lines += [f"  {s}" for s in self.body]
+        lines += [f"  {s}" for s in self.epilogue]
+        return "\n".join(lines)
+
+
+@dataclass
+class KernelIR:
+    name: str
+    chunk_size: int
+    kernels: list = field(default_factory=list)
+    host: list = field(default_factory=list)  # host-side steps, in order (no synchronisation)
+    consts: dict = field(default_factory=dict)  # values baked into the kernels (e.g. head constants)
+
+    def kernel(self, name: str) -> Kernel:
+        return next(k for k in self.kernels if k.name == name)
+
+    def __str__(self) -> str:
+        head = [f"kernel_program {self.name}  C={self.chunk_size}"]
+        head += [f"  host: {h}" for h in self.host]
+        return "\n".join(head + [""] + [str(k) + "\n" for k in self.kernels]).rstrip()
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{html.escape(str(self))}</pre>"

@@ -1,0 +1,110 @@
+"""Compiling, caching and loading the generated kernels.
+
+The lowering writes one TileLang module per (program, shape class) under the cache directory —
+`$QLA_CACHE_DIR`, else `$TILELANG_CACHE_DIR/qla`, else `~/.cache/qla` — named by a hash of
+everything that determines it (spec, passes' output, shape class, versions), so a second process
+finds it. TileLang caches the compiled binaries under its own `TILELANG_CACHE_DIR`. Compiling
+prints progress to stderr: the first call of a new shape class takes tens of seconds.
+
+    >>> kernels = load_kernels(program, ShapeClass(H=2, HV=8, K=128, V=128))   # doctest: +SKIP
+    >>> kernels["gdn_scan"](q, k, v, ...)                                       # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+
+_LOADED: dict = {}  # (id of the KernelIR, shape class) -> {kernel name: compiled kernel}
+_KEEP: list = []
+# An explicit sm_90a target and the tvm_ffi backend make TileLang's cache key the same on a machine
+# without a GPU, so kernels can be compiled ahead of time and the cache carried to the GPU.
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+BACKEND = "tvm_ffi"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("QLA_CACHE_DIR"):
+        return Path(os.environ["QLA_CACHE_DIR"])
+    if os.environ.get("TILELANG_CACHE_DIR"):
+        return Path(os.environ["TILELANG_CACHE_DIR"]) / "qla"
+    return Path.home() / ".cache" / "qla"
+
+
+def module_source(program, shape: ShapeClass) -> str:
+    return lower(program.kernels, shape, program.path)
+
+
+def cache_key(source: str) -> str:
+    """The module's name: its source bakes in the shape class, so the source is the key."""
+    import tilelang
+
+    from qla_compiler import __version__
+
+    h = hashlib.sha256()
+    for part in (source, tilelang.__version__, __version__):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def write_module(program, shape: ShapeClass) -> Path:
+    """The generated TileLang module on disk (TileLang reads kernel source with `inspect`)."""
+    source = module_source(program, shape)
+    key = cache_key(source)
+    path = cache_dir() / f"{program.kernels.name}_{key}.py"
+    if not path.exists() or path.read_text() != source:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(source)
+        tmp.replace(path)
+    return path
+
+
+def import_module(path: Path):
+    name = f"qla_generated_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_kernels(program, shape: ShapeClass) -> dict:
+    """Compile (or fetch from the caches) every kernel of the program for this shape class."""
+    key = (id(program.kernels), shape)  # the hot path: no lowering, no file access
+    if key in _LOADED:
+        return _LOADED[key]
+    import tilelang
+
+    path = write_module(program, shape)
+    mod = import_module(path)
+    out = {}
+    for k in program.kernels.kernels:
+        t = time.time()
+        print(f"qla: compiling {k.name} (H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} BV={shape.BV} "
+              f"{shape.io}) ...", file=sys.stderr, flush=True)
+        out[k.name] = tilelang.compile(getattr(mod, k.name), target=TARGET, execution_backend=BACKEND)
+        print(f"qla: {k.name} ready in {time.time() - t:.1f}s  ({path})", file=sys.stderr, flush=True)
+    _LOADED[key] = out
+    _KEEP.append(program.kernels)  # keeps id(program.kernels) from being reused while cached
+    return out
+
+
+def lower_to_cuda(program, shape: ShapeClass) -> dict:
+    """CUDA C++ source of every kernel for sm_90a, without a GPU (used by --emit cuda and CI)."""
+    import tilelang
+    from tvm.target import Target
+
+    mod = import_module(write_module(program, shape))
+    out = {}
+    with Target(TARGET) as target:
+        for k in program.kernels.kernels:
+            out[k.name] = tilelang.lower(getattr(mod, k.name), target=target).kernel_source
+    return out

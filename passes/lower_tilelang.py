@@ -1,0 +1,216 @@
+"""lower: KernelIR + ShapeClass → TileLang source, one readable Python module per kernel program.
+
+Each statement kind has one template; element-wise expressions render from their trees. The
+module names its buffers after the math (`state`, `v_new`, `T_r_s`) and bakes the shape class
+(head counts, head dims, V-block, io dtype, scale) in as constants at the top.
+
+    >>> src = lower(kernel_ir, ShapeClass(H=2, HV=8, K=128, V=128, BV=64))   # doctest: +SKIP
+    >>> print(src)                                                             # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qla_compiler.errors import PassError
+from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt
+from qla_compiler.kernels.tri_inverse import SCRATCH as INVERSE_SCRATCH
+from qla_compiler.kernels.tri_inverse import squarings
+
+IO_DTYPES = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """What a compiled kernel is specialised for (the runtime's cache key, with the spec)."""
+    H: int
+    HV: int
+    K: int
+    V: int
+    BV: int = 64
+    io: str = "bfloat16"
+    scale: float | None = None
+    stages: int = 1
+
+    @property
+    def G(self) -> int:
+        return self.HV // self.H
+
+    @property
+    def scale_value(self) -> float:
+        return self.K ** -0.5 if self.scale is None else float(self.scale)
+
+
+def _dtype(d: str) -> str:
+    return {"io": "IO", "float32": '"float32"', "int32": '"int32"', "tfloat32": "T.tfloat32"}[d]
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+class _Render:
+    def __init__(self, kernel: Kernel):
+        self.k = kernel
+        self.dtype = {b.name: b.dtype for b in kernel.buffers}
+
+    def expr(self, e) -> str:
+        tag = e[0]
+        if tag == "buf":
+            ref = f"{e[1]}[{', '.join(e[2:])}]" if len(e) > 2 else e[1]
+            return f'T.cast({ref}, "float32")' if self.dtype.get(e[1]) == "io" else ref
+        if tag == "lit":
+            return repr(float(e[1]))
+        if tag == "param":
+            return e[1].upper()
+        if tag == "head":
+            return f"log_{e[1]}[i_hv]"
+        if tag in ("add", "sub", "mul"):
+            return f"({self.expr(e[1])} {dict(add='+', sub='-', mul='*')[tag]} {self.expr(e[2])})"
+        if tag == "neg":
+            return f"(-{self.expr(e[1])})"
+        if tag in ("exp", "exp2"):
+            return f"T.{tag}({self.expr(e[1])})"
+        if tag in ("select_lower", "select_strict"):
+            op = "<=" if tag == "select_lower" else "<"
+            return f"T.if_then_else({e[2]} {op} {e[1]}, {self.expr(e[3])}, {self.expr(e[4])})"
+        if tag == "select_valid":
+            return f"T.if_then_else({e[1]} < n_valid, {self.expr(e[2])}, {self.expr(e[3])})"
+        if tag == "min_pos":
+            return f'T.cast(T.min({e[1]} + 1, n_valid), "float32")'
+        raise PassError("lower", f"no template for expression {tag}")
+
+    def stmt(self, s: Stmt, scan: bool) -> list[str]:
+        a = s.attr
+        if s.op == "load":
+            return [f"T.copy({self._global(s.srcs[0], scan)}, {s.dst})"]
+        if s.op == "load_vec":
+            return ["for i in T.Parallel(C):",
+                    f"    {s.dst}[i] = T.if_then_else(i < n_valid, {s.srcs[0]}[0, t0 + i, i_hv], 0.0)"]
+        if s.op == "zero_pad":
+            shape = self._buf_shape(s.dst)
+            return ["if n_valid < C:  # the rows past the sequence belong to the next one",
+                    f"    for i, j in T.Parallel({shape}):",
+                    f"        {s.dst}[i, j] = T.if_then_else(i < n_valid, {s.dst}[i, j], T.cast(0, IO))"]
+        if s.op == "copy":
+            return [f"T.copy({s.srcs[0]}, {s.dst})"]
+        if s.op == "gemm":
+            return [f"T.gemm({s.srcs[0]}, {s.srcs[1]}, {s.dst}, transpose_A={bool(a.get('ta'))}, "
+                    f"transpose_B={bool(a.get('tb'))}, clear_accum={not a.get('accumulate')})"]
+        if s.op == "ewise":
+            idx = a["index"]
+            value = self.expr(a["expr"])
+            if self.dtype[s.dst] in ("io", "tfloat32"):
+                value = f"T.cast({value}, {_dtype(self.dtype[s.dst])})"
+            return [f"for {', '.join(idx)} in T.Parallel({self._buf_shape(s.dst)}):",
+                    f"    {s.dst}[{', '.join(idx)}] = {value}"]
+        if s.op == "cumsum":
+            return [f"T.cumsum({s.srcs[0]}, {s.dst})"]
+        if s.op == "inverse":
+            a_s = s.srcs[0]
+            return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_P_s, {s.dst}_PT_s, {s.dst}_P_f, "
+                    "C, INVERSE_SQUARINGS)"]
+        if s.op == "store" and scan:
+            return ["if n_valid == C:",
+                    f"    T.copy({s.srcs[0]}, {s.dst}[0, t0:t0 + C, i_hv, v0:v0 + BV])",
+                    "else:",
+                    "    for i, j in T.Parallel(C, BV):",
+                    "        if i < n_valid:",
+                    f"            {s.dst}[0, t0 + i, i_hv, v0 + j] = {s.srcs[0]}[i, j]"]
+        if s.op == "store":
+            return ["for i, j in T.Parallel(C, C):",
+                    "    if i < n_valid:",
+                    f"        {s.dst}_rows[0, t0 + i, i_hv, j] = T.cast({s.srcs[0]}[i, j], IO)"]
+        if s.op == "load_state":
+            return [f"T.copy({s.srcs[0]}[i_n, i_hv, 0:K, v0:v0 + BV], {s.dst})"]
+        if s.op == "store_state":
+            return [f"T.copy({s.srcs[0]}, {s.dst}[i_n, i_hv, 0:K, v0:v0 + BV])"]
+        raise PassError("lower", f"no template for statement {s.op}")
+
+    def _buf_shape(self, name) -> str:
+        return ", ".join(next(b for b in self.k.buffers if b.name == name).shape)
+
+    def _global(self, name, scan: bool) -> str:
+        p = next(p for p in self.k.params if p.name == name)
+        if p.shape[-1] == "K":
+            return f"{name}[0, t0:t0 + C, i_h, 0:K]"
+        if p.shape[-1] == "V":
+            return f"{name}[0, t0:t0 + C, i_hv, v0:v0 + BV]" if scan else f"{name}[0, t0:t0 + C, i_hv, 0:V]"
+        return f"{name}_rows[0, t0:t0 + C, i_hv, 0:C]"
+
+
+_DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1"}
+
+
+def _param(p) -> str:
+    name = f"{p.name}_rows" if p.shape == ("1", "T", "HV", "C") else p.name
+    dims = ", ".join(_DIMS.get(d, d) for d in p.shape)
+    return f"{name}: T.Tensor(({dims}{',' if len(p.shape) == 1 else ''}), {_dtype(p.dtype)})"
+
+
+def lower_kernel(kernel: Kernel) -> list[str]:
+    r = _Render(kernel)
+    scan = kernel.loop is not None
+    out = ["@T.prim_func", f"def {kernel.name}("]
+    out += [f"    {_param(p)}," for p in kernel.params]
+    out.append("):")
+    out.append(f'    """{kernel.doc}"""')
+    if scan:
+        out += [f"    with T.Kernel(V // BV, HV, N, threads={kernel.threads}) as (i_v, i_hv, i_n):",
+                "        i_h = i_hv // G  # the query/key head this value head reads",
+                "        v0 = i_v * BV",
+                "        bos = cu_seqlens[i_n]",
+                "        seq_len = cu_seqlens[i_n + 1] - bos"]
+    else:
+        out += [f"    with T.Kernel(CH, HV, threads={kernel.threads}) as (i_slot, i_hv):",
+                "        i_h = i_hv // G",
+                "        t0 = chunk_map[i_slot, 0]",
+                "        n_valid = chunk_map[i_slot, 1]  # 0 for unused slots: nothing is stored"]
+    for b in kernel.buffers:
+        alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
+        out.append(f"        {b.name} = {alloc}({_shape(b.shape)}, {_dtype(b.dtype)})")
+        for s in (st for st in kernel.body if st.op == "inverse" and st.dst == b.name):
+            for suffix, (scope, dt) in INVERSE_SCRATCH.items():
+                alloc = "T.alloc_shared" if scope == "shared" else "T.alloc_fragment"
+                out.append(f"        {s.dst}_{suffix} = {alloc}((C, C), {_dtype(dt)})")
+    for s in kernel.prologue:
+        out += [f"        {ln}" for ln in r.stmt(s, scan)]
+    ind = "        "
+    if scan:
+        out += ["        for i_c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
+                "            t0 = bos + i_c * C",
+                "            n_valid = T.min(C, seq_len - i_c * C)"]
+        ind = "            "
+    for s in kernel.body:
+        out += [ind + ln for ln in r.stmt(s, scan)]
+    for s in kernel.epilogue:
+        out += [f"        {ln}" for ln in r.stmt(s, scan)]
+    return out
+
+
+def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
+    """The TileLang module for one shape class."""
+    if shape.io not in IO_DTYPES:
+        raise PassError("lower", f"io dtype {shape.io} is not one of {IO_DTYPES}")
+    lines = [
+        f'"""TileLang kernels for {kir.name}, generated by qla{f" from {source}" if source else ""}.',
+        "",
+        f"Shape class: H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} BV={shape.BV} io={shape.io}.",
+        'Regenerated on every compile; edit the spec or the passes, not this file."""',
+        "import tilelang.language as T",
+        "",
+        "from qla_compiler.kernels.tri_inverse import unit_lower_inverse",
+        "",
+        f"H, HV, K, V, BV, C = {shape.H}, {shape.HV}, {shape.K}, {shape.V}, {shape.BV}, {kir.chunk_size}",
+        "G = HV // H  # value heads per query/key head",
+        f'IO = "{shape.io}"',
+        f"SCALE = {shape.scale_value!r}",
+        f"STAGES = {shape.stages}",
+        f"INVERSE_SQUARINGS = {squarings(kir.chunk_size)}",
+        'Tok = T.dynamic("T")  # tokens of the packed batch',
+        'N = T.dynamic("N")  # sequences',
+        'NP1 = T.dynamic("NP1")  # len(cu_seqlens)',
+        'CH = T.dynamic("CH")  # chunk slots',
+    ]
+    for k in kir.kernels:
+        lines += ["", ""] + lower_kernel(k)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,297 @@
+"""schedule: ChunkIR + Partition → KernelIR. Places every value and orders the statements.
+
+Placement rules (Hopper, TileLang):
+  * loaded blocks (q, k, v, T_r) → shared memory in the io dtype (TMA loads inside the pipeline);
+    per-token vectors (g, β) → shared float32;
+  * matmul results → register fragments (float32 accumulators of wgmma);
+  * a matmul operand that is computed → a shared io-dtype copy `<name>_s` (wgmma reads shared);
+  * vectors over the chunk → shared float32; scalars and element-wise C×C / C×V values are not
+    stored at all: they are inlined as expressions where they are used;
+  * `x + A·B` with A·B used once accumulates into x's fragment; an element-wise x whose only
+    fragment input dies there is computed in place (the state decays in place, then S += Kᵀ V).
+
+The state stays in a register fragment for the whole sequence; the V dimension is split into
+BV-wide blocks over CTAs (valid because no matmul contracts over V, which is checked).
+"""
+from __future__ import annotations
+
+from qla_compiler.errors import PassError
+from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
+
+from .partition import Partition
+
+BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V")}
+# names the generated module already uses (TileLang's `T`, the size constants, loop variables)
+RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "N", "NP1", "CH", "Tok",
+            "i", "j", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
+THREADS = 128
+
+
+def _dims(shape, tiled: bool) -> tuple:
+    return tuple("BV" if (d == "V" and tiled) else d for d in shape)
+
+
+class _Builder:
+    """Builds one kernel's buffers and statements from a set of ChunkIR nodes."""
+
+    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool):
+        self.ir, self.nodes, self.loaded, self.tiled = ir, set(nodes), set(loaded), tiled
+        self.buffers: dict[str, Buffer] = {}
+        self.place: dict[str, str] = {}  # node -> buffer holding its value
+        self.loads, self.body = [], []
+        self.users = {n: [u.name for u in ir.users(n) if u.name in self.nodes] for n in self.nodes}
+
+    def buf(self, name, shape, dtype, scope) -> str:
+        name = f"{name}_f" if name in RESERVED else name
+        if name not in self.buffers:
+            self.buffers[name] = Buffer(name, _dims(shape, self.tiled), dtype, scope)
+        return name
+
+    # ---- expressions -------------------------------------------------------------------------
+    def ex(self, name: str, idx: tuple):
+        n = self.ir.node(name)
+        if name in self.place:
+            b = self.buffers[self.place[name]]
+            return ("buf", b.name, *idx[-len(b.shape):]) if b.shape else ("buf", b.name)
+        op, a = n.op, n.args
+
+        def sub(arg):
+            s = self.ir.node(arg).shape
+            return () if s == () else idx
+
+        if op in ("add", "sub", "mul"):
+            return (op, self.ex(a[0], sub(a[0])), self.ex(a[1], sub(a[1])))
+        if op in ("neg", "exp", "exp2"):
+            inner = self.ir.node(a[0])
+            if op != "neg" and inner.op == "masked_diff" and a[0] not in self.place:
+                sel = "select_lower" if inner.attr["mask"] == "lower" else "select_strict"
+                diff = self._diff(inner, idx)
+                return (sel, idx[0], idx[1], (op, diff), ("lit", 0.0))
+            return (op, self.ex(a[0], idx))
+        if op == "scale_rows":
+            return ("mul", self.ex(a[0], (idx[0],)), self.ex(a[1], idx))
+        if op == "scale_cols":
+            return ("mul", self.ex(a[0], idx), self.ex(a[1], (idx[1],)))
+        if op == "masked_diff":
+            sel = "select_lower" if n.attr["mask"] == "lower" else "select_strict"
+            return (sel, idx[0], idx[1], self._diff(n, idx), ("lit", -1e30))
+        if op == "causal_mask":
+            sel = "select_lower" if n.attr["mask"] == "lower" else "select_strict"
+            return (sel, idx[0], idx[1], ("lit", 1.0), ("lit", 0.0))
+        if op == "tril":
+            sel = "select_strict" if n.attr.get("strict") else "select_lower"
+            return (sel, idx[0], idx[1], self.ex(a[0], idx), ("lit", 0.0))
+        if op == "const":
+            return ("lit", float(n.attr["value"]))
+        if op == "param":
+            return ("param", n.attr["name"])
+        if op == "head_log":
+            return ("head", n.attr["name"])
+        if op == "last":
+            return self.ex(a[0], ("n_valid - 1",))
+        if op == "positions":
+            return ("min_pos", idx[0])
+        if op == "valid":
+            return ("select_valid", idx[0], ("lit", 1.0), ("lit", 0.0))
+        raise PassError("schedule", f"node {name} ({op}) must be materialised before it is used")
+
+    def _diff(self, n, idx):
+        x = n.args[0]
+        return ("sub", self.ex(x, (idx[0],)), self.ex(x, (idx[1],)))
+
+    # ---- statements -------------------------------------------------------------------------
+    def ewise(self, dst: str, name: str):
+        shape = self.buffers[dst].shape
+        idx = ("i", "j")[:len(shape)]
+        self.body.append(Stmt("ewise", dst, (), (("expr", self.ex(name, idx)), ("index", idx))))
+
+    def operand(self, name: str) -> str:
+        """A shared io-dtype buffer holding `name`, for wgmma."""
+        n = self.ir.node(name)
+        if name in self.place and self.buffers[self.place[name]].scope == "shared" \
+                and self.buffers[self.place[name]].dtype == "io":
+            return self.place[name]
+        if n.op == "state_in":
+            return "state_s"
+        dst = self.buf(f"{name}_s", n.shape, "io", "shared")
+        if dst not in [s.dst for s in self.body]:
+            if name in self.place:  # a fragment: copy (and cast) it
+                self.body.append(Stmt("copy", dst, (self.place[name],)))
+            else:
+                self.ewise(dst, name)
+        return dst
+
+    def single_fragment(self, name: str):
+        """The one fragment an element-wise node reads, if it may be overwritten in place."""
+        frags = set()
+
+        def walk(x):
+            if x in self.place:
+                b = self.buffers[self.place[x]]
+                if b.scope == "fragment":
+                    frags.add(x)
+                return
+            for a in self.ir.node(x).args:
+                walk(a)
+        walk(name)
+        if len(frags) != 1:
+            return None
+        (f,) = frags
+        ok = self.ir.node(f).op == "state_in" or self.users[f] == [name]
+        return f if ok and self.ir.node(f).shape == self.ir.node(name).shape else None
+
+
+def _accumulation(ir: ChunkIR, nodes) -> dict:
+    """add(x, A·B) with A·B used only there: A·B accumulates onto x.  Returns {add: (x, matmul)}."""
+    out = {}
+    for name in nodes:
+        n = ir.node(name)
+        if n.op != "add":
+            continue
+        for x, m in (n.args, n.args[::-1]):
+            mm = ir.node(m)
+            if mm.op == "matmul" and [u.name for u in ir.users(m)] == [name] and ir.node(x).shape == n.shape:
+                out[name] = (x, m)
+                break
+    return out
+
+
+def _check_v_columns(ir: ChunkIR) -> None:
+    for n in ir.of_op("matmul"):
+        a, b = (ir.node(x).shape for x in n.args)
+        inner = a[0] if n.attr.get("ta") else a[1]
+        if inner == "V":
+            raise PassError("schedule", f"{n.name} contracts over V; V-blocking would be wrong")
+
+
+def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
+    """Statements for the node set; returns the builder (buffers, loads, body)."""
+    b = _Builder(ir, nodes, loaded, tiled)
+    order = [n for n in ir.order() if n.name in b.nodes]
+    acc = _accumulation(ir, [n.name for n in order])
+    fused_matmuls = {m for _, m in acc.values()}
+    in_place = {x for x, _ in acc.values()}
+
+    for n in order:  # loads first: they are the producer's work
+        if n.op == "input" or n.name in b.loaded:
+            kind = n.attr.get("kind", "block")
+            if kind in ("scalar", "gate"):
+                b.place[n.name] = b.buf(f"{n.name}_s", ("C",), "float32", "shared")
+                b.loads.append(Stmt("load_vec", b.place[n.name], (n.name,)))
+            else:
+                shape = BLOCK_INPUT_SHAPE.get(kind, n.shape)
+                b.place[n.name] = b.buf(f"{n.name}_s", shape, "io", "shared")
+                b.loads.append(Stmt("load", b.place[n.name], (n.name,)))
+        elif n.op == "state_in":
+            b.place[n.name] = b.buf("state", n.shape, "float32", "fragment")
+
+    for n in order:
+        name, op = n.name, n.op
+        if name in b.place:
+            continue
+        if op == "matmul":
+            if name in fused_matmuls:
+                continue  # emitted by its add
+            A, B = b.operand(n.args[0]), b.operand(n.args[1])
+            b.place[name] = b.buf(name, n.shape, "float32", "fragment")
+            b.body.append(Stmt("gemm", b.place[name], (A, B), tuple(sorted(n.attrs))))
+        elif op == "cumsum":
+            src = n.args[0]
+            if src not in b.place:
+                b.ewise(b.buf(f"{src}_s", ("C",), "float32", "shared"), src)
+                b.place[src] = f"{src}_s"
+            b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
+            b.body.append(Stmt("cumsum", b.place[name], (b.place[src],)))
+        elif op == "inv_unit_lower":
+            A = b.buf(f"{n.args[0]}_s", n.shape, "tfloat32", "shared")
+            b.ewise(A, n.args[0])
+            b.place[name] = b.buf(name, n.shape, "float32", "fragment")
+            b.body.append(Stmt("inverse", b.place[name], (A,)))
+        elif name in acc:
+            x, m = acc[name]
+            if x in b.place and b.buffers[b.place[x]].scope == "fragment":
+                frag = b.place[x]
+            else:
+                raise PassError("schedule", f"{name}: cannot accumulate {m} onto {x}")
+            mm = ir.node(m)
+            A, B = b.operand(mm.args[0]), b.operand(mm.args[1])
+            b.body.append(Stmt("gemm", frag, (A, B), tuple(sorted(mm.attrs)) + (("accumulate", True),)))
+            b.place[name] = frag
+        elif name in in_place and n.shape != ():
+            frag = b.single_fragment(name)
+            if frag is None:
+                raise PassError("schedule", f"{name}: no fragment to compute in place")
+            b.body.append(Stmt("ewise", b.place[frag], (),
+                               (("expr", b.ex(name, ("i", "j"))), ("index", ("i", "j")))))
+            b.place[name] = b.place[frag]
+        elif n.shape == ("C",) and op not in ("const", "valid", "positions"):
+            b.ewise(b.buf(f"{name}_s", ("C",), "float32", "shared"), name)
+            b.place[name] = f"{name}_s"
+    return b
+
+
+def schedule(part: Partition) -> KernelIR:
+    ir = part.chunk
+    _check_v_columns(ir)
+    kir = KernelIR(ir.name, ir.chunk_size)
+    heads = [n.attr["name"] for n in ir.of_op("head_log")]
+
+    def params_for(nodes, loaded):
+        ps = []
+        for name in nodes:
+            n = ir.node(name)
+            if n.op == "input":
+                kind = n.attr["kind"]
+                shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
+                ps.append(Tensor(name, shape, "io" if kind in ("key", "value") else "float32", "in"))
+            elif name in loaded:
+                ps.append(Tensor(name, ("1", "T", "HV", "C"), "io", "in", "rows of the chunk's block, per token"))
+        return ps
+
+    if part.solve:
+        b = _build(ir, part.solve, (), tiled=False)
+        stores = [Stmt("store", x, (b.place[x],), (("rows", "n_valid"),)) for x in part.crossing]
+        params = params_for(part.solve, ()) + [
+            Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")]
+        params += [Tensor(x, ("1", "T", "HV", "C"), "io", "out") for x in part.crossing]
+        kir.kernels.append(Kernel(
+            f"{ir.name}_solve", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
+            list(b.buffers.values()), [], b.loads + _zero_pad(b) + b.body + stores, [],
+            roles=("all 4 warps: load, K Kᵀ on wgmma, (I + A)⁻¹ by Neumann doubling on tf32 wgmma",),
+            doc="parallel over chunks: the gate-free triangular solve"))
+        kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
+                        "(torch on the device: no synchronisation)")
+
+    b = _build(ir, part.scan, part.crossing, tiled=True)
+    o_node, s_node = ir.outputs["o"], ir.outputs["state"]
+    o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
+    store_o = [Stmt("ewise", o_buf, (), (("expr", b.ex(o_node, ("i", "j"))), ("index", ("i", "j")))),
+               Stmt("store", "o", (o_buf,), (("rows", "n_valid"),))]
+    if b.place.get(s_node) != "state":
+        raise PassError("schedule", f"the next state {s_node} is not accumulated in the state fragment")
+    uses_state_s = "state_s" in {s for st in b.body for s in st.srcs}
+    if uses_state_s:
+        b.buf("state_s", ("K", "V"), "io", "shared")
+    params = params_for(part.scan, part.crossing)
+    params += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
+               Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
+    params += [Tensor(f"log_{h}", ("HV",), "float32", "in", "log of the per-head decay") for h in heads]
+    params += [Tensor("o", ("1", "T", "HV", "V"), "io", "out"),
+               Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
+    prologue = [Stmt("load_state", "state", ("initial_state",))]
+    body = b.loads + _zero_pad(b) + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) \
+        + b.body + store_o
+    kir.kernels.append(Kernel(
+        f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,
+        list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
+        loop="chunks of the sequence",
+        roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
+               "consumer warpgroup: the chunk's wgmma and element-wise work; the state in registers"),
+        doc="sequential over chunks: parallel work fused with the scan and the output"))
+    return kir
+
+
+def _zero_pad(b: _Builder) -> list:
+    """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact)."""
+    return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"),)) for s in b.loads if s.op == "load"]

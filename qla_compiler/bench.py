@@ -1,0 +1,160 @@
+"""qla-bench: GDN forward beside FLA and FlashQLA, in one process on one GPU.
+
+    qla-bench                        # the rows of the baseline table (shared/gpu/README.md)
+    qla-bench --rows 2/8:1x32768 --plot bench.png
+    python benchmarks/bench_gdn.py   # the same
+
+Two times per call, as the baseline table reports them:
+  device  the sum of GPU kernel durations (torch.profiler), averaged over calls;
+  eager   wall time per call from Python (triton.testing.do_bench median), host work included.
+Inputs: bf16 q/k/v, K = V = 128, packed varlen (B = 1), initial state given, final state returned.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+ROWS = ["2/8:1x32768", "2/8:1x8192", "2/8:8x4096", "4/16:1x32768", "4/16:8x4096", "8/32:1x32768",
+        "16/64:1x32768", "16/64:1x2048", "16/64:8x4096"]
+
+
+def parse_row(row: str):
+    heads, seqs = row.split(":")
+    H, HV = map(int, heads.split("/"))
+    n, L = map(int, seqs.split("x"))
+    return H, HV, [L] * n
+
+
+def make_inputs(H, HV, lens, K=128, V=128, seed=0):
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens)
+    q = torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16)
+    k = F.normalize(torch.randn(1, T, H, K, device="cuda", generator=gen), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, T, HV, V, device="cuda", generator=gen).to(torch.bfloat16)
+    g = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=gen) + 3.0)
+    beta = torch.rand(1, T, HV, device="cuda", generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.long)
+    h0 = torch.randn(len(lens), HV, K, V, device="cuda", generator=gen) * 0.1
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+
+
+def device_ms(fn, iters=10) -> float:
+    """Sum of the GPU kernels' durations per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    return total_us / iters / 1000.0
+
+
+def eager_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def libraries():
+    import qla_compiler.ops as qla_ops
+
+    libs = {"qla": qla_ops.chunk_gated_delta_rule}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+        libs["FLA"] = fla_gdn
+    except ImportError as e:
+        print(f"FLA not importable: {e}", file=sys.stderr)
+    try:
+        from flash_qla import chunk_gated_delta_rule as fq_gdn
+        libs["FlashQLA"] = fq_gdn
+    except ImportError as e:
+        print(f"FlashQLA not importable: {e}", file=sys.stderr)
+    return libs
+
+
+def run(rows, plot=None):
+    import torch
+
+    libs = libraries()
+    results = []
+    print(f"# GDN forward, {torch.cuda.get_device_name()}, bf16, K=V=128, packed varlen, ms per call")
+    for row in rows:
+        H, HV, lens = parse_row(row)
+        args = make_inputs(H, HV, lens)
+        res = {"row": row}
+        for name, fn in libs.items():
+            call = (lambda f=fn, a=args: f(**a)) if name != "qla" else \
+                (lambda f=fn, a=args: f(**{**a, "cu_seqlens": a["cu_seqlens"].int()}))
+            try:
+                res[f"{name} device"] = device_ms(call)
+                res[f"{name} eager"] = eager_ms(call)
+            except Exception as e:  # noqa: BLE001 - one failing library must not hide the others
+                print(f"{row} {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        results.append(res)
+        print(_line(res, libs), flush=True)
+    print(_table(results, libs))
+    if plot:
+        _plot(results, libs, plot)
+    return results
+
+
+def _line(res, libs) -> str:
+    parts = [res["row"]] + [f"{n} {res.get(f'{n} device', float('nan')):.3f}/{res.get(f'{n} eager', float('nan')):.3f}"
+                            for n in libs]
+    return "  ".join(parts)
+
+
+def _table(results, libs) -> str:
+    names = list(libs)
+    head = "| h_qk/h_v:seqs | " + " | ".join(f"{n} device | {n} eager" for n in names)
+    ratio = [n for n in names if n != "qla"]
+    head += "".join(f" | qla/{n} device | qla/{n} eager" for n in ratio) + " |"
+    lines = [head, "|" + "---|" * (1 + 2 * len(names) + 2 * len(ratio))]
+    for r in results:
+        cells = [r["row"]] + [f"{r.get(f'{n} {w}', float('nan')):.3f}" for n in names for w in ("device", "eager")]
+        for n in ratio:
+            for w in ("device", "eager"):
+                a, b = r.get(f"qla {w}"), r.get(f"{n} {w}")
+                cells.append(f"{a / b:.2f}" if a and b else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(results, libs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    x = range(len(results))
+    width = 0.8 / len(libs)
+    for i, n in enumerate(libs):
+        ax.bar([xi + i * width for xi in x], [r.get(f"{n} device", 0) for r in results], width, label=n)
+    ax.set_xticks([xi + 0.4 - width / 2 for xi in x], [r["row"] for r in results], rotation=30, ha="right")
+    ax.set_ylabel("GPU time per forward (ms)")
+    ax.set_title("GDN forward, K = V = 128, bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="qla-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="*", default=ROWS, help="h_qk/h_v:NxL, e.g. 2/8:1x32768")
+    ap.add_argument("--plot", metavar="PNG", help="save a bar chart of the GPU times")
+    args = ap.parse_args(argv)
+    run(args.rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

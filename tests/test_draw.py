@@ -1,0 +1,65 @@
+"""The ChunkIR drawing: an SVG with every node, the loop-carried edge, embedded in _repr_html_."""
+import html
+import re
+
+import pytest
+
+import qla_compiler
+from qla_compiler.ir.chunk_draw import draw, to_svg
+
+pytest.importorskip("matplotlib")
+
+SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
+
+
+@pytest.fixture(scope="module")
+def chunks():
+    return {name: qla_compiler.compile_spec(name).chunk for name in SPECS}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_svg_has_every_node_and_the_loop_edge(chunks, spec):
+    chunk = chunks[spec]
+    svg = to_svg(chunk)
+    assert svg.lstrip().startswith(("<svg", "<?xml"))
+    assert svg.rstrip().endswith("</svg>")
+    # svg.fonttype 'none' keeps each label line a <text> element (not glyph paths)
+    texts = {html.unescape(t).strip() for t in re.findall(r"<text[^>]*>(.*?)</text>", svg, re.S)}
+    for n in chunk.order():
+        assert n.name in texts, n.name
+        assert any(t.startswith(f"{n.op} ") for t in texts), n.op
+    assert "next chunk" in texts
+    assert any(t.startswith(chunk.name) and f"C={chunk.chunk_size}" in t for t in texts)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_repr_html_embeds_the_drawing(chunks, spec):
+    html = chunks[spec]._repr_html_()
+    assert html.startswith("<pre>")
+    assert "<svg" in html
+
+
+def test_draw_onto_given_axes(chunks):
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    assert draw(chunks["gdn"], ax=ax) is fig
+    assert len(ax.patches) >= len(chunks["gdn"].graph)
+
+
+def test_to_svg_leaves_rc_params_alone(chunks):
+    import matplotlib
+
+    before = matplotlib.rcParams["svg.fonttype"]
+    to_svg(chunks["linear_attn"])
+    assert matplotlib.rcParams["svg.fonttype"] == before
+
+
+def test_ir_does_not_need_matplotlib():
+    import subprocess
+    import sys
+
+    code = ("import sys, qla_compiler, qla_compiler.ir.chunk_draw; qla_compiler.compile_spec('gdn'); "
+            "assert 'matplotlib' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

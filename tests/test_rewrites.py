@@ -1,0 +1,389 @@
+"""The rewrite passes: each proves its identity, keeps the program exact after every pass, keeps it
+finite under strong decay, and the exponent verifier refuses the algebraically-equal D·X·D⁻¹ form.
+
+Sizes are small (K = V = 8, at most two chunks and a few tokens) so the whole file runs in seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import sympy as sp
+import torch
+
+import qla_compiler
+from qla_compiler.cli import main
+from qla_compiler.errors import PassError
+from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.chunk_interp import run_chunks
+from qla_compiler.op import CompiledOp
+from qla_compiler.passes import pipeline
+from qla_compiler.passes.pipeline import Program, pass_names
+from qla_compiler.passes.rewrite import Rewrite, lower_tri, strict_lower
+from qla_compiler.passes.rewrite_exp2 import EXP2
+from qla_compiler.passes.rewrites import CHUNK_PASSES, REWRITES
+from qla_compiler.passes.verify_exponents import verify_exponents
+from qla_compiler.testing import random_inputs, rel_err
+
+ROOT = Path(__file__).resolve().parent.parent
+GDN = str(ROOT / "specs" / "gdn.py")
+SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
+C = 64
+TOL = 1e-10
+EXPONENTIALS = {"exp", "exp2"}
+
+
+@pytest.fixture(scope="module")
+def progs():
+    return {name: qla_compiler.compile_spec(name, target="sm90", chunk_size=C) for name in SPECS}
+
+
+def chunk_stages(prog):
+    return [(name, ir) for name, ir in prog.stages if isinstance(ir, ChunkIR)]
+
+
+def chunk_pass_names():
+    """The passes that produce a ChunkIR: `chunk`, then the rewrites (later passes lower it further)."""
+    return ["chunk"] + [p.name for p in pipeline.CHUNK_PASSES]
+
+
+def op_for(prog, ir: ChunkIR) -> CompiledOp:
+    """An op that runs one stage's chunk program (as passes/check.py does)."""
+    return CompiledOp(Program(prog.path, "cpu", ir.chunk_size, prog.recurrence, ir))
+
+
+def to_float64(args: dict) -> dict:
+    return {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
+
+
+# ---- the proofs ---------------------------------------------------------------------------------
+
+PROVED = [r for r in REWRITES if r.proof is not None]
+
+
+def test_the_rewrites_with_proofs_are_the_algebraic_ones():
+    names = {r.name for r in PROVED}
+    assert {"fold_constant_gates", "gate_out_of_inverse", "fold_wy", "factor_scalar", "exp2"} <= names
+    names = pass_names()
+    assert names[:3] == ["frontend", "classify", "chunk"]
+    assert names[3:3 + len(CHUNK_PASSES)] == [p.name for p in CHUNK_PASSES]
+
+
+@pytest.mark.parametrize("rewrite", PROVED, ids=lambda r: r.name)
+def test_rewrite_proves_its_identity(rewrite):
+    lhs, rhs = rewrite.proof()
+    assert isinstance(lhs, (sp.Basic, sp.MatrixBase)) and isinstance(rhs, (sp.Basic, sp.MatrixBase))
+    assert rewrite.proves() is True
+
+
+def _wrong_gate_inverse():
+    # D⁻¹ X D instead of D X D⁻¹: the ratio mask with i and j swapped
+    C_, g = 3, sp.symbols("gamma0:3", real=True)
+    X = sp.Matrix(C_, C_, lambda i, j: sp.Symbol(f"x{i}{j}"))
+    R = lower_tri(C_, lambda i, j: sp.exp(g[i] - g[j]))
+    R_swapped = lower_tri(C_, lambda i, j: sp.exp(g[j] - g[i]))
+    return (sp.eye(C_) + strict_lower(X.multiply_elementwise(R))).inv(), \
+        R_swapped.multiply_elementwise((sp.eye(C_) + strict_lower(X)).inv())
+
+
+def _wrong_factor_scalar():
+    # diag(β) on the wrong side of T: diag(b)·T ≠ T·diag(b)
+    b = sp.diag(*sp.symbols("b0:2"))
+    T = sp.Matrix(2, 2, sp.symbols("t0:4"))
+    G = sp.diag(*sp.symbols("G0:2"))
+    V, K = sp.Matrix(2, 2, sp.symbols("v0:4")), sp.Matrix(2, 2, sp.symbols("k0:4"))
+    S = sp.Matrix(2, 2, sp.symbols("s0:4"))
+    return T * (b * V - (b * G) * K * S), (b * T) * (V - G * K * S)
+
+
+def _wrong_fold_wy():
+    # S₀ applied before T: T·B₁ − (T·B₂)·S ≠ T·B₁ − B₂·(T·S)
+    T, B1 = sp.Matrix(2, 2, sp.symbols("t0:4")), sp.Matrix(2, 3, sp.symbols("u0:6"))
+    B2, S = sp.Matrix(2, 2, sp.symbols("w0:4")), sp.Matrix(2, 3, sp.symbols("s0:6"))
+    return T * B1 - (T * B2) * S, T * B1 - B2 * (T * S)
+
+
+def _wrong_exp2():
+    x = sp.Symbol("x", real=True)
+    return sp.exp(x), 2 ** (x * sp.log(2))  # multiplied by ln 2 instead of log₂e
+
+
+@pytest.mark.parametrize("name, wrong", [("gate_out_of_inverse", _wrong_gate_inverse),
+                                         ("factor_scalar", _wrong_factor_scalar),
+                                         ("fold_wy", _wrong_fold_wy),
+                                         ("exp2", _wrong_exp2)])
+def test_a_wrong_identity_is_not_proved(name, wrong):
+    """Negative control: the same check on a deliberately wrong identity fails."""
+    r = next(r for r in REWRITES if r.name == name)
+    bad = dataclasses.replace(r, proof=wrong)
+    assert r.proves() is True
+    assert not bad.proves()
+
+
+def test_the_d_x_dinv_factorisation_is_exact_algebra():
+    """R ⊙ X = D X D⁻¹ on lower-triangular X: the proof device that the emitted code must not use."""
+    C_, g = 4, sp.symbols("gamma0:4", real=True)
+    X = lower_tri(C_, lambda i, j: sp.Symbol(f"x{i}{j}"))
+    R = lower_tri(C_, lambda i, j: sp.exp(g[i] - g[j]))
+    D, Dinv = sp.diag(*[sp.exp(x) for x in g]), sp.diag(*[sp.exp(-x) for x in g])
+    assert sp.simplify(R.multiply_elementwise(X) - D * X * Dinv).is_zero_matrix
+
+
+# ---- every pass keeps the program exact ----------------------------------------------------------
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_pass_agrees_with_the_reference(progs, spec):
+    prog = progs[spec]
+    stages = chunk_stages(prog)
+    assert [n for n, _ in stages] == chunk_pass_names()
+    # one packed batch: a 1-token sequence, one of 2 chunks + a partial one, and a short partial one;
+    # grouped value heads (H = 2 query/key heads, HV = 4 value heads); an initial state
+    T = 2 * C + 9
+    kw = dict(T=T, H=2, HV=4, K=8, V=8, cu_seqlens=[0, 1, 2 * C + 4, T], initial_state=True, seed=11)
+    ref_op = op_for(prog, stages[0][1])
+    args = random_inputs(ref_op, **kw)
+    o_ref, s_ref = ref_op.reference(**args)
+    assert o_ref.shape == (1, T, 4, 8) and s_ref.shape == (3, 4, 8, 8)
+    for name, ir in stages:
+        o, s = op_for(prog, ir)(**args)
+        assert rel_err(o, o_ref) <= TOL, (name, rel_err(o, o_ref))
+        assert rel_err(s, s_ref) <= TOL, (name, rel_err(s, s_ref))
+
+
+@pytest.mark.parametrize("spec", ("gdn", "simple_gla", "retnet"))
+def test_strong_decay_in_float32_after_every_pass(progs, spec):
+    """g = −16 per token: over a chunk the cumulative decay reaches −1024; e^{−γ} would overflow."""
+    prog = progs[spec]
+    stages = chunk_stages(prog)
+    kw = dict(T=2 * C + 7, H=1, HV=2, K=8, V=8, gate=-16.0, dtype=torch.float32, initial_state=True, seed=2)
+    args = random_inputs(op_for(prog, stages[0][1]), **kw)
+    assert args["q"].dtype == torch.float32
+    o_ref, s_ref = op_for(prog, stages[0][1]).reference(**to_float64(args))
+    assert o_ref.norm() > 0 and s_ref.norm() > 0
+    for name, ir in stages:
+        o, s = op_for(prog, ir)(**args)
+        assert o.dtype == torch.float32
+        assert torch.isfinite(o).all() and torch.isfinite(s).all(), name
+        assert rel_err(o, o_ref) <= 1e-4, (name, rel_err(o, o_ref))
+        assert rel_err(s, s_ref) <= 1e-4, (name, rel_err(s, s_ref))
+
+
+# ---- the D X D⁻¹ form: exact in algebra, wrong in float32, refused by the verifier -----------------
+
+def split_ratio_mask(ir: ChunkIR) -> None:
+    """Replace P = QKt ⊙ R by diag(Γ)·tril(QKt)·diag(Γ⁻¹), Γ⁻¹ = exp(−γ) (edits `ir` in place)."""
+    P = ir.node("P")
+    assert P.op == "mul" and set(P.args) == {"QKt", "R"}
+    assert ir.node("Gamma").op == "exp" and ir.node("Gamma").args == ("g_cum",)
+    gamma_inv = ir.add("Gamma_inv", "exp", ir.add("neg_g_cum", "neg", "g_cum"))
+    masked = ir.add("QKt_masked", "tril", "QKt")
+    dxd = ir.add("P'", "scale_rows", "Gamma", ir.add("QKt_D", "scale_cols", masked, gamma_inv))
+    ir.replace_uses("P", dxd)
+
+
+@pytest.fixture(scope="module")
+def gdn_dxd(progs):
+    prog = progs["gdn"]
+    bad = prog.stage("chunk").copy()
+    split_ratio_mask(bad)
+    bad.remove_dead()
+    bad.verify()
+    assert "R" in bad.graph and "P" not in bad.graph  # R survives in A, but not in the output term
+    return prog, bad
+
+
+def test_dxd_form_is_the_same_program_in_float64(gdn_dxd):
+    prog, bad = gdn_dxd
+    op = op_for(prog, bad)
+    args = random_inputs(op, T=C + 6, H=1, HV=2, K=8, V=8, cu_seqlens=[0, 1, C + 6], initial_state=True, seed=4)
+    o_ref, s_ref = op.reference(**args)
+    o, s = op(**args)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+def test_dxd_form_overflows_in_float32_with_strong_decay(gdn_dxd):
+    prog, bad = gdn_dxd
+    args = random_inputs(op_for(prog, bad), T=2 * C + 7, H=1, HV=2, K=8, V=8, gate=-16.0,
+                         dtype=torch.float32, initial_state=True, seed=2)
+    o_ref, _ = op_for(prog, bad).reference(**to_float64(args))
+    o_bad, _ = op_for(prog, bad)(**args)
+    assert not torch.isfinite(o_bad).all()  # e^{+16·j} overflows, then 0·inf = NaN
+    assert rel_err(o_bad, o_ref) > 1.0
+    o_good, _ = op_for(prog, prog.chunk)(**args)  # the emitted program on the same inputs
+    assert torch.isfinite(o_good).all() and rel_err(o_good, o_ref) <= 1e-4
+
+
+def test_verifier_refuses_the_dxd_form_naming_the_exp(gdn_dxd):
+    prog, bad = gdn_dxd
+    assert verify_exponents(prog.stage("chunk")) is prog.stage("chunk")  # the direct form passes
+    with pytest.raises(PassError) as e:
+        verify_exponents(bad)
+    assert e.value.pass_name == "verify_exponents"
+    assert "'Gamma_inv'" in str(e.value) and "exp(neg_g_cum)" in str(e.value)
+    assert "'R'" not in str(e.value) and "'Gamma'" not in str(e.value)
+
+
+def test_pipeline_refuses_a_pass_that_splits_the_ratio_mask(monkeypatch):
+    """The pipeline runs verify_exponents after every ChunkIR pass: the bad program never becomes a stage."""
+    splitter = Rewrite("split_ratio_mask", "R ⊙ X = D X D⁻¹ (exact, but e^{−γ} overflows)", split_ratio_mask)
+    passes = list(CHUNK_PASSES)
+    passes.insert(1, splitter)  # right after fold_constant_gates: the names are still the chunk pass's
+    monkeypatch.setattr(pipeline, "CHUNK_PASSES", passes)
+    seen = []
+    with pytest.raises(PassError) as e:
+        qla_compiler.compile_spec("gdn", print_after=lambda name, ir: seen.append(name))
+    assert "Gamma_inv" in str(e.value) and "overflow" in str(e.value)
+    assert e.value.pass_name in ("verify_exponents", "split_ratio_mask")
+    assert seen == ["frontend", "classify", "chunk", "fold_constant_gates"]
+
+
+# ---- what the rewrites produce for GDN -------------------------------------------------------------
+
+def test_gdn_sm90_emits_the_folded_program(capsys):
+    assert main([GDN, "--target", "sm90", "--emit", "chunk"]) == 0
+    out = capsys.readouterr().out
+    assert "T_r:C×C" in out and "v_new:C×V" in out
+    assert not re.search(r"^\s*W:", out, re.M) and not re.search(r"^\s*U:", out, re.M)
+    assert "W:" not in out and "U:" not in out
+
+    ir = qla_compiler.compile_spec(GDN, target="sm90").chunk
+    assert str(ir) == out.rstrip("\n")
+    node = ir.node
+    # T_r depends on k and β only: no gate, no cumulative gate, no exponential
+    assert node("T_r").op == "inv_unit_lower"
+    anc = nx.ancestors(ir.graph, "T_r")
+    assert {a for a in anc if node(a).op == "input"} == {"k", "beta"}
+    assert not {"g", "g_cum"} & anc
+    assert not any(node(a).op in EXPONENTIALS | {"cumsum", "masked_diff"} for a in anc)
+    # no W or U tensors
+    assert "W" not in ir.graph and "U" not in ir.graph
+    # v_new = ((T_r ⊙ R)·diag(β)) · (v − diag(Γ)·k·S0)
+    v_new = node("v_new")
+    assert v_new.op == "matmul" and not v_new.attrs
+    tb, resid = node(v_new.args[0]), node(v_new.args[1])
+    assert tb.op == "scale_cols" and tb.args[1] == "beta"
+    t = node(tb.args[0])
+    assert t.op == "mul" and "T_r" in t.args
+    r = node(next(a for a in t.args if a != "T_r"))
+    assert r.op in EXPONENTIALS and node(r.args[0]).op == "masked_diff"
+    assert resid.op == "sub" and resid.args[0] == "v"
+    ks = node(resid.args[1])
+    assert ks.op == "matmul" and not ks.attrs and node(ks.args[1]).op == "state_in"
+    kg = node(ks.args[0])
+    assert kg.op == "scale_rows" and kg.args[1] == "k"
+    gam = node(kg.args[0])
+    assert gam.op in EXPONENTIALS and "g" in nx.ancestors(ir.graph, gam.name)
+    # and the folded v_new is formed in the scan, T_r ⊙ R·diag(β) in the parallel part
+    scan = ir.scan_nodes()
+    assert "v_new" in scan and tb.name not in scan and "T_r" not in scan
+
+
+@pytest.mark.parametrize("spec", ("delta_net", "linear_attn"))
+def test_no_gate_means_no_exponentials(progs, spec):
+    prog = progs[spec]
+    assert prog.stage("chunk").counts()["exponentials"] > 0  # the direct form had them
+    ir = prog.chunk
+    assert ir.counts()["exponentials"] == 0
+    assert not any(n.op in EXPONENTIALS for n in ir.order())
+    assert not any(n.op in ("cumsum", "masked_diff") for n in ir.order())
+
+
+def test_exp2_only_scales_sums_of_gamma():
+    """exp2 rewrites exp(γ + c) only when every term of the sum is scaled (c ≠ 0 is not): a regression
+    test for a closure that accepted add/sub with a term not derived from γ."""
+    ir = ChunkIR("mixed", 4)
+    ir.add("g", "input", name="g", kind="gate")
+    ir.add("v", "input", name="v", kind="value")
+    ir.add("S0", "state_in")
+    ir.add("g_cum", "cumsum", "g")
+    ir.add("R", "exp", ir.add("g_diff", "masked_diff", "g_cum", mask="lower"))
+    off = ir.add("off", "const", value=-0.5, shape=("C",))
+    ir.add("E", "exp", ir.add("g_off", "add", "g_cum", off))
+    ir.outputs = {"o": ir.add("o", "scale_rows", "E", ir.add("Rv", "matmul", "R", "v")), "state": "S0"}
+    ir.verify()
+    after = EXP2.run(ir)
+    after.verify()
+    gen = torch.Generator().manual_seed(0)
+    blocks = {"g": -torch.rand(1, 1, 1, 4, generator=gen, dtype=torch.float64),
+              "v": torch.randn(1, 1, 1, 4, 3, generator=gen, dtype=torch.float64)}
+    lens, S0 = torch.full((1, 1), 4), torch.zeros(1, 1, 2, 3, dtype=torch.float64)
+    before_o = run_chunks(ir, blocks, lens, {}, {}, S0)[0]
+    after_o = run_chunks(after, blocks, lens, {}, {}, S0)[0]
+    assert rel_err(after_o, before_o) <= 1e-14
+    # the shipped programs still get exp2 everywhere
+    gdn = qla_compiler.compile_spec("gdn").chunk
+    assert {n.op for n in gdn.order()} & EXPONENTIALS == {"exp2"}
+
+
+# ---- check mode names the first failing pass -----------------------------------------------------
+
+def _drop_decayed_state(ir):
+    """S_next = S_update: forgets Γ_C·S0."""
+    ir.replace_uses(ir.outputs["state"], "S_update")
+
+
+def _zero_o_inter(ir):
+    """o_inter · 0: forgets diag(Γ)·Q·S0."""
+    zero = ir.add("zero", "const", value=0.0, shape=())
+    new = ir.add("o_inter_zero", "mul", zero, "o_inter")
+    ir.replace_uses("o_inter", new, exclude={new})
+
+
+def _const_o_inter(ir):
+    """o_inter replaced by a C×V zero block (the interpreter may not even run it)."""
+    ir.replace_uses("o_inter", ir.add("zero", "const", value=0.0, shape=("C", "V")))
+
+
+@pytest.mark.parametrize("broken", [_drop_decayed_state, _zero_o_inter, _const_o_inter],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_check_mode_names_the_broken_pass(monkeypatch, broken):
+    bad = Rewrite(f"broken{broken.__name__}", "a deliberately wrong rewrite", broken)
+    passes = list(CHUNK_PASSES)
+    passes.insert([p.name for p in passes].index("gate_out_of_inverse") + 1, bad)
+    monkeypatch.setattr(pipeline, "CHUNK_PASSES", passes)
+    assert bad.name in pass_names()
+    # without check mode the wrong chunk program is accepted (it verifies: shapes, exponents)
+    qla_compiler.compile_spec("gdn", stop_after=CHUNK_PASSES[-1].name)
+    with pytest.raises(PassError) as e:
+        qla_compiler.compile_spec("gdn", check=True)
+    assert e.value.pass_name == bad.name
+    assert f"pass '{bad.name}'" in str(e.value)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_check_mode_passes_for_shipped_specs(spec):
+    prog = qla_compiler.compile_spec(spec, check=True)
+    assert [n for n, _ in prog.stages] == pass_names()
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------
+
+def test_print_after_all_prints_every_pass(capsys):
+    assert main([GDN, "--emit", "chunk", "--print-after-all"]) == 0
+    out = capsys.readouterr().out
+    headers = re.findall(r"^// ----- after (\S+) -----$", out, re.M)
+    assert headers == pass_names()
+
+
+def test_stop_after_gate_out_of_inverse(capsys):
+    assert main([GDN, "--stop-after", "gate_out_of_inverse", "--emit", "chunk"]) == 0
+    out = capsys.readouterr().out
+    for name in ("T_r", "W", "U"):
+        assert re.search(rf"^\s*{name}:", out, re.M), name
+    assert re.search(r"^\s*T:C×C\s+= mul T_r R$", out, re.M)
+
+
+def test_stop_after_unknown_pass(capsys):
+    assert main([GDN, "--stop-after", "nosuchpass"]) == 1
+    err = capsys.readouterr().err
+    assert "nosuchpass" in err
+    for name in pass_names():
+        assert name in err, name
+
+
+def test_check_flag(capsys):
+    assert main([GDN, "--check"]) == 0
+    assert "chunk program (C=64)" in capsys.readouterr().out
