@@ -81,8 +81,12 @@ def load_kernels(program, shape: ShapeClass) -> dict:
     key = (id(program.kernels), shape)  # the hot path: no lowering, no file access
     if key in _LOADED:
         return _LOADED[key]
+    import logging
+
     import tilelang
 
+    # TileLang logs every compile and cache hit; qla prints its own progress line instead
+    logging.getLogger("tilelang").setLevel(logging.ERROR)
     path = write_module(program, shape)
     mod = import_module(path)
     out = {}

@@ -104,7 +104,12 @@ class _Render:
             return [f"for {', '.join(idx)} in T.Parallel({self._buf_shape(s.dst)}):",
                     f"    {s.dst}[{', '.join(idx)}] = {value}"]
         if s.op == "cumsum":
-            return [f"T.cumsum({s.srcs[0]}, {s.dst})"]
+            # T.cumsum runs on threads 0..31 only, which under warp specialisation belong to the
+            # producer; a masked row sum over a C×C fragment runs on the consumer's own threads.
+            return ["for i, j in T.Parallel(C, C):",
+                    f"    {s.dst}_tri[i, j] = T.if_then_else(j <= i, {s.srcs[0]}[j], 0.0)",
+                    f"T.reduce_sum({s.dst}_tri, {s.dst}_acc, dim=1)",
+                    f"T.copy({s.dst}_acc, {s.dst})"]
         if s.op == "inverse":
             a_s = s.srcs[0]
             return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_P_s, {s.dst}_PT_s, {s.dst}_P_f, "
@@ -138,6 +143,12 @@ class _Render:
         return f"{name}_rows[0, t0:t0 + C, i_hv, 0:C]"
 
 
+# scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
+SCRATCH = {
+    "inverse": {k: (scope, "(C, C)", dt) for k, (scope, dt) in INVERSE_SCRATCH.items()},
+    "cumsum": {"tri": ("fragment", "(C, C)", "float32"), "acc": ("fragment", "(C,)", "float32")},
+}
+
 _DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1"}
 
 
@@ -168,10 +179,10 @@ def lower_kernel(kernel: Kernel) -> list[str]:
     for b in kernel.buffers:
         alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
         out.append(f"        {b.name} = {alloc}({_shape(b.shape)}, {_dtype(b.dtype)})")
-        for s in (st for st in kernel.body if st.op == "inverse" and st.dst == b.name):
-            for suffix, (scope, dt) in INVERSE_SCRATCH.items():
+        for s in (st for st in kernel.body if st.dst == b.name and st.op in SCRATCH):
+            for suffix, (scope, shape, dt) in SCRATCH[s.op].items():
                 alloc = "T.alloc_shared" if scope == "shared" else "T.alloc_fragment"
-                out.append(f"        {s.dst}_{suffix} = {alloc}((C, C), {_dtype(dt)})")
+                out.append(f"        {s.dst}_{suffix} = {alloc}({shape}, {_dtype(dt)})")
     for s in kernel.prologue:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
     ind = "        "
