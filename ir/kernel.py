@@ -72,8 +72,8 @@ class Buffer:
 
 @dataclass(frozen=True)
 class Stmt:
-    """op: load | load_vec | zero_pad | copy | gemm | ewise | cumsum | inverse | store | store_state
-    | load_state | clear."""
+    """op: load | load_vec | zero_pad | copy | gemm | ewise | cumsum | inverse | store | store_vec
+    | store_state | load_state."""
     op: str
     dst: str | None
     srcs: tuple = ()

@@ -84,8 +84,10 @@ class _Render:
         if s.op == "load":
             return [f"T.copy({self._global(s.srcs[0], scan)}, {s.dst})"]
         if s.op == "load_vec":
+            x = s.srcs[0]
+            pad = f"{x}[0, t0 + n_valid - 1, i_hv]" if a.get("pad") == "hold" else "0.0"
             return ["for i in T.Parallel(C):",
-                    f"    {s.dst}[i] = T.if_then_else(i < n_valid, {s.srcs[0]}[0, t0 + i, i_hv], 0.0)"]
+                    f"    {s.dst}[i] = T.if_then_else(i < n_valid, {x}[0, t0 + i, i_hv], {pad})"]
         if s.op == "zero_pad":
             shape = self._buf_shape(s.dst)
             return ["if n_valid < C:  # the rows past the sequence belong to the next one",
@@ -125,6 +127,10 @@ class _Render:
             return ["for i, j in T.Parallel(C, C):",
                     "    if i < n_valid:",
                     f"        {s.dst}_rows[0, t0 + i, i_hv, j] = T.cast({s.srcs[0]}[i, j], IO)"]
+        if s.op == "store_vec":
+            return ["for i in T.Parallel(C):",
+                    "    if i < n_valid:",
+                    f"        {s.dst}[0, t0 + i, i_hv] = {s.srcs[0]}[i]"]
         if s.op == "load_state":
             return [f"T.copy({s.srcs[0]}[i_n, i_hv, 0:K, v0:v0 + BV], {s.dst})"]
         if s.op == "store_state":

@@ -39,7 +39,7 @@ class _Builder:
         self.ir, self.nodes, self.loaded, self.tiled = ir, set(nodes), set(loaded), tiled
         self.buffers: dict[str, Buffer] = {}
         self.place: dict[str, str] = {}  # node -> buffer holding its value
-        self.loads, self.body = [], []
+        self.loads, self.copies, self.body = [], [], []
         self.users = {n: [u.name for u in ir.users(n) if u.name in self.nodes] for n in self.nodes}
 
     def buf(self, name, shape, dtype, scope) -> str:
@@ -166,8 +166,10 @@ def _check_v_columns(ir: ChunkIR) -> None:
 
 
 def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
-    """Statements for the node set; returns the builder (buffers, loads, body)."""
+    """Statements for the node set; returns the builder (buffers, loads, body). The V-blocked
+    kernel is also the pipelined one (its loads run on a producer warpgroup)."""
     b = _Builder(ir, nodes, loaded, tiled)
+    pipelined = tiled
     order = [n for n in ir.order() if n.name in b.nodes]
     acc = _accumulation(ir, [n.name for n in order])
     fused_matmuls = {m for _, m in acc.values()}
@@ -175,10 +177,19 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
 
     for n in order:  # loads first: they are the producer's work
         if n.op == "input" or n.name in b.loaded:
-            kind = n.attr.get("kind", "block")
-            if kind in ("scalar", "gate"):
-                b.place[n.name] = b.buf(f"{n.name}_s", ("C",), "float32", "shared")
-                b.loads.append(Stmt("load_vec", b.place[n.name], (n.name,)))
+            kind = n.attr.get("kind", "vector" if n.shape == ("C",) else "block")
+            if kind in ("scalar", "gate", "vector"):
+                staged = b.buf(f"{n.name}_s", ("C",), "float32", "shared")
+                # a prefix sum of zero-padded gates holds its last value over the padding
+                pad = "hold" if n.op == "cumsum" else "zero"
+                b.loads.append(Stmt("load_vec", staged, (n.name,), (("pad", pad),)))
+                b.place[n.name] = staged
+                if pipelined:
+                    # TileLang 0.1.15 hands a vector loaded by the producer back to it too early
+                    # (after the chunk's first matmuls, before β's last use): read a private copy
+                    own = b.buf(f"{n.name}_c", ("C",), "float32", "shared")
+                    b.copies.append(Stmt("ewise", own, (), (("expr", ("buf", staged, "i")), ("index", ("i",)))))
+                    b.place[n.name] = own
             else:
                 shape = BLOCK_INPUT_SHAPE.get(kind, n.shape)
                 b.place[n.name] = b.buf(f"{n.name}_s", shape, "io", "shared")
@@ -237,6 +248,11 @@ def schedule(part: Partition) -> KernelIR:
     kir = KernelIR(ir.name, ir.chunk_size)
     heads = [n.attr["name"] for n in ir.of_op("head_log")]
 
+    def crossing_tensor(name, role):
+        if ir.node(name).shape == ("C",):
+            return Tensor(name, ("1", "T", "HV"), "float32", role, "per token")
+        return Tensor(name, ("1", "T", "HV", "C"), "io", role, "rows of the chunk's block, per token")
+
     def params_for(nodes, loaded):
         ps = []
         for name in nodes:
@@ -246,20 +262,23 @@ def schedule(part: Partition) -> KernelIR:
                 shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
                 ps.append(Tensor(name, shape, "io" if kind in ("key", "value") else "float32", "in"))
             elif name in loaded:
-                ps.append(Tensor(name, ("1", "T", "HV", "C"), "io", "in", "rows of the chunk's block, per token"))
+                ps.append(crossing_tensor(name, "in"))
         return ps
 
-    if part.solve:
-        b = _build(ir, part.solve, (), tiled=False)
-        stores = [Stmt("store", x, (b.place[x],), (("rows", "n_valid"),)) for x in part.crossing]
-        params = params_for(part.solve, ()) + [
+    if part.prep:
+        b = _build(ir, part.prep, (), tiled=False)
+        stores = [Stmt("store_vec" if ir.node(x).shape == ("C",) else "store", x, (b.place[x],),
+                       (("rows", "n_valid"),)) for x in part.crossing]
+        params = params_for(part.prep, ()) + [
             Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")]
-        params += [Tensor(x, ("1", "T", "HV", "C"), "io", "out") for x in part.crossing]
+        params += [crossing_tensor(x, "out") for x in part.crossing]
+        work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by Neumann doubling on tf32 wgmma"),
+                                ("cumsum", "chunk-local cumulative gates")) if ir.of_op(op)]
         kir.kernels.append(Kernel(
-            f"{ir.name}_solve", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
+            f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
             list(b.buffers.values()), [], b.loads + _zero_pad(b) + b.body + stores, [],
-            roles=("all 4 warps: load, K Kᵀ on wgmma, (I + A)⁻¹ by Neumann doubling on tf32 wgmma",),
-            doc="parallel over chunks: the gate-free triangular solve"))
+            roles=("all 4 warps: " + "; ".join(work),),
+            doc="parallel over chunks: " + ", ".join(work)))
         kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
                         "(torch on the device: no synchronisation)")
 
@@ -280,7 +299,7 @@ def schedule(part: Partition) -> KernelIR:
     params += [Tensor("o", ("1", "T", "HV", "V"), "io", "out"),
                Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
     prologue = [Stmt("load_state", "state", ("initial_state",))]
-    body = b.loads + _zero_pad(b) + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) \
+    body = b.loads + _zero_pad(b) + b.copies + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) \
         + b.body + store_o
     kir.kernels.append(Kernel(
         f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,

@@ -46,7 +46,7 @@ def test_solve_kernel_matches_torch_inverse(spec):
     kernels = load_kernels(prog, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32))
     k, beta, cu = _inputs([1, 200, 77], H, HV, K)
     out = torch.full((1, k.shape[1], HV, C), float("nan"), device="cuda", dtype=torch.bfloat16)
-    solve = prog.kernels.kernels[0]
+    solve = prog.kernels.kernels[0]  # the prep kernel
     args = {"k": k, "beta": beta, "chunk_map": chunk_map(cu, k.shape[1], C)}
     args[solve.params[-1].name] = out
     kernels[solve.name](*[args[p.name] for p in solve.params])
