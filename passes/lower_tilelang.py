@@ -89,10 +89,12 @@ class _Render:
             return ["for i in T.Parallel(C):",
                     f"    {s.dst}[i] = T.if_then_else(i < n_valid, {x}[0, t0 + i, i_hv], {pad})"]
         if s.op == "zero_pad":
-            shape = self._buf_shape(s.dst)
-            return ["if n_valid < C:  # the rows past the sequence belong to the next one",
-                    f"    for i, j in T.Parallel({shape}):",
-                    f"        {s.dst}[i, j] = T.if_then_else(i < n_valid, {s.dst}[i, j], T.cast(0, IO))"]
+            loop = [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
+                    f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {s.dst}[i, j], T.cast(0, IO))"]
+            if not a.get("only_partial"):
+                return ["# the rows past the sequence belong to the next one"] + loop
+            return ["if n_valid < C:  # the rows past the sequence belong to the next one"] + \
+                [f"    {ln}" for ln in loop]
         if s.op == "copy":
             return [f"T.copy({s.srcs[0]}, {s.dst})"]
         if s.op == "gemm":

@@ -276,7 +276,7 @@ def schedule(part: Partition) -> KernelIR:
                                 ("cumsum", "chunk-local cumulative gates")) if ir.of_op(op)]
         kir.kernels.append(Kernel(
             f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-            list(b.buffers.values()), [], b.loads + _zero_pad(b) + b.body + stores, [],
+            list(b.buffers.values()), [], b.loads + _zero_pad(b, only_partial=False) + b.body + stores, [],
             roles=("all 4 warps: " + "; ".join(work),),
             doc="parallel over chunks: " + ", ".join(work)))
         kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
@@ -299,7 +299,7 @@ def schedule(part: Partition) -> KernelIR:
     params += [Tensor("o", ("1", "T", "HV", "V"), "io", "out"),
                Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
     prologue = [Stmt("load_state", "state", ("initial_state",))]
-    body = b.loads + _zero_pad(b) + b.copies + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) \
+    body = b.loads + _zero_pad(b, only_partial=True) + b.copies + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) \
         + b.body + store_o
     kir.kernels.append(Kernel(
         f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,
@@ -311,6 +311,11 @@ def schedule(part: Partition) -> KernelIR:
     return kir
 
 
-def _zero_pad(b: _Builder) -> list:
-    """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact)."""
-    return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"),)) for s in b.loads if s.op == "load"]
+def _zero_pad(b: _Builder, only_partial: bool) -> list:
+    """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact).
+
+    `only_partial` skips the pass on full chunks. Only the pipelined scan uses it: TileLang 0.1.15
+    may put the barrier that orders the loads before their readers inside that branch, so a
+    kernel whose loads run on the same threads as their readers zero-pads unconditionally."""
+    return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"), ("only_partial", only_partial)))
+            for s in b.loads if s.op == "load"]
