@@ -1,7 +1,13 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
 import qla_compiler
+
+# generated TileLang modules go to a scratch directory, not the user's cache
+os.environ.setdefault("QLA_CACHE_DIR", tempfile.mkdtemp(prefix="qla-test-cache-"))
 
 SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
 
