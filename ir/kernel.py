@@ -24,32 +24,48 @@ from dataclasses import dataclass, field
 # the loop variables i, j and n_valid (the tokens of the chunk).
 
 
-def expr_str(e) -> str:
-    """Readable infix form of an expression (for printing KernelIR)."""
+# Operator templates, one table per dialect: KernelIR's own print, and TileLang (passes/lower_tilelang)
+PRETTY = {
+    "add": "({0} + {1})", "sub": "({0} − {1})", "mul": "({0} · {1})", "neg": "−{0}",
+    "exp": "exp({0})", "exp2": "exp2({0})",
+    "select_lower": "[{j}≤{i} ? {a} : {b}]", "select_strict": "[{j}<{i} ? {a} : {b}]",
+    "select_valid": "[{i}<n_valid ? {a} : {b}]", "min_pos": "min({i}+1, n_valid)",
+}
+
+
+def format_expr(e, syntax: dict, leaf) -> str:
+    """Render an expression tree with one dialect's operator templates; `leaf` renders buffers,
+    literals, params and head constants."""
+    tag = e[0]
+    if tag in ("buf", "lit", "param", "head"):
+        return leaf(e)
+
+    def sub(x):
+        return format_expr(x, syntax, leaf)
+
+    if tag not in syntax:
+        raise ValueError(f"unknown expression {e!r}")
+    if tag in ("select_lower", "select_strict"):
+        return syntax[tag].format(i=e[1], j=e[2], a=sub(e[3]), b=sub(e[4]))
+    if tag == "select_valid":
+        return syntax[tag].format(i=e[1], a=sub(e[2]), b=sub(e[3]))
+    if tag == "min_pos":
+        return syntax[tag].format(i=e[1])
+    return syntax[tag].format(*[sub(x) for x in e[1:]])
+
+
+def _pretty_leaf(e) -> str:
     tag = e[0]
     if tag == "buf":
-        return f"{e[1]}[{', '.join(e[2:])}]"
+        return f"{e[1]}[{', '.join(e[2:])}]" if len(e) > 2 else e[1]
     if tag == "lit":
         return f"{e[1]:.6g}" if isinstance(e[1], float) else str(e[1])
-    if tag in ("add", "sub", "mul"):
-        sym = {"add": "+", "sub": "−", "mul": "·"}[tag]
-        return f"({expr_str(e[1])} {sym} {expr_str(e[2])})"
-    if tag == "neg":
-        return f"−{expr_str(e[1])}"
-    if tag in ("exp", "exp2"):
-        return f"{tag}({expr_str(e[1])})"
-    if tag in ("select_lower", "select_strict"):
-        rel = "≤" if tag == "select_lower" else "<"
-        return f"[{e[2]}{rel}{e[1]} ? {expr_str(e[3])} : {expr_str(e[4])}]"
-    if tag == "select_valid":
-        return f"[{e[1]}<n_valid ? {expr_str(e[2])} : {expr_str(e[3])}]"
-    if tag == "min_pos":
-        return f"min({e[1]}+1, n_valid)"
-    if tag == "param":
-        return e[1]
-    if tag == "head":
-        return f"log_{e[1]}[head]"
-    raise ValueError(f"unknown expression {e!r}")
+    return e[1] if tag == "param" else f"log_{e[1]}[head]"
+
+
+def expr_str(e) -> str:
+    """Readable infix form of an expression (for printing KernelIR)."""
+    return format_expr(e, PRETTY, _pretty_leaf)
 
 
 @dataclass(frozen=True)

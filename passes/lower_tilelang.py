@@ -12,11 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qla_compiler.errors import PassError
-from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt
+from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, format_expr
 from qla_compiler.kernels.tri_inverse import SCRATCH as INVERSE_SCRATCH
 from qla_compiler.kernels.tri_inverse import squarings
 
 IO_DTYPES = ("bfloat16", "float16")
+TILELANG = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "neg": "(-{0})",
+    "exp": "T.exp({0})", "exp2": "T.exp2({0})",
+    "select_lower": "T.if_then_else({j} <= {i}, {a}, {b})", "select_strict": "T.if_then_else({j} < {i}, {a}, {b})",
+    "select_valid": "T.if_then_else({i} < n_valid, {a}, {b})",
+    "min_pos": 'T.cast(T.min({i} + 1, n_valid), "float32")',
+}
 
 
 @dataclass(frozen=True)
@@ -54,30 +61,19 @@ class _Render:
         self.dtype = {b.name: b.dtype for b in kernel.buffers}
 
     def expr(self, e) -> str:
+        try:
+            return format_expr(e, TILELANG, self._leaf)
+        except ValueError as err:
+            raise PassError("lower", f"no template for expression: {err}") from None
+
+    def _leaf(self, e) -> str:
         tag = e[0]
         if tag == "buf":
             ref = f"{e[1]}[{', '.join(e[2:])}]" if len(e) > 2 else e[1]
             return f'T.cast({ref}, "float32")' if self.dtype.get(e[1]) == "io" else ref
         if tag == "lit":
             return repr(float(e[1]))
-        if tag == "param":
-            return e[1].upper()
-        if tag == "head":
-            return f"log_{e[1]}[i_hv]"
-        if tag in ("add", "sub", "mul"):
-            return f"({self.expr(e[1])} {dict(add='+', sub='-', mul='*')[tag]} {self.expr(e[2])})"
-        if tag == "neg":
-            return f"(-{self.expr(e[1])})"
-        if tag in ("exp", "exp2"):
-            return f"T.{tag}({self.expr(e[1])})"
-        if tag in ("select_lower", "select_strict"):
-            op = "<=" if tag == "select_lower" else "<"
-            return f"T.if_then_else({e[2]} {op} {e[1]}, {self.expr(e[3])}, {self.expr(e[4])})"
-        if tag == "select_valid":
-            return f"T.if_then_else({e[1]} < n_valid, {self.expr(e[2])}, {self.expr(e[3])})"
-        if tag == "min_pos":
-            return f'T.cast(T.min({e[1]} + 1, n_valid), "float32")'
-        raise PassError("lower", f"no template for expression {tag}")
+        return e[1].upper() if tag == "param" else f"log_{e[1]}[i_hv]"
 
     def stmt(self, s: Stmt, scan: bool) -> list[str]:
         a = s.attr
