@@ -90,8 +90,9 @@ def run(rows, plot=None):
         args = make_inputs(H, HV, lens)
         res = {"row": row}
         for name, fn in libs.items():
-            call = (lambda f=fn, a=args: f(**a)) if name != "qla" else \
-                (lambda f=fn, a=args: f(**{**a, "cu_seqlens": a["cu_seqlens"].int()}))
+            def call(f=fn, a=args):
+                return f(**a)
+
             try:
                 res[f"{name} device"] = device_ms(call)
                 res[f"{name} eager"] = eager_ms(call)
