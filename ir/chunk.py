@@ -2,7 +2,8 @@
 
 A networkx DiGraph whose nodes are named values (`R`, `T_r`, `v_new`, ...), each with an op from
 `chunk_ops.OPS`, ordered arguments and a block shape. `state_in` is the state entering the chunk
-and `outputs["state"]` the state leaving it: that pair is the scan's loop-carried edge. Nodes that
+and `outputs["state"]` the state leaving it: that pair is the scan's loop-carried edge (for a
+backward program, `reverse`, the scan runs from the last chunk to the first). Nodes that
 do not depend on `state_in` are parallel over chunks; the rest form the sequential scan.
 
     >>> from qla_compiler import compile_spec
@@ -46,6 +47,7 @@ class ChunkIR:
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
     outputs: dict = field(default_factory=dict)  # role -> node: "o" (C×V), "state" (K×V)
     history: tuple = ()  # names of the passes that produced this program
+    reverse: bool = False  # the scan runs from the last chunk to the first (a backward program)
 
     # ---- building -------------------------------------------------------------------------
     def add(self, name: str, op: str, /, *args: str, **attrs) -> str:
@@ -70,7 +72,8 @@ class ChunkIR:
         return f"{name}_{i}"
 
     def copy(self) -> "ChunkIR":
-        return ChunkIR(self.name, self.chunk_size, self.graph.copy(), dict(self.outputs), self.history)
+        return ChunkIR(self.name, self.chunk_size, self.graph.copy(), dict(self.outputs), self.history,
+                       self.reverse)
 
     # ---- reading --------------------------------------------------------------------------
     def node(self, name: str) -> Node:
@@ -172,8 +175,9 @@ class ChunkIR:
             f" ; {e}" for e in extra)
         lines = [head]
         body = [n for n in nodes if n not in leaves]
+        scan_title = f"scan over chunks{', last to first' if self.reverse else ''} (carries the state)"
         for title, group in (("parallel over chunks", [n for n in body if n.name not in scan]),
-                             ("scan over chunks (carries the state)", [n for n in body if n.name in scan])):
+                             (scan_title, [n for n in body if n.name in scan])):
             if group:
                 lines.append(f"  # {title}")
                 width = max(len(f"{n.name}:{_shape(n.shape)}") for n in group)

@@ -2,9 +2,12 @@
 
 Two phases, as the kernels do it: every node that does not depend on the state is evaluated once
 for all chunks at the same time; the scan nodes are then evaluated chunk after chunk, carrying the
-state.
+state (from the last chunk to the first for a backward program, `ir.reverse`).
 
     >>> o, S = run_chunks(chunk_ir, blocks, lengths, {"scale": 0.125}, {}, S0)    # doctest: +SKIP
+    >>> o, S, entering = run_chunks(..., save_states=True)                      # doctest: +SKIP
+    >>> grads, dS0 = run_backward(backward_ir, blocks, lengths, params, consts,
+    ...                           entering, d_o, d_S)                             # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -15,14 +18,39 @@ from .chunk_ops import OPS, Context
 
 
 def run_chunks(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict, head_consts: dict,
-               initial_state: torch.Tensor):
+               initial_state: torch.Tensor, save_states: bool = False):
     """Evaluate `ir` over chunked inputs.
 
     blocks: input name -> [N, HV, NC, C, ...] (tokens past a chunk's length are zero padding).
     lengths: [N, NC] tokens in each chunk (0 for chunks past the end of a short sequence).
     params: runtime scalars (e.g. scale) as floats; head_consts: name -> [HV] log-decay per head.
-    initial_state: [N, HV, K, V]. Returns o [N, HV, NC, C, V] and the final state [N, HV, K, V].
+    initial_state: [N, HV, K, V]. Returns o [N, HV, NC, C, V] and the final state [N, HV, K, V];
+    with save_states also the state entering each chunk, [N, HV, NC, K, V] (what the backward needs).
     """
+    outs, final, states = _scan(ir, blocks, lengths, params, head_consts, initial_state, save_states)
+    return (outs["o"], final, states) if save_states else (outs["o"], final)
+
+
+def run_backward(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict, head_consts: dict,
+                 states: torch.Tensor, d_o: torch.Tensor, d_final: torch.Tensor):
+    """Evaluate a backward program (passes/autodiff.py) over chunked inputs, last chunk first.
+
+    blocks, lengths, params, head_consts: as for the forward; states: the states entering each
+    chunk [N, HV, NC, K, V] (run_chunks(..., save_states=True)); d_o: [N, HV, NC, C, V], the
+    cotangent of o; d_final: [N, HV, K, V], the final state's. Returns (input name -> gradient
+    block [N, HV, NC, C, ...] for the inputs with one, d_initial_state [N, HV, K, V]).
+    """
+    blocks = dict(blocks)
+    for n in ir.inputs():
+        kind = n.attr["kind"]
+        if kind in ("saved_state", "cotangent_value"):
+            blocks[n.attr["name"]] = states if kind == "saved_state" else d_o
+    outs, d_initial, _ = _scan(ir, blocks, lengths, params, head_consts, d_final, False)
+    return {role[2:]: g for role, g in outs.items() if role.startswith("d_")}, d_initial
+
+
+def _scan(ir: ChunkIR, blocks, lengths, params, head_consts, initial_state, save_states):
+    """Every per-chunk output (role -> [N, HV, NC, ...]), the last state, the entering states."""
     N, HV, NC = next(iter(blocks.values())).shape[:3]
     dtype, device = initial_state.dtype, initial_state.device
     lens = lengths.view(N, 1, NC)
@@ -30,6 +58,7 @@ def run_chunks(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict, h
     prm = {k: torch.as_tensor(v, dtype=dtype, device=device).view(1, 1, 1) for k, v in params.items()}
     scan = ir.scan_nodes()
     order = ir.order()
+    roles = {r: v for r, v in ir.outputs.items() if r != "state"}
 
     # phase 1: everything not downstream of the state, batched over [N, HV, NC]
     ctx = Context(blocks, lens, prm, consts, initial_state.unsqueeze(2), ir.chunk_size, 3)
@@ -40,9 +69,11 @@ def run_chunks(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict, h
 
     # phase 2: the scan, chunk by chunk, batched over [N, HV, 1]
     state = initial_state.unsqueeze(2)
-    o_role = ir.outputs["o"]
-    outs = []
-    for c in range(NC):
+    per_chunk = {r: [] for r, v in roles.items() if v in scan}
+    entering = []
+    for c in (reversed(range(NC)) if ir.reverse else range(NC)):
+        if save_states:
+            entering.append(state)
         sl = {k: _chunk(v, c) for k, v in vals.items()}
         cctx = Context({k: _chunk(b, c) for k, b in blocks.items()}, _chunk(lens, c), prm,
                        consts, state, ir.chunk_size, 3)
@@ -50,8 +81,13 @@ def run_chunks(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict, h
             if n.name in scan:
                 sl[n.name] = _apply(cctx, n, sl, ir)
         state = sl[ir.outputs["state"]]
-        outs.append(sl[o_role])
-    return torch.cat(outs, dim=2), state.squeeze(2)
+        for r in per_chunk:
+            per_chunk[r].append(sl[roles[r]])
+    step = -1 if ir.reverse else 1
+    outs = {r: (torch.cat(per_chunk[r][::step], dim=2) if r in per_chunk
+                else vals[v].expand(N, HV, NC, *vals[v].shape[3:])) for r, v in roles.items()}
+    states = torch.cat(entering[::step], dim=2) if save_states else None
+    return outs, state.squeeze(2), states
 
 
 def _apply(ctx, n, vals, ir):

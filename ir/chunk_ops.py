@@ -117,6 +117,26 @@ def _const(ctx, args, attrs, shapes):
                       dtype=ctx.state.dtype, device=ctx.state.device)
 
 
+def _at_last(ctx, args, attrs, shapes):
+    (x,) = args
+    at = _iota(ctx) == (ctx.lengths - 1).clamp(min=0).unsqueeze(-1)
+    return x.unsqueeze(-1) * at.to(x.dtype)
+
+
+def _sum_all(ctx, args, attrs, shapes):
+    (x,), (s,) = args, shapes
+    return x.sum(dim=tuple(range(-len(s), 0))) if s else x
+
+
+def _matrix_to(dim):
+    def shape(shapes, attrs):
+        (s,) = shapes
+        if len(s) != 2:
+            raise ValueError(f"a row or column sum of a non-matrix {s}")
+        return (s[dim],)
+    return shape
+
+
 def _same(shapes, attrs):
     return shapes[0]
 
@@ -132,7 +152,11 @@ def _op(name, arity, shape, ev, doc):
     OPS[name] = OpDef(name, arity, shape, ev, doc)
 
 
-_op("input", 0, lambda s, a: {"key": ("C", "K"), "value": ("C", "V")}.get(a["kind"], ("C",)),
+# input kinds: key, value, scalar, gate (the spec's); the backward program adds the cotangent of o
+# (cotangent_value) and the state saved by the forward as the one that entered the chunk (saved_state)
+INPUT_SHAPES = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V"),
+                "saved_state": ("K", "V")}
+_op("input", 0, lambda s, a: INPUT_SHAPES.get(a["kind"], ("C",)),
     lambda ctx, args, a, s: ctx.inputs[a["name"]], "a block of a per-token input")
 _op("head_log", 0, _fixed(()), lambda ctx, args, a, s: ctx.head_consts[a["name"]],
     "log of a per-head constant decay")
@@ -165,7 +189,17 @@ _op("tril", 1, _same,
     "keep the lower triangle (strict: below the diagonal)")
 _op("inv_unit_lower", 1, _same, _inv_unit_lower, "(I + A)⁻¹ for strictly lower triangular A")
 
+# ops of the backward program (passes/autodiff.py): the transposes of cumsum, last, broadcasting
+_op("rev_cumsum", 1, _same, lambda ctx, args, a, s: args[0].flip(-1).cumsum(-1).flip(-1),
+    "chunk-local inclusive suffix sum (the transpose of cumsum)")
+_op("at_last", 1, _fixed(("C",)), _at_last,
+    "a vector with x at the chunk's last token, 0 elsewhere (the transpose of last)")
+_op("rowsum", 1, _matrix_to(0), lambda ctx, args, a, s: args[0].sum(-1), "Σ_j X_ij")
+_op("colsum", 1, _matrix_to(1), lambda ctx, args, a, s: args[0].sum(-2), "Σ_i X_ij")
+_op("sum_all", 1, _fixed(()), _sum_all, "the sum of every entry of a block (the transpose of broadcasting)")
+
 ELEMENTWISE = {"exp", "exp2", "neg", "add", "sub", "mul"}
 # ops through which a scaling of the input scales the output by the same factor
-LINEAR = {"cumsum", "last", "masked_diff", "neg", "add", "sub"}
+LINEAR = {"cumsum", "last", "masked_diff", "neg", "add", "sub", "rev_cumsum", "at_last", "rowsum", "colsum",
+          "sum_all"}
 EXPONENTIALS = {"exp", "exp2"}

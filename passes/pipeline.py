@@ -12,7 +12,8 @@ first called with concrete shapes (or for `qla-compile --emit tilelang` with a d
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
-every ChunkIR pass, naming the first pass that breaks agreement.
+every ChunkIR pass, naming the first pass that breaks agreement. Once the chunk passes are done,
+`Program.backward` holds the chunk program's VJP (passes/autodiff.py; not a stage of its own).
 
     >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
     >>> [name for name, _ in prog.stages]
@@ -28,6 +29,7 @@ from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.kernel import KernelIR
 from qla_compiler.ir.recurrence import RecurrenceIR
 
+from .autodiff import derive_backward
 from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
@@ -57,6 +59,7 @@ class Program:
     chunk: ChunkIR | None = None
     kernels: KernelIR | None = None
     stages: list = field(default_factory=list)  # (pass name, IR after it)
+    backward: ChunkIR | None = None  # the VJP of the final chunk program (passes/autodiff.py)
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
@@ -106,6 +109,8 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
         except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
             raise PassError(p.name, f"{type(e).__name__}: {e}") from e
         prog.stages.append((p.name, ir))
+        if p.name == CHUNK_PASSES[-1].name:  # the chunk program is final: differentiate it
+            prog.backward = derive_backward(ir)
         if isinstance(ir, RecurrenceIR):
             prog.recurrence = ir
         elif isinstance(ir, KernelIR):

@@ -5,6 +5,7 @@
     qla-compile specs/gdn.py --emit chunk --print-after-all # the IR after every pass
     qla-compile specs/gdn.py --emit chunk --stop-after chunk
     qla-compile specs/gdn.py --check                        # interpreter vs reference after each pass
+    qla-compile specs/gdn.py --emit backward                # the chunk program's VJP (reverse scan)
     qla-compile specs/gdn.py --emit kernel                  # kernels, buffers, roles, statements
     qla-compile specs/gdn.py --emit tilelang -o out/        # the generated TileLang module
     qla-compile specs/gdn.py --emit cuda --shape H=4,HV=16,K=128,V=128,BV=32
@@ -18,7 +19,7 @@ from pathlib import Path
 from .compiler import compile_spec
 from .errors import PassError, SpecError
 
-EMITS = ("recurrence", "chunk", "kernel", "tilelang", "cuda")
+EMITS = ("recurrence", "chunk", "backward", "kernel", "tilelang", "cuda")
 DEFAULT_SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16"  # Qwen3-Next's GDN layer under TP8
 
 
@@ -51,8 +52,8 @@ def main(argv=None) -> int:
         return 1
     if args.emit == "recurrence":
         text = str(prog.recurrence)
-    elif args.emit in ("chunk", "kernel", "tilelang", "cuda"):
-        stage = prog.chunk if args.emit == "chunk" else prog.kernels
+    elif args.emit in ("chunk", "backward", "kernel", "tilelang", "cuda"):
+        stage = {"chunk": prog.chunk, "backward": prog.backward}.get(args.emit, prog.kernels)
         if stage is None:
             print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
@@ -94,6 +95,8 @@ def parse_shape(text: str):
 def _emit(what: str, prog, shape_text: str) -> str:
     if what == "chunk":
         return str(prog.chunk)
+    if what == "backward":
+        return str(prog.backward)
     if what == "kernel":
         return str(prog.kernels)
     from .kernels.runtime import lower_to_cuda, module_source  # imports TileLang

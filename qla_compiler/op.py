@@ -11,6 +11,12 @@ Arguments are the spec's inputs in the spec's order (positional or by name), the
 o has v's dtype and shape [B, T, HV, V]; the state is float32 (float64 for float64 inputs).
 CPU tensors run the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in
 float64 with the same arguments.
+
+On CPU tensors the op is differentiable (torch.autograd): the chunk program's evaluation is one
+autograd.Function whose forward runs the interpreter saving only the state entering each chunk, and
+whose backward runs the backward chunk program (passes/autodiff.py) as a reverse scan. Everything
+around it — l2-normalising q/k, expanding q/k heads to the value heads, packing/unpacking sequences,
+dtype casts — is plain torch, so autograd differentiates it. The GPU path is not differentiable yet.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import math
 import torch
 
 from .checks import Dims, check_inputs
-from .ir.chunk_interp import run_chunks
+from .ir.chunk_interp import run_backward, run_chunks
 from .ir.recurrence_interp import run_recurrence
 from .layout import expand_heads, from_chunks, gather, scatter, sequence_bounds, to_chunks
 
@@ -72,6 +78,9 @@ class CompiledOp:
                                             use_qk_l2norm_in_kernel)
         v = inputs[next(n for n in self.input_names if self.kinds[n] == "value")]
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
+        if v.is_cuda and _wants_grad(*inputs.values(), initial_state):
+            raise NotImplementedError(f"{self.name}: gradients of CUDA inputs are not supported yet (the GPU "
+                                      "backward is not built); CPU tensors are differentiable")
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
             from .kernels.forward import forward  # tilelang is imported only when kernels run
 
@@ -121,8 +130,54 @@ class CompiledOp:
         head_consts = self._head_logs(dims.HV)
         h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
               if initial_state is None else initial_state.to(work))
-        o, final = run_chunks(chunk, blocks, chunk_lengths, {"scale": scale}, head_consts, h0)
+        params = {"scale": scale}
+        if _wants_grad(h0, *blocks.values()):
+            names = list(blocks)
+            o, final = _ChunkScan.apply((self, names, chunk_lengths, params, head_consts), h0,
+                                        *[blocks[n] for n in names])
+        else:
+            o, final = run_chunks(chunk, blocks, chunk_lengths, params, head_consts, h0)
         return scatter(from_chunks(o), starts, lengths, dims.B, dims.T), final
+
+    @property
+    def backward_program(self):
+        """The chunk program's VJP (passes/autodiff.py): from the pipeline, or derived here once."""
+        if self.program.backward is None:
+            from .passes.autodiff import derive_backward
+
+            self.program.backward = derive_backward(self.program.chunk)
+        return self.program.backward
+
+
+class _ChunkScan(torch.autograd.Function):
+    """(h0, input blocks) -> (o blocks, final state) by the chunk program; backward by its VJP program.
+
+    Saves its inputs and the state entering each chunk, nothing else: the backward program
+    recomputes every other forward value from those."""
+
+    @staticmethod
+    def forward(ctx, how, h0, *blocks):
+        op, names, lengths, params, head_consts = how
+        o, final, states = run_chunks(op.program.chunk, dict(zip(names, blocks)), lengths, params,
+                                      head_consts, h0, save_states=True)
+        ctx.how = how
+        ctx.save_for_backward(states, *blocks)
+        return o, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_o, d_final):
+        op, names, lengths, params, head_consts = ctx.how
+        states, *blocks = ctx.saved_tensors
+        grads, d_h0 = run_backward(op.backward_program, dict(zip(names, blocks)), lengths, params,
+                                   head_consts, states, d_o, d_final)
+        d_blocks = [(grads[n] if n in grads else torch.zeros_like(b)) if need else None
+                    for n, b, need in zip(names, blocks, ctx.needs_input_grad[2:])]
+        return None, (d_h0 if ctx.needs_input_grad[1] else None), *d_blocks
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _device(inputs):

@@ -1,8 +1,9 @@
-"""Random inputs for any compiled op, and the error measure every check uses.
+"""Random inputs for any compiled op, the error measure every check uses, and input gradients.
 
     >>> op = qla_compiler.compile("specs/gdn.py")
     >>> args = random_inputs(op, T=100, H=2, HV=4, K=16, V=16, seed=0)      # doctest: +SKIP
     >>> rel_err(op(**args)[0], op.reference(**args)[0])                      # doctest: +SKIP
+    >>> g, g_ref = input_grads(op, args), input_grads(op.reference, args)      # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def input_grads(fn, args: dict, *, state_grad: bool = True, seed: int = 0) -> dict:
+    """Gradients of every floating tensor in `args` (inputs and initial_state) through
+    `fn(**args) -> (o, final_state)`, for random cotangents of o and — with `state_grad` and a
+    final state returned — of the final state (otherwise the final state gets no gradient)."""
+    names = [n for n, x in args.items() if torch.is_tensor(x) and x.is_floating_point()]
+    leaves = {n: args[n].detach().clone().requires_grad_(True) for n in names}
+    o, final = fn(**{**args, **leaves})
+    gen = torch.Generator().manual_seed(seed)
+    outs, cots = [o], [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)]
+    if state_grad and final is not None:
+        outs.append(final)
+        cots.append(torch.randn(final.shape, generator=gen, dtype=torch.float64).to(final))
+    grads = torch.autograd.grad(outs, [leaves[n] for n in names], cots, allow_unused=True)
+    return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}

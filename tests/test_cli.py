@@ -40,3 +40,9 @@ def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "qla_compiler.cli", "linear_attn", "--emit", "chunk"],
                        capture_output=True, text=True, check=True)
     assert "chunk_program linear_attn" in r.stdout
+
+
+def test_emit_backward_is_a_reverse_scan(capsys):
+    assert main(["gdn", "--emit", "backward"]) == 0
+    out = capsys.readouterr().out
+    assert "last to first" in out and "d_S0" in out and "d_v_new" in out
