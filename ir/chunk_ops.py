@@ -179,6 +179,10 @@ _op("scale_rows", 2, lambda s, a: s[1], lambda ctx, args, a, s: args[0].unsqueez
     "diag(d) X")
 _op("scale_cols", 2, lambda s, a: s[0], lambda ctx, args, a, s: args[0] * args[1].unsqueeze(-2),
     "X diag(d)")
+_op("eye", 0, _fixed(("K", "K")),
+    lambda ctx, args, a, s: torch.eye(ctx.state.shape[-2], dtype=ctx.state.dtype, device=ctx.state.device)
+    .view(*[1] * ctx.nb, ctx.state.shape[-2], ctx.state.shape[-2]),
+    "the K×K identity (the linear part of the state, passes/affine.py)")
 _op("causal_mask", 0, _fixed(("C", "C")),
     lambda ctx, args, a, s: _tri_mask(ctx.C, a["mask"] == "strict", ctx.lengths).to(ctx.state.dtype)
     .view(*[1] * ctx.nb, ctx.C, ctx.C),

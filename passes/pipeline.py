@@ -13,7 +13,8 @@ first called with concrete shapes (or for `qla-compile --emit tilelang` with a d
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
 every ChunkIR pass, naming the first pass that breaks agreement. Once the chunk passes are done,
-`Program.backward` holds the chunk program's VJP (passes/autodiff.py; not a stage of its own).
+`Program.backward` holds the chunk program's VJP (passes/autodiff.py) and `Program.affine` its state
+update as an affine map for context parallelism (passes/affine.py); neither is a stage of its own.
 
     >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
     >>> [name for name, _ in prog.stages]
@@ -29,6 +30,7 @@ from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.kernel import KernelIR
 from qla_compiler.ir.recurrence import RecurrenceIR
 
+from .affine import derive_affine
 from .autodiff import derive_backward
 from .chunk import derive_chunks
 from .classify import classify
@@ -60,6 +62,7 @@ class Program:
     kernels: KernelIR | None = None
     stages: list = field(default_factory=list)  # (pass name, IR after it)
     backward: ChunkIR | None = None  # the VJP of the final chunk program (passes/autodiff.py)
+    affine: ChunkIR | None = None  # its state update as S ↦ M S + H (passes/affine.py)
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
@@ -111,6 +114,7 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
         prog.stages.append((p.name, ir))
         if p.name == CHUNK_PASSES[-1].name:  # the chunk program is final: differentiate it
             prog.backward = derive_backward(ir)
+            prog.affine = derive_affine(ir)
         if isinstance(ir, RecurrenceIR):
             prog.recurrence = ir
         elif isinstance(ir, KernelIR):

@@ -6,6 +6,7 @@
     qla-compile specs/gdn.py --emit chunk --stop-after chunk
     qla-compile specs/gdn.py --check                        # interpreter vs reference after each pass
     qla-compile specs/gdn.py --emit backward                # the chunk program's VJP (reverse scan)
+    qla-compile specs/gdn.py --emit affine                  # S_next = M S0 + H, for context parallelism
     qla-compile specs/gdn.py --emit kernel                  # kernels, buffers, roles, statements
     qla-compile specs/gdn.py --emit tilelang -o out/        # the generated TileLang module
     qla-compile specs/gdn.py --emit cuda --shape H=4,HV=16,K=128,V=128,BV=32
@@ -19,7 +20,7 @@ from pathlib import Path
 from .compiler import compile_spec
 from .errors import PassError, SpecError
 
-EMITS = ("recurrence", "chunk", "backward", "kernel", "tilelang", "cuda")
+EMITS = ("recurrence", "chunk", "backward", "affine", "kernel", "tilelang", "cuda")
 DEFAULT_SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16"  # Qwen3-Next's GDN layer under TP8
 
 
@@ -52,8 +53,8 @@ def main(argv=None) -> int:
         return 1
     if args.emit == "recurrence":
         text = str(prog.recurrence)
-    elif args.emit in ("chunk", "backward", "kernel", "tilelang", "cuda"):
-        stage = {"chunk": prog.chunk, "backward": prog.backward}.get(args.emit, prog.kernels)
+    elif args.emit in ("chunk", "backward", "affine", "kernel", "tilelang", "cuda"):
+        stage = {"chunk": prog.chunk, "backward": prog.backward, "affine": prog.affine}.get(args.emit, prog.kernels)
         if stage is None:
             print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
@@ -95,8 +96,8 @@ def parse_shape(text: str):
 def _emit(what: str, prog, shape_text: str) -> str:
     if what == "chunk":
         return str(prog.chunk)
-    if what == "backward":
-        return str(prog.backward)
+    if what in ("backward", "affine"):
+        return str(getattr(prog, what))
     if what == "kernel":
         return str(prog.kernels)
     from .kernels.runtime import lower_to_cuda, module_source  # imports TileLang

@@ -25,7 +25,7 @@ import math
 import torch
 
 from .checks import Dims, check_inputs
-from .ir.chunk_interp import run_backward, run_chunks
+from .ir.chunk_interp import run_backward, run_chunks, run_context_parallel
 from .ir.recurrence_interp import run_recurrence
 from .layout import expand_heads, from_chunks, gather, scatter, sequence_bounds, to_chunks
 
@@ -118,7 +118,25 @@ class CompiledOp:
     def _heads(self, name, x, dims: Dims):
         return expand_heads(x, dims.HV) if self.kinds[name] == "key" else x
 
-    def _interpret(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work):
+    def context_parallel(self, *args, segment_chunks: int = 4, scale=None, initial_state=None,
+                         output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **named):
+        """What op(...) returns, computed the context-parallel way on the interpreter (MATH.md): every
+        chunk's affine state map S ↦ M S + H (passes/affine.py) at once, a scan over segments of
+        `segment_chunks` chunks, then every chunk at once from its start state. Exact; the oracle
+        for context-parallel kernels.
+
+            >>> o, S = op.context_parallel(q, k, v, g, beta, segment_chunks=8)   # doctest: +SKIP
+        """
+        if not isinstance(segment_chunks, int) or segment_chunks < 1:
+            raise ValueError(f"segment_chunks: expected a positive int, got {segment_chunks!r}")
+        inputs, dims, scale = self._prepare(args, named, scale, initial_state, cu_seqlens,
+                                            use_qk_l2norm_in_kernel)
+        v = inputs[next(n for n in self.input_names if self.kinds[n] == "value")]
+        work = torch.float64 if v.dtype == torch.float64 else torch.float32
+        o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work, segment_chunks)
+        return o.to(v.dtype), (final if output_final_state else None)
+
+    def _interpret(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work, segment=None):
         chunk = self.program.chunk
         C = chunk.chunk_size
         device = _device(inputs)
@@ -131,13 +149,25 @@ class CompiledOp:
         h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
               if initial_state is None else initial_state.to(work))
         params = {"scale": scale}
-        if _wants_grad(h0, *blocks.values()):
+        if segment is not None:
+            o, final = run_context_parallel(chunk, self.affine_program, blocks, chunk_lengths, params,
+                                            head_consts, h0, segment)
+        elif _wants_grad(h0, *blocks.values()):
             names = list(blocks)
             o, final = _ChunkScan.apply((self, names, chunk_lengths, params, head_consts), h0,
                                         *[blocks[n] for n in names])
         else:
             o, final = run_chunks(chunk, blocks, chunk_lengths, params, head_consts, h0)
         return scatter(from_chunks(o), starts, lengths, dims.B, dims.T), final
+
+    @property
+    def affine_program(self):
+        """The chunk's state update as S ↦ M S + H (passes/affine.py): from the pipeline, or derived once."""
+        if self.program.affine is None:
+            from .passes.affine import derive_affine
+
+            self.program.affine = derive_affine(self.program.chunk)
+        return self.program.affine
 
     @property
     def backward_program(self):

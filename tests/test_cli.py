@@ -46,3 +46,9 @@ def test_emit_backward_is_a_reverse_scan(capsys):
     assert main(["gdn", "--emit", "backward"]) == 0
     out = capsys.readouterr().out
     assert "last to first" in out and "d_S0" in out and "d_v_new" in out
+
+
+def test_emit_affine(capsys):
+    assert main(["gdn", "--emit", "affine"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("chunk_program gdn_affine") and "out M=" in out and "H=" in out

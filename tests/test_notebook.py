@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -63,3 +64,18 @@ def test_notebook_runs_top_to_bottom(kernel_env):
     assert "D X D⁻¹ form                 finite: False" in text
     assert "chunk_program gdn" in rich and "T_r" in rich
     assert "tensors crossing into the scan" in rich
+    # 7. gradients: the backward program, drawn, and one gradient error per input, all tiny
+    assert "chunk_program gdn_backward" in rich and "d_S_next" in rich
+    assert "reverse scan: True, carrying d_S_next" in text
+    header = "gradient: relative error vs autograd through the reference"
+    assert header in text
+    table = text.split(header, 1)[1]
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        row = re.search(rf"^{name} +\(.*?\) +(\S+)$", table, re.M)
+        assert row, f"no gradient error printed for {name}"
+        assert float(row.group(1)) <= 1e-10, (name, row.group(1))
+    # 8. kernels: the partition, the KernelIR, the generated TileLang (not lowered to CUDA)
+    assert "kernel gdn_prep (parallel over chunks)" in text and "through memory: g_cum T_r" in text
+    assert "kernel gdn_prep" in rich and "kernel gdn_scan" in rich and "fragment state" in rich
+    assert "Shape class: H=2 HV=8 K=128 V=128 BV=64" in text
+    assert "def gdn_scan(" in text and "T.alloc_fragment((K, BV)" in text

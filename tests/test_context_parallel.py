@@ -1,0 +1,77 @@
+"""Context parallelism on the interpreter: the affine state map derived from the chunk program, and
+the segment-parallel schedule built on it, against the spec's reference (float64, exact)."""
+import pytest
+import torch
+
+import qla_compiler
+from conftest import SPECS
+from qla_compiler.errors import PassError
+from qla_compiler.ir.chunk_interp import run_all_chunks
+from qla_compiler.passes.affine import derive_affine
+from qla_compiler.testing import random_inputs, rel_err
+
+
+@pytest.mark.parametrize("segment", [1, 2, 3])
+@pytest.mark.parametrize("spec", SPECS)
+def test_context_parallel_matches_reference(ops, spec, segment):
+    op = ops[spec]
+    args = random_inputs(op, T=400, H=1, HV=2, K=8, V=6, cu_seqlens=[0, 1, 300, 330, 400],
+                         initial_state=True, seed=segment)
+    o, S = op.context_parallel(**args, segment_chunks=segment)
+    o_ref, S_ref = op.reference(**args)
+    assert rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
+
+
+@pytest.mark.parametrize("spec", ["gdn", "simple_gla"])
+def test_context_parallel_under_strong_decay(ops, spec):
+    args = random_inputs(ops[spec], T=330, H=2, HV=4, K=8, V=8, gate=-16.0, initial_state=True)
+    o, S = ops[spec].context_parallel(**args, segment_chunks=2)
+    o_ref, S_ref = ops[spec].reference(**args)
+    assert torch.isfinite(o).all() and rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
+
+
+def test_gdn_affine_map_is_math_md(ops):
+    """M = Γ_C (I − Kᵀ T_r diag(β) K) for a full GDN chunk (MATH.md), H = the state from zero."""
+    torch.manual_seed(0)
+    C, K, V = 64, 8, 5
+    k = torch.nn.functional.normalize(torch.randn(C, K, dtype=torch.float64), dim=-1)
+    v = torch.randn(C, V, dtype=torch.float64)
+    g = -torch.rand(C, dtype=torch.float64) * 0.1
+    beta = torch.rand(C, dtype=torch.float64)
+    aff = derive_affine(qla_compiler.compile_spec("gdn").chunk)
+    blocks = {"k": k.view(1, 1, 1, C, K), "v": v.view(1, 1, 1, C, V), "g": g.view(1, 1, 1, C),
+              "beta": beta.view(1, 1, 1, C)}
+    out = run_all_chunks(aff, blocks, torch.tensor([[C]]), {}, {}, torch.zeros(1, 1, 1, K, V, dtype=torch.float64))
+    T_r = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + torch.tril(beta[:, None] * (k @ k.T), -1))
+    M = torch.exp(g.sum()) * (torch.eye(K, dtype=torch.float64) - k.T @ T_r @ torch.diag(beta) @ k)
+    assert rel_err(out["M"][0, 0, 0], M) <= 1e-12
+    # affine: S_next(S0) = M S0 + H for the chunk program itself
+    S0 = torch.randn(K, V, dtype=torch.float64)
+    fwd = run_all_chunks(qla_compiler.compile_spec("gdn").chunk, {**blocks, "q": torch.zeros(1, 1, 1, C, K,
+                         dtype=torch.float64)}, torch.tensor([[C]]), {"scale": 1.0}, {}, S0.view(1, 1, 1, K, V))
+    S_next = fwd["state"][0, 0, 0]
+    assert rel_err(S_next, out["M"][0, 0, 0] @ S0 + out["H"][0, 0, 0]) <= 1e-12
+
+
+def test_affine_programs_are_state_free_and_print(ops):
+    for spec in SPECS:
+        aff = ops[spec].affine_program
+        assert aff.state_in is None and set(aff.outputs) == {"M", "H"}
+        assert str(aff).startswith(f"chunk_program {spec}_affine")
+    lin = ops["linear_attn"].affine_program  # S_next = S0 + Kᵀ V: M is the identity itself
+    assert lin.node(lin.outputs["M"]).op == "eye"
+
+
+def test_not_affine_is_refused(ops):
+    bad = ops["linear_attn"].program.chunk.copy()
+    s0 = bad.state_in
+    sq = bad.add("S_sq", "matmul", s0, s0, ta=True)  # Sᵀ S: quadratic in the state
+    bad.outputs = {**bad.outputs, "state": bad.add("S_bad", "matmul", s0, sq)}
+    with pytest.raises(PassError, match="not affine in the state"):
+        derive_affine(bad)
+
+
+def test_segment_chunks_is_checked(ops):
+    args = random_inputs(ops["gdn"], T=10, K=4, V=4)
+    with pytest.raises(ValueError, match="segment_chunks: expected a positive int"):
+        ops["gdn"].context_parallel(**args, segment_chunks=0)
