@@ -94,8 +94,7 @@ def run_all_chunks(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dic
                    states: torch.Tensor) -> dict:
     """Every node for every chunk at once, given the state entering each chunk [N, HV, NC, K, V]
     (for a state-free program, e.g. passes/affine.py's, any tensor of that shape). Returns output
-    role -> [N, HV, NC, ...]. With the entering states known there is nothing sequential left: this
-    is the second half of context parallelism (see run_context_parallel)."""
+    role -> [N, HV, NC, ...]. With the entering states known there is nothing sequential left."""
     N, HV, NC = states.shape[:3]
     dtype, device = states.dtype, states.device
     consts = {k: torch.as_tensor(v, dtype=dtype, device=device).view(1, HV, 1) for k, v in head_consts.items()}
@@ -105,43 +104,6 @@ def run_all_chunks(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dic
     for n in ir.order():
         vals[n.name] = _apply(ctx, n, vals, ir)
     return {r: vals[v].expand(N, HV, NC, *vals[v].shape[3:]) for r, v in ir.outputs.items()}
-
-
-def run_context_parallel(ir: ChunkIR, affine: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict,
-                         head_consts: dict, initial_state: torch.Tensor, segment: int):
-    """The chunk program with context parallelism (MATH.md), exact:
-
-      1. every chunk's affine map S ↦ M S + H (the `affine` program), all chunks at once;
-      2. each segment of `segment` chunks composes its maps, all segments at once;
-      3. a short scan over segments gives each segment its start state;
-      4. inside every segment (all segments at once) the chunk maps give each chunk's start state;
-      5. every chunk runs the chunk program from its start state, all at once.
-    Only steps 2-4 are sequential, over `segment` chunks or NC/segment segments of K×K products.
-    Returns what run_chunks returns: o [N, HV, NC, C, V] and the final state [N, HV, K, V].
-    """
-    N, HV, NC = next(iter(blocks.values())).shape[:3]
-    K, V = initial_state.shape[-2:]
-    like = initial_state.unsqueeze(2).expand(N, HV, NC, K, V)
-    maps = run_all_chunks(affine, blocks, lengths, params, head_consts, like)
-    n_seg = -(-NC // segment)
-    pad = n_seg * segment - NC  # identity maps past the last chunk
-    eye = torch.eye(K, dtype=initial_state.dtype, device=initial_state.device)
-    M = torch.cat([maps["M"], eye.expand(N, HV, pad, K, K)], 2).view(N, HV, n_seg, segment, K, K)
-    H = torch.cat([maps["H"], maps["H"].new_zeros(N, HV, pad, K, V)], 2).view(N, HV, n_seg, segment, K, V)
-    seg_M, seg_H = eye.expand(N, HV, n_seg, K, K), H.new_zeros(N, HV, n_seg, K, V)
-    for j in range(segment):  # step 2: compose within every segment
-        seg_M, seg_H = M[:, :, :, j] @ seg_M, M[:, :, :, j] @ seg_H + H[:, :, :, j]
-    starts, state = [], initial_state
-    for s in range(n_seg):  # step 3: scan over segments
-        starts.append(state)
-        state = seg_M[:, :, s] @ state + seg_H[:, :, s]
-    cur, entering = torch.stack(starts, 2), []
-    for j in range(segment):  # step 4: chunk start states inside every segment
-        entering.append(cur)
-        cur = M[:, :, :, j] @ cur + H[:, :, :, j]
-    entering = torch.stack(entering, 3).view(N, HV, n_seg * segment, K, V)[:, :, :NC]
-    outs = run_all_chunks(ir, blocks, lengths, params, head_consts, entering)  # step 5
-    return outs["o"], state
 
 
 def _apply(ctx, n, vals, ir):

@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from qla_compiler.context_parallel import run_segments
 from qla_compiler.passes.lower_tilelang import ShapeClass
 
 from .runtime import load_kernels
@@ -72,7 +73,7 @@ def chunk_map(cu: torch.Tensor, n_tokens: int, C: int) -> torch.Tensor:
 
 
 def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_state, cu_seqlens,
-            head_logs: dict):
+            head_logs: dict, context_parallel=None):
     C = program.chunk_size
     check_head_dims(dims.K, dims.V)
     v_name = next(n for n, k in kinds.items() if k == "value")
@@ -89,21 +90,38 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
         cu = cu_seqlens.to(torch.int32)
     h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=device, dtype=torch.float32)
           if initial_state is None else initial_state.to(torch.float32).contiguous())
-    shape = ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, io=IO_DTYPES[io], scale=scale,
-                       BV=choose_block_v(dims.V, dims.HV, dims.N, device))
-    kernels = load_kernels(program, shape)
-    tensors = dict(packed, cu_seqlens=cu, initial_state=h0)
+    tensors = dict(packed)
     for name, logs in head_logs.items():
         tensors[f"log_{name}"] = _on_device(tuple(logs), device)
-    for k in program.kernels.kernels:
-        for p in k.params:
-            if p.role == "out" and p.name not in tensors:
-                tensors[p.name] = _empty(p, dims, C, total, io, device)
-            if p.name == "chunk_map" and "chunk_map" not in tensors:
-                tensors["chunk_map"] = chunk_map(cu, total, C)
-        kernels[k.name](*[tensors[p.name] for p in k.params])
-    o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
-    return o, tensors["final_state"]
+    *prep, scan_kernel = program.kernels.kernels
+
+    def shape(width, n_seqs):
+        return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=width, io=IO_DTYPES[io], scale=scale,
+                          BV=choose_block_v(width, dims.HV, n_seqs, device))
+
+    if prep:  # per chunk, independent of V and of how sequences are cut into segments
+        kernels = load_kernels(program, shape(dims.V, dims.N))
+        tensors["chunk_map"] = chunk_map(cu, total, C)
+        for k in prep:
+            for p in k.params:
+                if p.role == "out":
+                    tensors[p.name] = _empty(p, dims, C, total, io, device)
+            kernels[k.name](*[tensors[p.name] for p in k.params])
+
+    def scan(values, cu_, h0_):
+        width, n_seqs = values.shape[-1], h0_.shape[0]
+        kernel = load_kernels(program, shape(width, n_seqs))[scan_kernel.name]
+        t = dict(tensors, cu_seqlens=cu_, initial_state=h0_.contiguous(), **{v_name: values.contiguous()})
+        t["o"] = torch.empty(1, total, dims.HV, width, device=device, dtype=io)
+        t["final_state"] = torch.empty(n_seqs, dims.HV, dims.K, width, device=device, dtype=torch.float32)
+        kernel(*[t[p.name] for p in scan_kernel.params])
+        return t["o"], t["final_state"]
+
+    if context_parallel:
+        o, final = run_segments(scan, packed[v_name], cu, h0, context_parallel, C)
+    else:
+        o, final = scan(packed[v_name], cu, h0)
+    return o.view(dims.B, dims.T, dims.HV, dims.V), final
 
 
 def _empty(param, dims, C, total, io, device):

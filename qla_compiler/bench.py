@@ -62,10 +62,14 @@ def eager_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def libraries():
+def libraries(cp=None):
+    import functools
+
     import qla_compiler.ops as qla_ops
 
     libs = {"qla": qla_ops.chunk_gated_delta_rule}
+    if cp:
+        libs[f"qla-cp{cp}"] = functools.partial(qla_ops.chunk_gated_delta_rule, context_parallel=cp)
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
         libs["FLA"] = fla_gdn
@@ -79,10 +83,10 @@ def libraries():
     return libs
 
 
-def run(rows, plot=None):
+def run(rows, plot=None, cp=None):
     import torch
 
-    libs = libraries()
+    libs = libraries(cp)
     results = []
     print(f"# GDN forward, {torch.cuda.get_device_name()}, bf16, K=V=128, packed varlen, ms per call")
     for row in rows:
@@ -114,16 +118,17 @@ def _line(res, libs) -> str:
 
 def _table(results, libs) -> str:
     names = list(libs)
+    ours = [n for n in names if n.startswith("qla")]
+    ratios = [(q, b) for q in ours for b in names if not b.startswith("qla")]
     head = "| h_qk/h_v:seqs | " + " | ".join(f"{n} device | {n} eager" for n in names)
-    ratio = [n for n in names if n != "qla"]
-    head += "".join(f" | qla/{n} device | qla/{n} eager" for n in ratio) + " |"
-    lines = [head, "|" + "---|" * (1 + 2 * len(names) + 2 * len(ratio))]
+    head += "".join(f" | {q}/{b} device | {q}/{b} eager" for q, b in ratios) + " |"
+    lines = [head, "|" + "---|" * (1 + 2 * len(names) + 2 * len(ratios))]
     for r in results:
         cells = [r["row"]] + [f"{r.get(f'{n} {w}', float('nan')):.3f}" for n in names for w in ("device", "eager")]
-        for n in ratio:
+        for q, b in ratios:
             for w in ("device", "eager"):
-                a, b = r.get(f"qla {w}"), r.get(f"{n} {w}")
-                cells.append(f"{a / b:.2f}" if a and b else "-")
+                x, y = r.get(f"{q} {w}"), r.get(f"{b} {w}")
+                cells.append(f"{x / y:.2f}" if x and y else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -152,8 +157,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="qla-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="*", default=ROWS, help="h_qk/h_v:NxL, e.g. 2/8:1x32768")
     ap.add_argument("--plot", metavar="PNG", help="save a bar chart of the GPU times")
+    ap.add_argument("--cp", type=int, metavar="SEGMENTS",
+                    help="also time qla with context parallelism, each sequence in SEGMENTS segments")
     args = ap.parse_args(argv)
-    run(args.rows, args.plot)
+    run(args.rows, args.plot, args.cp)
     return 0
 
 

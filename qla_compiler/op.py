@@ -7,7 +7,8 @@
 
 Arguments are the spec's inputs in the spec's order (positional or by name), then `scale=None`
 (K^-1/2), `initial_state=None` [N, HV, K, V], `output_final_state=False`, `cu_seqlens=None`
-(packed sequences, B = 1) and `use_qk_l2norm_in_kernel=False`. Returns `(o, final_state or None)`;
+(packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel=None` (a number of
+segments: each sequence is cut into that many and they run at once, qla_compiler/context_parallel.py). Returns `(o, final_state or None)`;
 o has v's dtype and shape [B, T, HV, V]; the state is float32 (float64 for float64 inputs).
 CPU tensors run the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in
 float64 with the same arguments.
@@ -25,11 +26,13 @@ import math
 import torch
 
 from .checks import Dims, check_inputs
-from .ir.chunk_interp import run_backward, run_chunks, run_context_parallel
+from .context_parallel import run_segments
+from .ir.chunk_interp import run_backward, run_chunks
 from .ir.recurrence_interp import run_recurrence
 from .layout import expand_heads, from_chunks, gather, scatter, sequence_bounds, to_chunks
 
-OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel")
+OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
+           "context_parallel")
 
 
 class CompiledOp:
@@ -73,7 +76,7 @@ class CompiledOp:
 
     # ---- entry points ------------------------------------------------------------------------
     def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                 use_qk_l2norm_in_kernel=False, **named):
+                 use_qk_l2norm_in_kernel=False, context_parallel=None, **named):
         inputs, dims, scale = self._prepare(args, named, scale, initial_state, cu_seqlens,
                                             use_qk_l2norm_in_kernel)
         v = inputs[next(n for n in self.input_names if self.kinds[n] == "value")]
@@ -85,7 +88,10 @@ class CompiledOp:
             from .kernels.forward import forward  # tilelang is imported only when kernels run
 
             o, final = forward(self.program, inputs, self.kinds, dims, scale, initial_state, cu_seqlens,
-                               self._head_logs(dims.HV))
+                               self._head_logs(dims.HV), context_parallel)
+        elif context_parallel:
+            o, final = self._interpret_segments(inputs, dims, scale, initial_state, cu_seqlens, work,
+                                                context_parallel)
         else:
             o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work)
         return o.to(v.dtype), (final.to(work) if output_final_state else None)
@@ -118,25 +124,24 @@ class CompiledOp:
     def _heads(self, name, x, dims: Dims):
         return expand_heads(x, dims.HV) if self.kinds[name] == "key" else x
 
-    def context_parallel(self, *args, segment_chunks: int = 4, scale=None, initial_state=None,
-                         output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **named):
-        """What op(...) returns, computed the context-parallel way on the interpreter (MATH.md): every
-        chunk's affine state map S ↦ M S + H (passes/affine.py) at once, a scan over segments of
-        `segment_chunks` chunks, then every chunk at once from its start state. Exact; the oracle
-        for context-parallel kernels.
+    def _interpret_segments(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work, segments):
+        """The interpreter, context-parallel (qla_compiler/context_parallel.py)."""
+        total = dims.B * dims.T
+        packed = {n: x.reshape(1, total, *x.shape[2:]) for n, x in inputs.items()}
+        v_name = next(n for n in self.input_names if self.kinds[n] == "value")
+        device = packed[v_name].device
+        cu = (torch.arange(dims.B + 1, device=device) * dims.T if cu_seqlens is None else cu_seqlens)
+        h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
+              if initial_state is None else initial_state.to(work))
 
-            >>> o, S = op.context_parallel(q, k, v, g, beta, segment_chunks=8)   # doctest: +SKIP
-        """
-        if not isinstance(segment_chunks, int) or segment_chunks < 1:
-            raise ValueError(f"segment_chunks: expected a positive int, got {segment_chunks!r}")
-        inputs, dims, scale = self._prepare(args, named, scale, initial_state, cu_seqlens,
-                                            use_qk_l2norm_in_kernel)
-        v = inputs[next(n for n in self.input_names if self.kinds[n] == "value")]
-        work = torch.float64 if v.dtype == torch.float64 else torch.float32
-        o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work, segment_chunks)
-        return o.to(v.dtype), (final if output_final_state else None)
+        def scan(values, cu_, h0_):
+            d = Dims(1, total, dims.H, dims.HV, dims.K, values.shape[-1], cu_.numel() - 1)
+            return self._interpret({**packed, v_name: values}, d, scale, h0_, cu_, work)
 
-    def _interpret(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work, segment=None):
+        o, final = run_segments(scan, packed[v_name], cu, h0, segments, self.program.chunk_size)
+        return o.view(dims.B, dims.T, dims.HV, dims.V), final
+
+    def _interpret(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work):
         chunk = self.program.chunk
         C = chunk.chunk_size
         device = _device(inputs)
@@ -149,10 +154,7 @@ class CompiledOp:
         h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
               if initial_state is None else initial_state.to(work))
         params = {"scale": scale}
-        if segment is not None:
-            o, final = run_context_parallel(chunk, self.affine_program, blocks, chunk_lengths, params,
-                                            head_consts, h0, segment)
-        elif _wants_grad(h0, *blocks.values()):
+        if _wants_grad(h0, *blocks.values()):
             names = list(blocks)
             o, final = _ChunkScan.apply((self, names, chunk_lengths, params, head_consts), h0,
                                         *[blocks[n] for n in names])

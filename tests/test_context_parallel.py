@@ -1,5 +1,6 @@
-"""Context parallelism on the interpreter: the affine state map derived from the chunk program, and
-the segment-parallel schedule built on it, against the spec's reference (float64, exact)."""
+"""Context parallelism: the affine state map derived from the chunk program (passes/affine.py), and
+the segment-parallel schedule (qla_compiler/context_parallel.py), here with the interpreter as the
+scan backend, against the spec's reference (float64, exact)."""
 import pytest
 import torch
 
@@ -7,17 +8,18 @@ import qla_compiler
 from conftest import SPECS
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk_interp import run_all_chunks
+from qla_compiler.context_parallel import segment_bounds
 from qla_compiler.passes.affine import derive_affine
 from qla_compiler.testing import random_inputs, rel_err
 
 
-@pytest.mark.parametrize("segment", [1, 2, 3])
+@pytest.mark.parametrize("segments", [1, 2, 3, 8])
 @pytest.mark.parametrize("spec", SPECS)
-def test_context_parallel_matches_reference(ops, spec, segment):
+def test_context_parallel_matches_reference(ops, spec, segments):
     op = ops[spec]
     args = random_inputs(op, T=400, H=1, HV=2, K=8, V=6, cu_seqlens=[0, 1, 300, 330, 400],
-                         initial_state=True, seed=segment)
-    o, S = op.context_parallel(**args, segment_chunks=segment)
+                         initial_state=True, seed=segments)
+    o, S = op(**args, context_parallel=segments)
     o_ref, S_ref = op.reference(**args)
     assert rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
 
@@ -25,7 +27,7 @@ def test_context_parallel_matches_reference(ops, spec, segment):
 @pytest.mark.parametrize("spec", ["gdn", "simple_gla"])
 def test_context_parallel_under_strong_decay(ops, spec):
     args = random_inputs(ops[spec], T=330, H=2, HV=4, K=8, V=8, gate=-16.0, initial_state=True)
-    o, S = ops[spec].context_parallel(**args, segment_chunks=2)
+    o, S = ops[spec](**args, context_parallel=3)
     o_ref, S_ref = ops[spec].reference(**args)
     assert torch.isfinite(o).all() and rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
 
@@ -71,7 +73,42 @@ def test_not_affine_is_refused(ops):
         derive_affine(bad)
 
 
-def test_segment_chunks_is_checked(ops):
+def test_segment_bounds_cut_whole_chunks():
+    cu = torch.tensor([0, 1, 300, 330])
+    got = segment_bounds(cu, 3, 64).tolist()
+    # 1 token: one segment and two empty ones; 299 tokens = 5 chunks: 2 + 2 + 1; 30 tokens: 1 chunk
+    assert got == [0, 1, 1, 1, 129, 257, 300, 330, 330, 330]
+
+
+def test_widened_scan_gives_the_affine_map(ops):
+    """Scanning [0 | v] from [I | 0] ends in [M | H]: the same M as the derived affine program."""
+    op = ops["gdn"]
+    args = random_inputs(op, T=64, H=1, HV=1, K=4, V=3, seed=7)
+    k, v, g, beta = (args[n] for n in ("k", "v", "g", "beta"))
+    eye = torch.eye(4, dtype=torch.float64).view(1, 1, 4, 4)
+    start = torch.cat([eye, torch.zeros(1, 1, 4, 3, dtype=torch.float64)], -1)
+    wide = torch.cat([torch.zeros(1, 64, 1, 4, dtype=torch.float64), v], -1)
+    _, maps = op(args["q"], k, wide, g, beta, initial_state=start, output_final_state=True)
+    aff = run_all_chunks(op.affine_program, {"k": k.view(1, 1, 1, 64, 4), "v": v.view(1, 1, 1, 64, 3),
+                                             "g": g.view(1, 1, 1, 64), "beta": beta.view(1, 1, 1, 64)},
+                         torch.tensor([[64]]), {}, {}, torch.zeros(1, 1, 1, 4, 3, dtype=torch.float64))
+    assert rel_err(maps[0, 0, :, :4], aff["M"][0, 0, 0]) <= 1e-12
+    assert rel_err(maps[0, 0, :, 4:], aff["H"][0, 0, 0]) <= 1e-12
+
+
+def test_gradients_through_context_parallel(ops):
+    op = ops["gdn"]
+    args = random_inputs(op, T=200, H=1, HV=2, K=4, V=4, cu_seqlens=[0, 130, 200], initial_state=True)
+    leaves = {n: args[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    grads = []
+    for cp in (None, 2):
+        o, S = op(**{**args, **leaves}, context_parallel=cp)
+        grads.append(torch.autograd.grad((o.sum() + S.square().sum()), list(leaves.values())))
+    for a, b in zip(*grads):
+        assert rel_err(b, a) <= 1e-10
+
+
+def test_context_parallel_is_checked(ops):
     args = random_inputs(ops["gdn"], T=10, K=4, V=4)
-    with pytest.raises(ValueError, match="segment_chunks: expected a positive int"):
-        ops["gdn"].context_parallel(**args, segment_chunks=0)
+    with pytest.raises(ValueError, match="context_parallel: expected a positive number of segments"):
+        ops["gdn"](**args, context_parallel=-1)

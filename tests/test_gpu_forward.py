@@ -160,3 +160,13 @@ def test_cuda_graph_capture_and_replay():
     o_eager, s_eager = op(**fresh)
     assert torch.equal(o_static, o_eager)
     assert torch.equal(s_static, s_eager)
+
+
+@pytest.mark.parametrize("segments", [2, 8])
+def test_gdn_context_parallel(segments):
+    """Segments of one long sequence at once (qla_compiler/context_parallel.py) on the kernels."""
+    op = qla_compiler.compile("gdn", target="sm90")
+    args = make_inputs(op, lens=[1000, 1, 300], H=2, HV=8, K=128, V=128, seed=4)
+    o, s = op(**args, context_parallel=segments)
+    o_ref, s_ref = reference(op, args)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL

@@ -1,0 +1,56 @@
+"""Context parallelism inside one GPU (MATH.md): cut each sequence into segments that run at once.
+
+Per chunk, and so per segment, the state update is affine: S_end = M S_start + H (passes/affine.py
+derives M and H symbolically). Any scan backend (the generated kernels, the interpreter) computes
+them without new code: because the write term is linear in v, scanning a segment with the value
+columns widened to [0 | v] from the start state [I | 0] ends in [M | H]. Then
+
+    1. scan every segment at once on the widened values from [I | 0]      ->  (M, H) per segment
+    2. a short scan over the segments of each sequence                     ->  its start states
+    3. scan every segment at once from its start state                      ->  o, final states
+
+All of it is torch on the device plus two scans: no host synchronisation. Segments are whole
+chunks, so the chunking — and the prep kernel's per-chunk work — is that of the plain scan.
+Exact: no term is dropped (the gate-driven warm-up shortcut of MATH.md is not used).
+
+    >>> o, final = run_segments(scan, v, cu, h0, segments=8, chunk_size=64)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def segment_bounds(cu: torch.Tensor, segments: int, chunk_size: int) -> torch.Tensor:
+    """cu_seqlens of the segments: each sequence in `segments` runs of whole chunks (the last ones
+    may be empty), [N·segments + 1], computed on the device."""
+    cu = cu.long()
+    lens = cu[1:] - cu[:-1]
+    per_segment = (lens + chunk_size - 1) // chunk_size
+    per_segment = (per_segment + segments - 1) // segments * chunk_size
+    j = torch.arange(segments, device=cu.device)
+    starts = torch.minimum(cu[:-1, None] + j * per_segment[:, None], cu[1:, None])
+    return torch.cat([starts.flatten(), cu[-1:]]).to(torch.int32)
+
+
+def run_segments(scan: Callable, v: torch.Tensor, cu: torch.Tensor, h0: torch.Tensor, segments: int,
+                 chunk_size: int):
+    """scan(values [1, T, HV, W], cu_seqlens, h0 [N', HV, K, W]) -> (o [1, T, HV, W], final [N', HV, K, W])
+    runs the chunked scan over packed sequences for any value width W. Returns what one scan over
+    the whole sequences returns (o [1, T, HV, V], final [N, HV, K, V]), computed by segments."""
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"context_parallel: expected a positive number of segments, got {segments!r}")
+    N, HV, K, V = h0.shape
+    cu_seg = segment_bounds(cu, segments, chunk_size)
+    eye = torch.eye(K, device=h0.device, dtype=h0.dtype)
+    start = torch.cat([eye.expand(N * segments, HV, K, K), h0.new_zeros(N * segments, HV, K, V)], -1)
+    widened = torch.cat([v.new_zeros(*v.shape[:-1], K), v], -1)
+    _, maps = scan(widened, cu_seg, start)                       # 1. [M | H] of every segment
+    maps = maps.view(N, segments, HV, K, K + V)
+    starts, state = [], h0
+    for s in range(segments):                                    # 2. the scan over segments
+        starts.append(state)
+        state = maps[:, s, :, :, :K] @ state + maps[:, s, :, :, K:]
+    o, finals = scan(v, cu_seg, torch.stack(starts, 1).reshape(N * segments, HV, K, V))  # 3.
+    return o, finals.view(N, segments, HV, K, V)[:, -1]
