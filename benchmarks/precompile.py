@@ -1,27 +1,83 @@
-"""Compile kernels ahead of time on a machine without a GPU (TileLang's cache key does not depend
-on the GPU), then carry the cache to the GPU machine as .gpu/tl-cache.tar.
+"""Compile kernels ahead of time on a machine without a GPU, then carry the cache to the GPU.
 
-    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/precompile.py gdn:2/8:128:bfloat16:64 ...
-    tar -C /tmp/tlc -cf .gpu/tl-cache.tar .
+TileLang's cache key does not depend on the GPU, so every shape class the GPU tests and the
+benchmark will need can be compiled here (a few seconds each) and the GPU's minutes go to running:
 
-Each argument: spec:H/HV:K:io:BV (V = K).
+    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/precompile.py --tests --bench --cp 8
+    tar -C /tmp/tlc -czf .gpu/tl-cache.tar .        # enter.sh unpacks it on the GPU node
+
+or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64.
 """
+import argparse
 import sys
 import time
 
 import qla_compiler
+from qla_compiler.bench import ROWS, parse_row
+from qla_compiler.kernels.forward import block_v
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
 
+H200_SMS = 132
+
+
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS):
+    """The shape classes one call compiles: what kernels/forward.py picks for these sizes."""
+    if not cp:
+        return [(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=block_v(K, HV, n_seqs, sms), io=io))]
+    n = n_seqs * cp  # segments are scanned as sequences, once on [0 | v] (width K + V), once on v
+    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=block_v(w, HV, n, sms), io=io)) for w in (2 * K, K)]
+
+
+def for_gpu_tests():
+    """The classes tests/test_gpu_*.py use (keep in step with those files)."""
+    out = []
+    for n in (8, 2, 1, 3):  # test_gpu_forward's GDN cases
+        out += classes("gdn", 2, 8, 128, n)
+    out += classes("gdn", 1, 2, 64, 3, io="float16")
+    for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
+        out += classes(spec, 2, 2, 128, 3)
+    for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
+        for spec in ("gdn", "delta_net"):
+            out.append((spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)))
+    for s in (2, 8):
+        out += classes("gdn", 2, 8, 128, 3, cp=s)
+    return out
+
+
+def for_bench(cp=None):
+    out = []
+    for row in ROWS:
+        H, HV, lens = parse_row(row)
+        out += classes("gdn", H, HV, 128, len(lens))
+        if cp:
+            out += classes("gdn", H, HV, 128, len(lens), cp=cp)
+    return out
+
+
+def parse(item):
+    spec, heads, K, io, BV = item.split(":")
+    H, HV = map(int, heads.split("/"))
+    return spec, ShapeClass(H=H, HV=HV, K=int(K), V=int(K), BV=int(BV), io=io)
+
 
 def main(argv):
-    for item in argv:
-        spec, heads, K, io, BV = item.split(":")
-        H, HV = map(int, heads.split("/"))
-        prog = qla_compiler.compile_spec(spec)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("items", nargs="*", help="spec:H/HV:K:io:BV")
+    ap.add_argument("--tests", action="store_true", help="the classes of the GPU tests")
+    ap.add_argument("--bench", action="store_true", help="the classes of qla-bench's rows")
+    ap.add_argument("--cp", type=int, help="with --bench: also the context-parallel classes")
+    args = ap.parse_args(argv)
+    todo = [parse(i) for i in args.items] + (for_gpu_tests() if args.tests else []) \
+        + (for_bench(args.cp) if args.bench else [])
+    seen = set()
+    for spec, shape in todo:
+        if (spec, shape) in seen:
+            continue
+        seen.add((spec, shape))
         t = time.time()
-        load_kernels(prog, ShapeClass(H=H, HV=HV, K=int(K), V=int(K), BV=int(BV), io=io))
-        print(f"{item}: {time.time() - t:.1f}s", flush=True)
+        load_kernels(qla_compiler.compile_spec(spec), shape)
+        print(f"{spec} {shape}: {time.time() - t:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

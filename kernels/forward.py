@@ -40,9 +40,13 @@ def _sm_count(index: int) -> int:
 
 
 def choose_block_v(V: int, HV: int, N: int, device) -> int:
+    """The V-block for this GPU (see block_v)."""
+    return block_v(V, HV, N, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def block_v(V: int, HV: int, N: int, sms: int) -> int:
     """The widest V-block that still gives ~70% of the SMs a CTA (more CTAs beat wider tiles when
     the scan is short of parallelism)."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     for bv in (64, 32):
         if bv <= V and (V // bv) * HV * N >= 0.7 * sms:
             return bv
