@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from .chunk_ops import OPS
+from .chunk_ops import EXPONENTIALS, OPS
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class ChunkIR:
         nodes = self.order()
         return {
             "nodes": len(nodes),
-            "exponentials": sum(n.op in ("exp", "exp2") for n in nodes),
+            "exponentials": sum(n.op in EXPONENTIALS for n in nodes),
             "CxC matmuls": sum(n.op == "matmul" and n.shape == ("C", "C") for n in nodes),
             "matmuls": sum(n.op == "matmul" for n in nodes),
             "triangular inverses": sum(n.op == "inv_unit_lower" for n in nodes),

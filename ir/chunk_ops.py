@@ -4,7 +4,7 @@ Blocks live on one chunk of C tokens: C×K, C×V, C×C, K×V, vectors over the c
 scalars (). Tensors carry leading batch dims (sequences, heads, chunks) before the block dims.
 Adding an op means adding one entry here (and, for the GPU, one lowering rule).
 
-Facts about ops used by the rewrites and the verifier are data here too: ELEMENTWISE, LINEAR.
+Facts about ops that passes use are data here too: LINEAR, EXPONENTIALS.
 """
 from __future__ import annotations
 
@@ -202,7 +202,6 @@ _op("rowsum", 1, _matrix_to(0), lambda ctx, args, a, s: args[0].sum(-1), "Σ_j X
 _op("colsum", 1, _matrix_to(1), lambda ctx, args, a, s: args[0].sum(-2), "Σ_i X_ij")
 _op("sum_all", 1, _fixed(()), _sum_all, "the sum of every entry of a block (the transpose of broadcasting)")
 
-ELEMENTWISE = {"exp", "exp2", "neg", "add", "sub", "mul"}
 # ops through which a scaling of the input scales the output by the same factor
 LINEAR = {"cumsum", "last", "masked_diff", "neg", "add", "sub", "rev_cumsum", "at_last", "rowsum", "colsum",
           "sum_all"}

@@ -157,9 +157,6 @@ class KernelIR:
     host: list = field(default_factory=list)  # host-side steps, in order (no synchronisation)
     consts: dict = field(default_factory=dict)  # values baked into the kernels (e.g. head constants)
 
-    def kernel(self, name: str) -> Kernel:
-        return next(k for k in self.kernels if k.name == name)
-
     def __str__(self) -> str:
         head = [f"kernel_program {self.name}  C={self.chunk_size}"]
         head += [f"  host: {h}" for h in self.host]

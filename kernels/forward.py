@@ -11,19 +11,11 @@ import functools
 import torch
 
 from qla_compiler.context_parallel import run_segments
-from qla_compiler.passes.lower_tilelang import ShapeClass
+from qla_compiler.passes.lower_tilelang import HEAD_DIMS, ShapeClass
 
 from .runtime import load_kernels
 
-HEAD_DIMS = (64, 128)
 IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def supports(inputs: dict, kinds: dict) -> bool:
-    """Whether these inputs go to the kernels (CUDA, 16-bit q/k/v) rather than the interpreter."""
-    first = next(iter(inputs.values()))
-    io = inputs[next(n for n, k in kinds.items() if k == "value")].dtype
-    return first.is_cuda and io in IO_DTYPES
 
 
 def check_head_dims(K: int, V: int) -> None:

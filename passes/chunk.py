@@ -12,8 +12,9 @@ w's ("v_new"):
   5. o      = scale · [diag(Γ) Q S0 + ((Q Kᵀ) ⊙ R) v_new]
   6. S_next = Γ_C S0 + Kᵀ diag(e^{γ_C − γ}) v_new
 
-This is the direct form; the rewrite passes turn it into the hardware-friendly one. Only masked
-differences of γ are ever exponentiated here (the verifier checks that after every pass).
+This is the direct form; the rewrite passes turn it into the hardware-friendly one. Only values
+≤ 0 are exponentiated — γ (a sum of gates ≤ 0), γ_C − γ_j and the masked differences γ_i − γ_j,
+j ≤ i — never −γ, which overflows (passes/verify_exponents.py checks it after every pass).
 
     >>> chunk = derive_chunks(classify(load_spec("specs/gdn.py")), chunk_size=64)   # doctest: +SKIP
 """

@@ -36,14 +36,14 @@ def classify(ir: RecurrenceIR) -> RecurrenceIR:
     def refuse(found: str):
         raise UnsupportedStructure(f"unsupported structure: {found}. Supported: {SUPPORTED}", ir.path, ir.line)
 
-    def scalar_ok(expr, allow_decay=False) -> bool:
-        """A coefficient made of numbers and scalar inputs (and, for the decay, gates/constants)."""
-        for sym in expr.free_symbols:
-            if kinds.get(sym) == "scalar":
+    def scalar_ok(expr) -> bool:
+        """A coefficient the chunk program can build: a number times powers of scalar inputs."""
+        for f in sp.Mul.make_args(sp.sympify(expr)):
+            base, power = f.as_base_exp()
+            if f.is_Number:
                 continue
-            if allow_decay and (kinds.get(sym) == "gate" or sym in consts):
-                continue
-            return False
+            if not (isinstance(base, sp.Symbol) and kinds.get(base) == "scalar" and power.is_Integer and power > 0):
+                return False
         return True
 
     transition, write = [], []
@@ -75,7 +75,7 @@ def classify(ir: RecurrenceIR) -> RecurrenceIR:
         delta_key = factors[0]
         s = sp.simplify(-sp.Add(*[c for c, _ in rank1]) / ident)
         if not scalar_ok(s):
-            refuse(f"the delta-rule strength s = {s} must be made of scalar inputs")
+            refuse(f"the delta-rule strength s = {s} must be a number times powers of scalar inputs")
 
     if len(write) != 1:
         refuse(f"B_t has {len(write)} terms; exactly one b·k·vᵀ is supported")
@@ -84,7 +84,7 @@ def classify(ir: RecurrenceIR) -> RecurrenceIR:
             or kinds.get(wf[1].arg) != "value":
         refuse(f"B_t = {b}·{'·'.join(map(str, wf))} is not b·k·vᵀ with k a key and v a value input")
     if not scalar_ok(b):
-        refuse(f"the write coefficient b = {b} must be made of scalar inputs")
+        refuse(f"the write coefficient b = {b} must be a number times powers of scalar inputs")
     if delta_key is not None and delta_key != wf[0]:
         refuse(f"the delta factor uses key {delta_key} but the write uses {wf[0]}")
 

@@ -12,9 +12,9 @@ first called with concrete shapes (or for `qla-compile --emit tilelang` with a d
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
-every ChunkIR pass, naming the first pass that breaks agreement. Once the chunk passes are done,
-`Program.backward` holds the chunk program's VJP (passes/autodiff.py) and `Program.affine` its state
-update as an affine map for context parallelism (passes/affine.py); neither is a stage of its own.
+every ChunkIR pass, naming the first pass that breaks agreement. `Program.backward` (the chunk
+program's VJP, passes/autodiff.py) and `Program.affine` (its state update as an affine map, for
+context parallelism, passes/affine.py) are derived from the final chunk program on first use.
 
     >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
     >>> [name for name, _ in prog.stages]
@@ -61,11 +61,30 @@ class Program:
     chunk: ChunkIR | None = None
     kernels: KernelIR | None = None
     stages: list = field(default_factory=list)  # (pass name, IR after it)
-    backward: ChunkIR | None = None  # the VJP of the final chunk program (passes/autodiff.py)
-    affine: ChunkIR | None = None  # its state update as S ↦ M S + H (passes/affine.py)
+    _derived: dict = field(default_factory=dict, repr=False)
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
+
+    @property
+    def backward(self) -> ChunkIR:
+        """The chunk program's VJP (passes/autodiff.py), derived on first use."""
+        return self._derive("autodiff", derive_backward)
+
+    @property
+    def affine(self) -> ChunkIR:
+        """The chunk program's state update as S ↦ M S + H (passes/affine.py), derived on first use."""
+        return self._derive("affine", derive_affine)
+
+    def _derive(self, name: str, fn) -> ChunkIR:
+        if name not in self._derived:
+            try:
+                self._derived[name] = fn(self.chunk)
+            except (SpecError, PassError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a crash inside a derivation names it
+                raise PassError(name, f"{type(e).__name__}: {e}") from e
+        return self._derived[name]
 
 
 def passes(chunk_size: int) -> list[Pass]:
@@ -101,7 +120,6 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
         try:
             ir = p.run(ir)
             if isinstance(ir, ChunkIR):
-                ir.history = ir.history if ir.history[-1:] == (p.name,) else ir.history + (p.name,)
                 ir.verify()
                 try:
                     verify_exponents(ir)
@@ -112,9 +130,6 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
         except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
             raise PassError(p.name, f"{type(e).__name__}: {e}") from e
         prog.stages.append((p.name, ir))
-        if p.name == CHUNK_PASSES[-1].name:  # the chunk program is final: differentiate it
-            prog.backward = derive_backward(ir)
-            prog.affine = derive_affine(ir)
         if isinstance(ir, RecurrenceIR):
             prog.recurrence = ir
         elif isinstance(ir, KernelIR):

@@ -97,13 +97,18 @@ def _apply(ir: ChunkIR) -> None:
 
 
 def _proof():
-    # a constant log-decay l: exp(γ_i − γ_j) with γ = cumsum(l) is l^(i−j) in exp form, for every
-    # prefix length; with l = 0 it is the causal mask
+    """Both folds, for a symbolic per-head log-decay l and every chunk length n of a C = 4 chunk:
+    cumsum(l·valid)_i = l·min(i + 1, n) (the constant gate), and with it the ratio mask
+    exp(γ_i − γ_j) = exp(l·(min(i+1, n) − min(j+1, n))), which at l = 0 is the causal mask."""
     C, l = 4, sp.Symbol("l", nonpositive=True)
-    gam = [l * (i + 1) for i in range(C)]  # cumsum(l·valid) = l·positions on a full chunk
-    lhs = lower_tri(C, lambda i, j: sp.exp(gam[i] - gam[j])).subs(l, 0)
-    rhs = lower_tri(C, lambda i, j: 1)
-    return lhs, rhs
+    lhs, rhs = [], []
+    for n in range(1, C + 1):
+        valid = [1 if i < n else 0 for i in range(C)]
+        cum = [sum(l * valid[j] for j in range(i + 1)) for i in range(C)]
+        pos = [l * min(i + 1, n) for i in range(C)]
+        lhs += cum + list(lower_tri(C, lambda i, j: sp.exp(cum[i] - cum[j])).subs(l, 0))
+        rhs += pos + list(lower_tri(C, lambda i, j: 1))
+    return sp.Matrix(lhs), sp.Matrix(rhs)
 
 
 FOLD_CONSTANT_GATES = Rewrite(

@@ -8,8 +8,6 @@
     cse                  merge identical nodes
     verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
 """
-from qla_compiler.errors import PassError
-
 from .rewrite import Rewrite
 from .rewrite_const_gates import FOLD_CONSTANT_GATES
 from .rewrite_cse import CSE
@@ -31,8 +29,10 @@ class _Verify:
 
     @staticmethod
     def run(ir):
-        return verify_exponents(ir)
+        out = verify_exponents(ir).copy()
+        out.history = ir.history + ("verify_exponents",)
+        return out
 
 
 CHUNK_PASSES = [*REWRITES, _Verify()]
-__all__ = ["CHUNK_PASSES", "REWRITES", "PassError"]
+__all__ = ["CHUNK_PASSES", "REWRITES"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.chunk_ops import EXPONENTIALS
 from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
 
 from .partition import Partition
@@ -62,7 +63,7 @@ class _Builder:
 
         if op in ("add", "sub", "mul"):
             return (op, self.ex(a[0], sub(a[0])), self.ex(a[1], sub(a[1])))
-        if op in ("neg", "exp", "exp2"):
+        if op == "neg" or op in EXPONENTIALS:
             inner = self.ir.node(a[0])
             if op != "neg" and inner.op == "masked_diff" and a[0] not in self.place:
                 sel = "select_lower" if inner.attr["mask"] == "lower" else "select_strict"

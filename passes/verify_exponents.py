@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
 NEG, POS, ANY = "≤0", "≥0", "?"
 DEC, INC, FLAT = "dec", "inc", "flat"
@@ -70,7 +71,7 @@ def analyse(ir: ChunkIR) -> dict:
                 s_i, v_i = (0, 1) if shapes[0] == () else (1, 0)
                 o = a[v_i][1]
                 order = o if a[s_i][0] == POS else (_reverse(o) if a[s_i][0] == NEG else ANY)
-        elif n.op in ("exp", "exp2"):
+        elif n.op in EXPONENTIALS:
             sign = POS
         info[n.name] = (sign, order)
     return info
@@ -79,7 +80,7 @@ def analyse(ir: ChunkIR) -> dict:
 def verify_exponents(ir: ChunkIR) -> ChunkIR:
     info = analyse(ir)
     for n in ir.order():
-        if n.op in ("exp", "exp2") and info[n.args[0]][0] != NEG:
+        if n.op in EXPONENTIALS and info[n.args[0]][0] != NEG:
             raise PassError("verify_exponents",
                             f"node '{n.name}' = {n.op}({n.args[0]}) exponentiates a value not provably ≤ 0 "
                             f"(sign {info[n.args[0]][0]}): it can overflow in float32. Exponentiate masked "

@@ -1,11 +1,13 @@
 """Argument checks for compiled ops: every bad input is a ValueError naming the argument.
 
-The checks read only shapes, dtypes and devices, plus the values of cu_seqlens when it lives on
-the CPU; values on the GPU are not read (that would synchronise the host, and break CUDA-graph
-capture), so `check_cu_seqlens_values` is separate.
+The checks read only shapes, dtypes and devices, plus the values of cu_seqlens and of the gates
+when they live on the CPU; values on the GPU are not read (that would synchronise the host, and
+break CUDA-graph capture), so `check_cu_seqlens_values` is separate.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +45,17 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
         _tensor(n, inputs[n], 4, "[B, T, HV, V]")
     B, T, H, K = inputs[keys[0]].shape
     _, _, HV, V = inputs[values[0]].shape
+    for n, size in ((keys[0], dict(B=B, T=T, H=H, K=K)), (values[0], dict(HV=HV, V=V))):
+        empty = [d for d, s in size.items() if s == 0]
+        if empty:
+            raise ValueError(f"{n}: has no elements ({', '.join(empty)} = 0 in shape {list(inputs[n].shape)})")
     for n in keys[1:]:
         if tuple(inputs[n].shape) != (B, T, H, K):
             raise ValueError(f"{n}: expected shape {[B, T, H, K]} like {keys[0]}, got {list(inputs[n].shape)}")
     for n in values:
         if tuple(inputs[n].shape[:2]) != (B, T):
             raise ValueError(f"{n}: expected [B={B}, T={T}, HV, V], got {list(inputs[n].shape)}")
-    if H == 0 or HV % H != 0:
+    if HV % H != 0:
         raise ValueError(f"{values[0]}: its {HV} value heads must be a multiple of the {H} query/key "
                          f"heads of {keys[0]} (grouped value heads)")
     for n, kind in kinds.items():
@@ -66,8 +72,13 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
     for n, x in inputs.items():
         if x.device != first.device:
             raise ValueError(f"{n}: on {x.device}, but {keys[0]} is on {first.device}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise ValueError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+    for n, kind in kinds.items():  # the premise of every decay computation: log-gates are ≤ 0
+        if kind == "gate" and inputs[n].device.type == "cpu" and inputs[n].numel() and bool((inputs[n] > 0).any()):
+            raise ValueError(f"{n}: a log-space gate must be ≤ 0 (a decay), but its largest value is "
+                             f"{float(inputs[n].max()):g}")
 
     N = B
     if cu_seqlens is not None:

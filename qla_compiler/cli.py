@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             return 1
     else:
         text = summary(prog)
-    if not args.print_after_all or args.emit is None:
+    if not (args.print_after_all and args.emit is None):
         print(text)
     if args.output:
         out = Path(args.output)
@@ -81,15 +81,29 @@ def parse_shape(text: str):
     """'H=2,HV=8,K=128,V=128,BV=64,io=bfloat16' -> ShapeClass."""
     from .passes.lower_tilelang import ShapeClass
 
+    from .passes.lower_tilelang import HEAD_DIMS
+
     fields = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
         if key not in ("H", "HV", "K", "V", "BV", "io", "stages"):
             raise ValueError(f"--shape: unknown field {key!r} (fields: H, HV, K, V, BV, io, stages)")
-        fields[key] = value if key == "io" else int(value)
+        try:
+            fields[key] = value if key == "io" else int(value)
+        except ValueError:
+            raise ValueError(f"--shape: {key} must be an integer, got {value!r}") from None
+    missing = [f for f in ("H", "HV", "K", "V") if f not in fields]
+    if missing:
+        raise ValueError(f"--shape: missing {', '.join(missing)} (e.g. {DEFAULT_SHAPE})")
     shape = ShapeClass(**fields)
-    if shape.HV % shape.H:
+    if shape.H < 1 or shape.HV % shape.H:
         raise ValueError(f"--shape: HV={shape.HV} is not a multiple of H={shape.H}")
+    for d in ("K", "V"):
+        if getattr(shape, d) not in HEAD_DIMS:
+            raise ValueError(f"--shape: {d}={getattr(shape, d)} is not supported by the sm90 kernels "
+                             f"({', '.join(map(str, HEAD_DIMS))})")
+    if shape.BV not in (16, 32, 64) or shape.V % shape.BV:
+        raise ValueError(f"--shape: BV={shape.BV} must be 16, 32 or 64 and divide V={shape.V}")
     return shape
 
 

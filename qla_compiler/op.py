@@ -7,17 +7,19 @@
 
 Arguments are the spec's inputs in the spec's order (positional or by name), then `scale=None`
 (K^-1/2), `initial_state=None` [N, HV, K, V], `output_final_state=False`, `cu_seqlens=None`
-(packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel=None` (a number of
-segments: each sequence is cut into that many and they run at once, qla_compiler/context_parallel.py). Returns `(o, final_state or None)`;
-o has v's dtype and shape [B, T, HV, V]; the state is float32 (float64 for float64 inputs).
-CPU tensors run the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in
-float64 with the same arguments.
+(packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel=None` (a number
+of segments: each sequence is cut into that many, which run at once; qla_compiler/context_parallel.py).
+Returns `(o, final_state or None)`; o has v's dtype and shape [B, T, HV, V]; the state is float32
+(float64 for float64 inputs). CUDA tensors in bf16/fp16 run the generated kernels, everything else
+the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in float64 with the same
+arguments (less context_parallel).
 
 On CPU tensors the op is differentiable (torch.autograd): the chunk program's evaluation is one
 autograd.Function whose forward runs the interpreter saving only the state entering each chunk, and
 whose backward runs the backward chunk program (passes/autodiff.py) as a reverse scan. Everything
 around it — l2-normalising q/k, expanding q/k heads to the value heads, packing/unpacking sequences,
-dtype casts — is plain torch, so autograd differentiates it. The GPU path is not differentiable yet.
+dtype casts — is plain torch, so autograd differentiates it. The sm90 kernels are not differentiable
+yet.
 """
 from __future__ import annotations
 
@@ -45,6 +47,11 @@ class CompiledOp:
         self.__doc__ = f"{rec.name}({', '.join(self.input_names)}, " + ", ".join(
             f"{o}=..." for o in OPTIONS) + ")\n\n" + (__doc__ or "")
 
+    @property
+    def value_name(self) -> str:
+        """The spec's value input (its width is V; o has its dtype)."""
+        return next(n for n in self.input_names if self.kinds[n] == "value")
+
     def __repr__(self) -> str:
         return f"<qla op {self.name}({', '.join(self.input_names)}) target={self.program.target}>"
 
@@ -66,9 +73,14 @@ class CompiledOp:
             raise ValueError(f"{self.name}: missing input(s) {', '.join(missing)}")
         return inputs
 
-    def _prepare(self, args, named, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    def _prepare(self, args, named, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                 context_parallel=None):
         inputs = self._bind(args, named)
         dims = check_inputs(inputs, self.kinds, initial_state, cu_seqlens, scale)
+        if context_parallel is not None and (isinstance(context_parallel, bool)
+                                             or not isinstance(context_parallel, int) or context_parallel < 1):
+            raise ValueError(f"context_parallel: expected None or a positive number of segments, "
+                             f"got {context_parallel!r}")
         if use_qk_l2norm_in_kernel:
             inputs = {n: (_l2norm(x) if self.kinds[n] == "key" else x) for n, x in inputs.items()}
         scale = dims.K ** -0.5 if scale is None else float(scale)
@@ -78,18 +90,19 @@ class CompiledOp:
     def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                  use_qk_l2norm_in_kernel=False, context_parallel=None, **named):
         inputs, dims, scale = self._prepare(args, named, scale, initial_state, cu_seqlens,
-                                            use_qk_l2norm_in_kernel)
-        v = inputs[next(n for n in self.input_names if self.kinds[n] == "value")]
+                                            use_qk_l2norm_in_kernel, context_parallel)
+        v = inputs[self.value_name]
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
-        if v.is_cuda and _wants_grad(*inputs.values(), initial_state):
-            raise NotImplementedError(f"{self.name}: gradients of CUDA inputs are not supported yet (the GPU "
-                                      "backward is not built); CPU tensors are differentiable")
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
+            if _wants_grad(*inputs.values(), initial_state):
+                raise NotImplementedError(f"{self.name}: gradients through the sm90 kernels are not supported "
+                                          "yet (the GPU backward is not built); CPU tensors and float32 "
+                                          "inputs (the interpreter) are differentiable")
             from .kernels.forward import forward  # tilelang is imported only when kernels run
 
             o, final = forward(self.program, inputs, self.kinds, dims, scale, initial_state, cu_seqlens,
                                self._head_logs(dims.HV), context_parallel)
-        elif context_parallel:
+        elif context_parallel is not None:
             o, final = self._interpret_segments(inputs, dims, scale, initial_state, cu_seqlens, work,
                                                 context_parallel)
         else:
@@ -128,7 +141,7 @@ class CompiledOp:
         """The interpreter, context-parallel (qla_compiler/context_parallel.py)."""
         total = dims.B * dims.T
         packed = {n: x.reshape(1, total, *x.shape[2:]) for n, x in inputs.items()}
-        v_name = next(n for n in self.input_names if self.kinds[n] == "value")
+        v_name = self.value_name
         device = packed[v_name].device
         cu = (torch.arange(dims.B + 1, device=device) * dims.T if cu_seqlens is None else cu_seqlens)
         h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
@@ -162,24 +175,6 @@ class CompiledOp:
             o, final = run_chunks(chunk, blocks, chunk_lengths, params, head_consts, h0)
         return scatter(from_chunks(o), starts, lengths, dims.B, dims.T), final
 
-    @property
-    def affine_program(self):
-        """The chunk's state update as S ↦ M S + H (passes/affine.py): from the pipeline, or derived once."""
-        if self.program.affine is None:
-            from .passes.affine import derive_affine
-
-            self.program.affine = derive_affine(self.program.chunk)
-        return self.program.affine
-
-    @property
-    def backward_program(self):
-        """The chunk program's VJP (passes/autodiff.py): from the pipeline, or derived here once."""
-        if self.program.backward is None:
-            from .passes.autodiff import derive_backward
-
-            self.program.backward = derive_backward(self.program.chunk)
-        return self.program.backward
-
 
 class _ChunkScan(torch.autograd.Function):
     """(h0, input blocks) -> (o blocks, final state) by the chunk program; backward by its VJP program.
@@ -201,7 +196,7 @@ class _ChunkScan(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         op, names, lengths, params, head_consts = ctx.how
         states, *blocks = ctx.saved_tensors
-        grads, d_h0 = run_backward(op.backward_program, dict(zip(names, blocks)), lengths, params,
+        grads, d_h0 = run_backward(op.program.backward, dict(zip(names, blocks)), lengths, params,
                                    head_consts, states, d_o, d_final)
         d_blocks = [(grads[n] if n in grads else torch.zeros_like(b)) if need else None
                     for n, b, need in zip(names, blocks, ctx.needs_input_grad[2:])]

@@ -31,7 +31,16 @@ K, V = sp.symbols("K V", integer=True, positive=True)
 I = sp.Identity(K)
 exp = sp.exp
 
-INPUT_KINDS = ("key", "value", "scalar", "gate")
+# Names an input cannot take: the op's keyword options, and names the generated kernels use for
+# their own parameters, sizes, loop variables and buffers (qla_compiler/op.py, passes/schedule.py,
+# passes/lower_tilelang.py).
+RESERVED = {
+    "scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
+    "context_parallel", "o", "final_state", "chunk_map", "state", "T", "C", "K", "V", "H", "HV", "BV",
+    "G", "N", "IO", "SCALE", "STAGES", "NP1", "CH", "Tok", "INVERSE_SQUARINGS", "i", "j", "t0",
+    "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot", "I", "exp",
+}
+RESERVED_PREFIXES = ("d_", "log_", "qla_", "_")
 
 
 @dataclass
@@ -60,12 +69,19 @@ def _record() -> tuple[Declared, int]:
     return decl, frame.f_lineno if frame is not None else None
 
 
+def _check_name(decl: Declared, line, name: str, what: str) -> None:
+    if not name.isidentifier():
+        raise SpecError(f"{what} name {name!r} is not a Python identifier", decl.path, line)
+    if name in RESERVED or name.startswith(RESERVED_PREFIXES) or name.endswith("_rows"):
+        raise SpecError(f"{what} name {name!r} is reserved (an op option or a name the generated kernels "
+                        "use); choose another", decl.path, line)
+    if any(n == name for n, *_ in decl.inputs) or any(n == name for n, *_ in decl.constants):
+        raise SpecError(f"{what} {name!r} is declared twice", decl.path, line)
+
+
 def _input(name: str, kind: str, symbol):
     decl, line = _record()
-    if not name.isidentifier():
-        raise SpecError(f"input name {name!r} is not a Python identifier", decl.path, line)
-    if any(n == name for n, *_ in decl.inputs) or any(n == name for n, *_ in decl.constants):
-        raise SpecError(f"input {name!r} is declared twice", decl.path, line)
+    _check_name(decl, line, name, "input")
     decl.inputs.append((name, kind, symbol, line))
     return symbol
 
@@ -93,8 +109,7 @@ def gate(name: str) -> sp.Symbol:
 def head_constant(name: str, fn: Callable[[int], float]) -> sp.Symbol:
     """A constant per value head h, fn(h) (RetNet's γ_h); no tensor is passed for it."""
     decl, line = _record()
-    if any(n == name for n, *_ in decl.inputs) or any(n == name for n, *_ in decl.constants):
-        raise SpecError(f"constant {name!r} is declared twice", decl.path, line)
+    _check_name(decl, line, name, "constant")
     for h in range(4):
         val = float(fn(h))
         if not (0.0 < val <= 1.0) or math.isnan(val):

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import qla_compiler
+from qla_compiler.specs import NAMES
 
 # generated TileLang modules go to a scratch directory, not the user's cache
 os.environ.setdefault("QLA_CACHE_DIR", tempfile.mkdtemp(prefix="qla-test-cache-"))
 
-SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
+SPECS = NAMES
 
 
 @pytest.fixture(scope="session")

@@ -57,10 +57,10 @@ def test_gdn_affine_map_is_math_md(ops):
 
 def test_affine_programs_are_state_free_and_print(ops):
     for spec in SPECS:
-        aff = ops[spec].affine_program
+        aff = ops[spec].program.affine
         assert aff.state_in is None and set(aff.outputs) == {"M", "H"}
         assert str(aff).startswith(f"chunk_program {spec}_affine")
-    lin = ops["linear_attn"].affine_program  # S_next = S0 + Kᵀ V: M is the identity itself
+    lin = ops["linear_attn"].program.affine  # S_next = S0 + Kᵀ V: M is the identity itself
     assert lin.node(lin.outputs["M"]).op == "eye"
 
 
@@ -89,7 +89,7 @@ def test_widened_scan_gives_the_affine_map(ops):
     start = torch.cat([eye, torch.zeros(1, 1, 4, 3, dtype=torch.float64)], -1)
     wide = torch.cat([torch.zeros(1, 64, 1, 4, dtype=torch.float64), v], -1)
     _, maps = op(args["q"], k, wide, g, beta, initial_state=start, output_final_state=True)
-    aff = run_all_chunks(op.affine_program, {"k": k.view(1, 1, 1, 64, 4), "v": v.view(1, 1, 1, 64, 3),
+    aff = run_all_chunks(op.program.affine, {"k": k.view(1, 1, 1, 64, 4), "v": v.view(1, 1, 1, 64, 3),
                                              "g": g.view(1, 1, 1, 64), "beta": beta.view(1, 1, 1, 64)},
                          torch.tensor([[64]]), {}, {}, torch.zeros(1, 1, 1, 4, 3, dtype=torch.float64))
     assert rel_err(maps[0, 0, :, :4], aff["M"][0, 0, 0]) <= 1e-12
@@ -110,5 +110,6 @@ def test_gradients_through_context_parallel(ops):
 
 def test_context_parallel_is_checked(ops):
     args = random_inputs(ops["gdn"], T=10, K=4, V=4)
-    with pytest.raises(ValueError, match="context_parallel: expected a positive number of segments"):
-        ops["gdn"](**args, context_parallel=-1)
+    for bad in (-1, 0, True, 2.0):
+        with pytest.raises(ValueError, match="context_parallel: expected None or a positive number of segments"):
+            ops["gdn"](**args, context_parallel=bad)

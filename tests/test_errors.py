@@ -44,6 +44,8 @@ def write_spec(tmp_path, body: str):
     # a Python error inside the spec
     ("q = key('q')\nx = 1 / 0\n", 3, r"ZeroDivisionError"),
     ("q = key('q')\nq2 = key('q')\n", 3, r"input 'q' is declared twice"),
+    ("q = key('q')\nscale = value('scale')\n", 3, r"input name 'scale' is reserved"),
+    ("q = key('q')\no = value('o')\n", 3, r"input name 'o' is reserved"),
 ])
 def test_malformed_spec_names_file_and_line(tmp_path, body, line, pattern):
     p = write_spec(tmp_path, body)
@@ -61,6 +63,11 @@ def test_malformed_spec_names_file_and_line(tmp_path, body, line, pattern):
     # the state multiplied from the right
     ("q, k = key('q'), key('k')\nv = value('v')\nS = state()\nrecurrence(step=S + S * v * v.T + k * v.T, "
      "output=S.T * q)\n", r"not multiplied from the left"),
+    # a coefficient that is not a monomial in scalar inputs
+    ("q, k = key('q'), key('k')\nv = value('v')\nb = scalar('b')\nS = state()\n"
+     "recurrence(step=S + (b + 1) * k * v.T, output=S.T * q)\n", r"write coefficient b = b \+ 1 must be a number"),
+    ("q, k = key('q'), key('k')\nv = value('v')\nb = scalar('b')\nS = state()\n"
+     "recurrence(step=S + k * v.T, output=(1 / b) * S.T * q)\n", r"is not c·Sᵀ·q"),
     # a decay that is neither exp(gate) nor a head constant
     ("q, k = key('q'), key('k')\nv = value('v')\nb = scalar('b')\nS = state()\n"
      "recurrence(step=b * S + k * v.T, output=S.T * q)\n", r"decay factor of A_t is b"),
@@ -107,7 +114,13 @@ def _bad(args, **changes):
     (lambda a: _bad(a, cu_seqlens=torch.tensor([0, 5, 9])), r"^cu_seqlens: must end at T = 10"),
     (lambda a: _bad(a, cu_seqlens=torch.tensor([1, 5, 10])), r"^cu_seqlens: must start at 0"),
     (lambda a: _bad(a, cu_seqlens=torch.tensor([0.0, 10.0])), r"^cu_seqlens: expected a 1-D int32 or int64"),
-    (lambda a: _bad(a, scale="big"), r"^scale: expected a float or None"),
+    (lambda a: _bad(a, scale="big"), r"^scale: expected a finite float or None, got 'big'"),
+    (lambda a: _bad(a, scale=float("nan")), r"^scale: expected a finite float or None, got nan"),
+    (lambda a: _bad(a, scale=True), r"^scale: expected a finite float or None, got True"),
+    (lambda a: _bad(a, q=a["q"][:, :0], k=a["k"][:, :0], v=a["v"][:, :0], g=a["g"][:, :0],
+                    beta=a["beta"][:, :0]), r"^q: has no elements \(T = 0"),
+    (lambda a: _bad(a, v=a["v"][:, :, :0]), r"^v: has no elements \(HV = 0"),
+    (lambda a: _bad(a, g=a["g"].abs() + 0.5), r"^g: a log-space gate must be ≤ 0 \(a decay\)"),
     (lambda a: _bad(a, gate=a["g"]), r"unknown argument 'gate'"),
     (lambda a: {k: v for k, v in a.items() if k != "beta"}, r"missing input\(s\) beta"),
 ])

@@ -92,3 +92,24 @@ def test_shape_option_is_checked():
         parse_shape("H=2,HV=3,K=128,V=128")
     with pytest.raises(ValueError, match="unknown field 'D'"):
         parse_shape("D=4")
+
+
+def test_shape_option_needs_supported_sizes():
+    with pytest.raises(ValueError, match="missing H, HV"):
+        parse_shape("K=128,V=128")
+    with pytest.raises(ValueError, match="K=96 is not supported"):
+        parse_shape("H=1,HV=1,K=96,V=128")
+    with pytest.raises(ValueError, match="BV=48 must be 16, 32 or 64"):
+        parse_shape("H=1,HV=1,K=128,V=128,BV=48")
+
+
+def test_lowering_refuses_other_chunk_sizes(capsys):
+    assert main(["gdn", "--chunk-size", "16", "--emit", "tilelang"]) == 1
+    assert "built for chunks of 64 tokens, not 16" in capsys.readouterr().err
+
+
+def test_print_after_all_still_emits_what_was_asked(capsys):
+    assert main(["linear_attn", "--print-after-all", "--emit", "kernel"]) == 0
+    out = capsys.readouterr().out
+    assert "// ----- after schedule -----" in out and out.rstrip().endswith(
+        str(qla_compiler.compile_spec("linear_attn").kernels).rstrip())

@@ -27,13 +27,13 @@ from qla_compiler.passes.rewrite_exp2 import EXP2
 from qla_compiler.passes.rewrites import CHUNK_PASSES, REWRITES
 from qla_compiler.passes.verify_exponents import verify_exponents
 from qla_compiler.testing import random_inputs, rel_err
+from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
 ROOT = Path(__file__).resolve().parent.parent
 GDN = str(ROOT / "specs" / "gdn.py")
 SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
 C = 64
 TOL = 1e-10
-EXPONENTIALS = {"exp", "exp2"}
 
 
 @pytest.fixture(scope="module")
