@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/qla-compile specs/gdn.py --target sm90
 	$(BIN)/qla-compile specs/gdn.py --target sm90 --emit chunk
+	$(BIN)/qla-compile specs/gdn.py --target sm90 --emit kernel
+	$(BIN)/qla-compile specs/gdn.py --target sm90 --emit tilelang -o qla-out
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -119,7 +119,12 @@ class RecurrenceIR:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        return f"<pre>{html.escape(str(self))}</pre>"
+        """The text form, then the step and output typeset (MathJax renders $$…$$ in notebooks)."""
+        s, shape = self.state.name, self.state.shape
+        prev, now = sp.MatrixSymbol(f"{s}_{{t-1}}", *shape), sp.MatrixSymbol(f"{s}_t", *shape)
+        math = (f"$$ {s}_t = {sp.latex(self.step.subs(self.state, prev))} $$"
+                f"$$ o_t = \\mathrm{{scale}} \\cdot {sp.latex(self.output.subs(self.state, now))} $$")
+        return f"<pre>{html.escape(str(self))}</pre>{math}"
 
 
 def _pretty(expr) -> str:

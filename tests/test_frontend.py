@@ -44,3 +44,9 @@ def test_retnet_constants_follow_the_paper():
     ir = load_spec(path("retnet"))
     (gamma,) = ir.constants
     assert gamma.values(3) == [1 - 2 ** -5, 1 - 2 ** -6, 1 - 2 ** -7]
+
+
+def test_recurrence_typesets_in_notebooks():
+    html = classify(load_spec(path("gdn")))._repr_html_()
+    assert html.startswith("<pre>recurrence gdn")
+    assert "$$ S_t = " in html and "S_{t-1}" in html and "e^{g}" in html and "S_{t}^{T} q" in html
