@@ -79,3 +79,5 @@ def test_notebook_runs_top_to_bottom(kernel_env):
     assert "kernel gdn_prep" in rich and "kernel gdn_scan" in rich and "fragment state" in rich
     assert "Shape class: H=2 HV=8 K=128 V=128 BV=64" in text
     assert "def gdn_scan(" in text and "T.alloc_fragment((K, BV)" in text
+    assert "chunk_program gdn_affine" in rich and "out M=" in rich  # context parallelism
+    assert all(f"context_parallel={s}:" in text for s in (1, 2, 4, 8))
