@@ -163,4 +163,10 @@ class KernelIR:
         return "\n".join(head + [""] + [str(k) + "\n" for k in self.kernels]).rstrip()
 
     def _repr_html_(self) -> str:
-        return f"<pre>{html.escape(str(self))}</pre>"
+        from .kernel_draw import to_svg  # drawing needs matplotlib; the IR itself does not
+
+        try:
+            svg = to_svg(self)
+        except ImportError:
+            svg = ""
+        return f"<pre>{html.escape(str(self))}</pre>{svg}"

@@ -1,0 +1,119 @@
+"""The KernelIR drawing: an SVG with every kernel, buffer and tensor passed between kernels,
+embedded in _repr_html_."""
+import dataclasses
+import html
+import re
+
+import pytest
+
+import qla_compiler
+from qla_compiler.ir.kernel import Tensor
+from qla_compiler.ir.kernel_draw import crossings, draw, to_svg
+
+pytest.importorskip("matplotlib")
+
+SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
+# global tensors a kernel writes and a later one reads, per spec
+CROSSING = {"gdn": {"g_cum", "T_r"}, "delta_net": {"T"}, "simple_gla": {"g_cum"},
+            "retnet": set(), "linear_attn": set()}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return {name: qla_compiler.compile_spec(name).kernels for name in SPECS}
+
+
+def _texts(svg):
+    return {html.unescape(t).strip() for t in re.findall(r"<text[^>]*>(.*?)</text>", svg, re.S)}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_svg_has_every_kernel_buffer_and_crossing(kernels, spec):
+    kir = kernels[spec]
+    svg = to_svg(kir)
+    assert svg.lstrip().startswith(("<svg", "<?xml"))
+    assert svg.rstrip().endswith("</svg>")
+    texts = _texts(svg)  # svg.fonttype 'none' keeps every label a <text> element
+    words = {t.split()[0] for t in texts if t}
+    for k in kir.kernels:
+        assert k.name in texts, k.name
+        assert any(t.startswith("grid(") and f"{k.threads} threads" in t for t in texts)
+        for b in k.buffers:
+            assert b.name in words, (k.name, b.name)
+        for p in k.params:
+            assert p.name in texts, (k.name, p.name)  # its chip (name, then dtype[shape])
+    assert any("for chunk in" in t for t in texts)
+    assert {t.name for _, _, t in crossings(kir)} == CROSSING[spec]
+    for i, _, t in crossings(kir):
+        assert f'id="crossing-{kir.kernels[i].name}-{t.name}"' in svg
+        shape = f"{t.dtype}[{', '.join(t.shape)}]"
+        assert shape in texts
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_repr_html_embeds_the_drawing(kernels, spec):
+    out = kernels[spec]._repr_html_()
+    assert out.startswith("<pre>")  # the text form first
+    assert out.index("</pre>") < out.index("<svg")
+
+
+def test_statements_are_one_line_and_clipped(kernels):
+    texts = _texts(to_svg(kernels["gdn"]))
+    stmts = [" ".join(str(s).split()) for k in kernels["gdn"].kernels
+             for s in (*k.prologue, *k.body, *k.epilogue)]
+    assert any(len(s) > 60 for s in stmts)  # gdn's scan has statements longer than a line
+    for s in stmts:
+        shown = s if len(s) <= 60 else s[:59] + "…"
+        assert shown in texts, shown
+
+
+def test_crossing_that_skips_a_kernel():
+    """Three kernels: a tensor from the first to the third runs over the second."""
+    kir = qla_compiler.compile_spec("gdn").kernels
+    prep, scan = kir.kernels
+    post = dataclasses.replace(prep, name="gdn_post", loop=None, params=[
+        Tensor("T_r", ("1", "T", "HV", "C"), "io", "in"),
+        Tensor("o", ("1", "T", "HV", "V"), "io", "in"),
+        Tensor("o2", ("1", "T", "HV", "V"), "io", "out")])
+    k3 = dataclasses.replace(kir, kernels=[prep, scan, post])
+    assert [(i, j, t.name) for i, j, t in crossings(k3)] == [
+        (0, 1, "g_cum"), (0, 1, "T_r"), (0, 2, "T_r"), (1, 2, "o")]
+    svg = to_svg(k3)
+    for gid in ("gdn_prep-g_cum", "gdn_prep-T_r", "gdn_scan-o"):
+        assert f'id="crossing-{gid}"' in svg
+    assert svg.count('id="crossing-gdn_prep-T_r"') == 1  # one label per port
+    assert "gdn_post" in _texts(svg)
+
+
+def test_figure_grows_with_the_content(kernels):
+    one, two = draw(kernels["linear_attn"]), draw(kernels["gdn"])
+    w1, h1 = one.get_size_inches()
+    w2, h2 = two.get_size_inches()
+    assert w2 > w1 and h2 > h1
+
+
+def test_draw_onto_given_axes(kernels):
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    assert draw(kernels["gdn"], ax=ax) is fig
+    assert len(ax.patches) >= sum(len(k.params) for k in kernels["gdn"].kernels)
+
+
+def test_to_svg_leaves_rc_params_alone(kernels):
+    import matplotlib
+
+    before = matplotlib.rcParams["svg.fonttype"]
+    to_svg(kernels["retnet"])
+    assert matplotlib.rcParams["svg.fonttype"] == before
+
+
+def test_ir_does_not_need_matplotlib():
+    import subprocess
+    import sys
+
+    code = ("import sys, qla_compiler, qla_compiler.ir.kernel_draw; "
+            "k = qla_compiler.compile_spec('gdn').kernels; str(k); "
+            "assert 'matplotlib' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
