@@ -15,12 +15,12 @@ do not depend on `state_in` are parallel over chunks; the rest form the sequenti
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, field
 
 import networkx as nx
 
 from .chunk_ops import EXPONENTIALS, OPS
+from .display import rich_html
 
 
 @dataclass(frozen=True)
@@ -187,13 +187,7 @@ class ChunkIR:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        from .chunk_draw import to_svg  # drawing needs matplotlib; the IR itself does not
-
-        try:
-            svg = to_svg(self)
-        except ImportError:
-            svg = ""
-        return f"<pre>{html.escape(str(self))}</pre>{svg}"
+        return rich_html(self, "chunk_draw")
 
     def counts(self) -> dict:
         """What the program does, for comparing before/after rewrites."""

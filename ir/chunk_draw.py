@@ -12,7 +12,8 @@ loop-carried edge, from the state leaving the chunk back to the state entering t
 """
 from __future__ import annotations
 
-import io
+from .display import canvas, svg
+
 
 LEAF_OPS = {"input", "param", "head_log", "const", "valid", "positions"}
 COLOURS = {"leaf": "#e6e6e6", "parallel": "#cfe2f3", "scan": "#fbd9b4", "output": "#cdeac0"}
@@ -92,7 +93,6 @@ def _layout(chunk_ir, col, lane):
 
 def draw(chunk_ir, ax=None):
     """Draw `chunk_ir` onto `ax` (a new figure sized to the graph if None); returns the figure."""
-    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure registry
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
     from matplotlib.path import Path
@@ -106,14 +106,7 @@ def draw(chunk_ir, ax=None):
     margin, loop_room, top, bottom = 0.3, 1.3, 0.6, 0.75  # title above, legend below
     x0, x1 = min(xs) - box_w / 2 - margin, max(xs) + box_w / 2 + loop_room
     y0, y1 = min(ys) - BOX_H / 2 - bottom, BOX_H / 2 + top
-    if ax is None:
-        fig = Figure(figsize=(x1 - x0, y1 - y0))
-        ax = fig.add_axes((0, 0, 1, 1))
-    fig = ax.figure
-    ax.set_xlim(x0, x1)
-    ax.set_ylim(y0, y1)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    fig, ax = canvas(ax, x0, x1, y0, y1)
 
     for n in labels:
         (x, y), role = xy[n], _role(chunk_ir, n, scan)
@@ -178,10 +171,4 @@ def draw(chunk_ir, ax=None):
 
 def to_svg(chunk_ir) -> str:
     """The drawing as an SVG string, text kept as <text> so labels stay searchable."""
-    import matplotlib
-
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig = draw(chunk_ir)
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg")
-    return buf.getvalue()
+    return svg(draw, chunk_ir)

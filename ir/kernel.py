@@ -14,8 +14,9 @@ tree (`Expr`) indexed by the loop variables of one `T.Parallel` loop.
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, field
+
+from .display import rich_html
 
 # ---- expressions -----------------------------------------------------------------------------
 # An Expr is a tuple: ("buf", name, idx...) | ("lit", value) | ("param", name) | ("head", name)
@@ -163,10 +164,4 @@ class KernelIR:
         return "\n".join(head + [""] + [str(k) + "\n" for k in self.kernels]).rstrip()
 
     def _repr_html_(self) -> str:
-        from .kernel_draw import to_svg  # drawing needs matplotlib; the IR itself does not
-
-        try:
-            svg = to_svg(self)
-        except ImportError:
-            svg = ""
-        return f"<pre>{html.escape(str(self))}</pre>{svg}"
+        return rich_html(self, "kernel_draw")

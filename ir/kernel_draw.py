@@ -16,9 +16,10 @@ with the tensor's name and shape.
 """
 from __future__ import annotations
 
-import io
 import math
 import textwrap
+
+from .display import canvas, svg
 
 COLOURS = {"in": "#e6e6e6", "out": "#cdeac0", "parallel": "#cfe2f3", "loop": "#fbd9b4",
            "shared": "#e4dcf0", "fragment": "#fff2c6", "panel": "#fcfcfc"}
@@ -218,7 +219,6 @@ def _rounded(points, r: float = 0.07):
 
 def draw(kernel_ir, ax=None):
     """Draw `kernel_ir` onto `ax` (a new figure sized to the content if None); returns the figure."""
-    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure registry
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
@@ -269,14 +269,7 @@ def draw(kernel_ir, ax=None):
     bottom = 0.3 + 0.2 * math.ceil(len(legend) / ncol)
     height = max((p["H"] for p in panels), default=0)
     x0, x1, y0, y1 = 0, width, -height - bottom, top
-    if ax is None:
-        fig = Figure(figsize=(x1 - x0, y1 - y0))
-        ax = fig.add_axes((0, 0, 1, 1))
-    fig = ax.figure
-    ax.set_xlim(x0, x1)
-    ax.set_ylim(y0, y1)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    fig, ax = canvas(ax, x0, x1, y0, y1)
 
     for x, p in zip(xs, panels):
         ax.add_patch(FancyBboxPatch((x, -p["H"]), p["W"], p["H"],
@@ -341,10 +334,4 @@ def draw(kernel_ir, ax=None):
 
 def to_svg(kernel_ir) -> str:
     """The drawing as an SVG string, text kept as <text> so labels stay searchable."""
-    import matplotlib
-
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig = draw(kernel_ir)
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg")
-    return buf.getvalue()
+    return svg(draw, kernel_ir)

@@ -48,18 +48,22 @@ def test_draw_onto_given_axes(chunks):
     assert len(ax.patches) >= len(chunks["gdn"].graph)
 
 
-def test_to_svg_leaves_rc_params_alone(chunks):
+@pytest.mark.parametrize("module, stage", [("chunk_draw", "chunk"), ("kernel_draw", "kernels")])
+def test_to_svg_leaves_rc_params_alone(module, stage):
+    import importlib
+
     import matplotlib
 
     before = matplotlib.rcParams["svg.fonttype"]
-    to_svg(chunks["linear_attn"])
+    importlib.import_module(f"qla_compiler.ir.{module}").to_svg(getattr(qla_compiler.compile_spec("retnet"), stage))
     assert matplotlib.rcParams["svg.fonttype"] == before
 
 
-def test_ir_does_not_need_matplotlib():
+@pytest.mark.parametrize("module", ["chunk_draw", "kernel_draw"])
+def test_ir_does_not_need_matplotlib(module):
     import subprocess
     import sys
 
-    code = ("import sys, qla_compiler, qla_compiler.ir.chunk_draw; qla_compiler.compile_spec('gdn'); "
-            "assert 'matplotlib' not in sys.modules")
+    code = (f"import sys, qla_compiler, qla_compiler.ir.{module}; p = qla_compiler.compile_spec('gdn'); "
+            "str(p.chunk); str(p.kernels); assert 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

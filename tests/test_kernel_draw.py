@@ -101,19 +101,4 @@ def test_draw_onto_given_axes(kernels):
     assert len(ax.patches) >= sum(len(k.params) for k in kernels["gdn"].kernels)
 
 
-def test_to_svg_leaves_rc_params_alone(kernels):
-    import matplotlib
-
-    before = matplotlib.rcParams["svg.fonttype"]
-    to_svg(kernels["retnet"])
-    assert matplotlib.rcParams["svg.fonttype"] == before
-
-
-def test_ir_does_not_need_matplotlib():
-    import subprocess
-    import sys
-
-    code = ("import sys, qla_compiler, qla_compiler.ir.kernel_draw; "
-            "k = qla_compiler.compile_spec('gdn').kernels; str(k); "
-            "assert 'matplotlib' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
+# rc settings and the lazy matplotlib import are shared with chunk_draw: tests/test_draw.py
