@@ -89,7 +89,9 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     tensors = dict(packed)
     for name, logs in head_logs.items():
         tensors[f"log_{name}"] = _on_device(tuple(logs), device)
-    *prep, scan_kernel = program.kernels.kernels
+    # the kernel that loops over chunks is the scan; the others are parallel over chunks and run first
+    scan_kernel = next(k for k in program.kernels.kernels if k.loop)
+    prep = [k for k in program.kernels.kernels if not k.loop]
 
     def shape(width, n_seqs):
         return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=width, io=IO_DTYPES[io], scale=scale,
