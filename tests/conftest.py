@@ -13,6 +13,16 @@ os.environ.setdefault("QLA_CACHE_DIR", tempfile.mkdtemp(prefix="qla-test-cache-"
 SPECS = NAMES
 
 
+def svg_texts(svg: str) -> set:
+    """The text labels of a drawing: a whole SVG document whose labels stayed <text> elements
+    (svg.fonttype 'none'), not glyph paths."""
+    import html
+    import re
+
+    assert svg.lstrip().startswith(("<svg", "<?xml")) and svg.rstrip().endswith("</svg>")
+    return {html.unescape(t).strip() for t in re.findall(r"<text[^>]*>(.*?)</text>", svg, re.S)}
+
+
 @pytest.fixture(scope="session")
 def ops():
     """One compiled op per shipped spec (compiling is the slow part of a CPU test)."""

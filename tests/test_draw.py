@@ -1,15 +1,12 @@
 """The ChunkIR drawing: an SVG with every node, the loop-carried edge, embedded in _repr_html_."""
-import html
-import re
-
 import pytest
 
 import qla_compiler
+from conftest import SPECS, svg_texts
 from qla_compiler.ir.chunk_draw import draw, to_svg
 
 pytest.importorskip("matplotlib")
 
-SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +18,7 @@ def chunks():
 def test_svg_has_every_node_and_the_loop_edge(chunks, spec):
     chunk = chunks[spec]
     svg = to_svg(chunk)
-    assert svg.lstrip().startswith(("<svg", "<?xml"))
-    assert svg.rstrip().endswith("</svg>")
-    # svg.fonttype 'none' keeps each label line a <text> element (not glyph paths)
-    texts = {html.unescape(t).strip() for t in re.findall(r"<text[^>]*>(.*?)</text>", svg, re.S)}
+    texts = svg_texts(svg)
     for n in chunk.order():
         assert n.name in texts, n.name
         assert any(t.startswith(f"{n.op} ") for t in texts), n.op

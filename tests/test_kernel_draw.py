@@ -1,18 +1,16 @@
 """The KernelIR drawing: an SVG with every kernel, buffer and tensor passed between kernels,
 embedded in _repr_html_."""
 import dataclasses
-import html
-import re
 
 import pytest
 
 import qla_compiler
+from conftest import SPECS, svg_texts
 from qla_compiler.ir.kernel import Tensor
 from qla_compiler.ir.kernel_draw import crossings, draw, to_svg
 
 pytest.importorskip("matplotlib")
 
-SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
 # global tensors a kernel writes and a later one reads, per spec
 CROSSING = {"gdn": {"g_cum", "T_r"}, "delta_net": {"T"}, "simple_gla": {"g_cum"},
             "retnet": set(), "linear_attn": set()}
@@ -23,17 +21,11 @@ def kernels():
     return {name: qla_compiler.compile_spec(name).kernels for name in SPECS}
 
 
-def _texts(svg):
-    return {html.unescape(t).strip() for t in re.findall(r"<text[^>]*>(.*?)</text>", svg, re.S)}
-
-
 @pytest.mark.parametrize("spec", SPECS)
 def test_svg_has_every_kernel_buffer_and_crossing(kernels, spec):
     kir = kernels[spec]
     svg = to_svg(kir)
-    assert svg.lstrip().startswith(("<svg", "<?xml"))
-    assert svg.rstrip().endswith("</svg>")
-    texts = _texts(svg)  # svg.fonttype 'none' keeps every label a <text> element
+    texts = svg_texts(svg)
     words = {t.split()[0] for t in texts if t}
     for k in kir.kernels:
         assert k.name in texts, k.name
@@ -58,7 +50,7 @@ def test_repr_html_embeds_the_drawing(kernels, spec):
 
 
 def test_statements_are_one_line_and_clipped(kernels):
-    texts = _texts(to_svg(kernels["gdn"]))
+    texts = svg_texts(to_svg(kernels["gdn"]))
     stmts = [" ".join(str(s).split()) for k in kernels["gdn"].kernels
              for s in (*k.prologue, *k.body, *k.epilogue)]
     assert any(len(s) > 60 for s in stmts)  # gdn's scan has statements longer than a line
@@ -82,7 +74,7 @@ def test_crossing_that_skips_a_kernel():
     for gid in ("gdn_prep-g_cum", "gdn_prep-T_r", "gdn_scan-o"):
         assert f'id="crossing-{gid}"' in svg
     assert svg.count('id="crossing-gdn_prep-T_r"') == 1  # one label per port
-    assert "gdn_post" in _texts(svg)
+    assert "gdn_post" in svg_texts(svg)
 
 
 def test_figure_grows_with_the_content(kernels):

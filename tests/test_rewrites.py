@@ -15,6 +15,7 @@ import sympy as sp
 import torch
 
 import qla_compiler
+from conftest import SPECS
 from qla_compiler.cli import main
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
@@ -31,7 +32,6 @@ from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
 ROOT = Path(__file__).resolve().parent.parent
 GDN = str(ROOT / "specs" / "gdn.py")
-SPECS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
 C = 64
 TOL = 1e-10
 
