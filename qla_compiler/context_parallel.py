@@ -22,6 +22,12 @@ from typing import Callable
 import torch
 
 
+def check_segments(segments) -> None:
+    """The op's `context_parallel` argument: None (off) or a positive number of segments."""
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+        raise ValueError(f"context_parallel: expected None or a positive number of segments, got {segments!r}")
+
+
 def segment_bounds(cu: torch.Tensor, segments: int, chunk_size: int) -> torch.Tensor:
     """cu_seqlens of the segments: each sequence in `segments` runs of whole chunks (the last ones
     may be empty), [N·segments + 1], computed on the device."""
@@ -39,8 +45,7 @@ def run_segments(scan: Callable, v: torch.Tensor, cu: torch.Tensor, h0: torch.Te
     """scan(values [1, T, HV, W], cu_seqlens, h0 [N', HV, K, W]) -> (o [1, T, HV, W], final [N', HV, K, W])
     runs the chunked scan over packed sequences for any value width W. Returns what one scan over
     the whole sequences returns (o [1, T, HV, V], final [N, HV, K, V]), computed by segments."""
-    if not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"context_parallel: expected a positive number of segments, got {segments!r}")
+    check_segments(segments)
     N, HV, K, V = h0.shape
     cu_seg = segment_bounds(cu, segments, chunk_size)
     eye = torch.eye(K, device=h0.device, dtype=h0.dtype)

@@ -28,7 +28,7 @@ import math
 import torch
 
 from .checks import Dims, check_inputs
-from .context_parallel import run_segments
+from .context_parallel import check_segments, run_segments
 from .ir.chunk_interp import run_backward, run_chunks
 from .ir.recurrence_interp import run_recurrence
 from .layout import expand_heads, from_chunks, gather, scatter, sequence_bounds, to_chunks
@@ -77,10 +77,7 @@ class CompiledOp:
                  context_parallel=None):
         inputs = self._bind(args, named)
         dims = check_inputs(inputs, self.kinds, initial_state, cu_seqlens, scale)
-        if context_parallel is not None and (isinstance(context_parallel, bool)
-                                             or not isinstance(context_parallel, int) or context_parallel < 1):
-            raise ValueError(f"context_parallel: expected None or a positive number of segments, "
-                             f"got {context_parallel!r}")
+        check_segments(context_parallel)
         if use_qk_l2norm_in_kernel:
             inputs = {n: (_l2norm(x) if self.kinds[n] == "key" else x) for n, x in inputs.items()}
         scale = dims.K ** -0.5 if scale is None else float(scale)
