@@ -11,6 +11,7 @@ import functools
 import torch
 
 from qla_compiler.context_parallel import run_segments
+from qla_compiler.layout import packed_cu_seqlens
 from qla_compiler.passes.lower_tilelang import HEAD_DIMS, ShapeClass
 
 from .runtime import load_kernels
@@ -80,10 +81,7 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     for n, x in inputs.items():
         x = x.reshape(1, total, *x.shape[2:])
         packed[n] = x.contiguous() if kinds[n] in ("key", "value") else x.to(torch.float32).contiguous()
-    if cu_seqlens is None:
-        cu = torch.arange(dims.B + 1, device=device, dtype=torch.int32) * dims.T
-    else:
-        cu = cu_seqlens.to(torch.int32)
+    cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
     h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=device, dtype=torch.float32)
           if initial_state is None else initial_state.to(torch.float32).contiguous())
     tensors = dict(packed)

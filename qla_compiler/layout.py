@@ -9,12 +9,16 @@ from __future__ import annotations
 import torch
 
 
+def packed_cu_seqlens(B: int, T: int, cu_seqlens, device, dtype=torch.int64) -> torch.Tensor:
+    """cu_seqlens of the flattened B·T tokens: the given one, or T·[0, 1, …, B] for a dense batch."""
+    if cu_seqlens is None:
+        return torch.arange(B + 1, device=device, dtype=dtype) * T
+    return cu_seqlens.to(device=device, dtype=dtype)
+
+
 def sequence_bounds(B: int, T: int, cu_seqlens, device="cpu"):
     """(starts, lengths) of each sequence in the flattened B·T tokens, as int64 tensors."""
-    if cu_seqlens is None:
-        starts = torch.arange(B, device=device, dtype=torch.int64) * T
-        return starts, torch.full((B,), T, device=device, dtype=torch.int64)
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    cu = packed_cu_seqlens(B, T, cu_seqlens, device)
     return cu[:-1], cu[1:] - cu[:-1]
 
 

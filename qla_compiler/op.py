@@ -31,7 +31,7 @@ from .checks import Dims, check_inputs
 from .context_parallel import check_segments, run_segments
 from .ir.chunk_interp import run_backward, run_chunks
 from .ir.recurrence_interp import run_recurrence
-from .layout import expand_heads, from_chunks, gather, scatter, sequence_bounds, to_chunks
+from .layout import expand_heads, from_chunks, gather, packed_cu_seqlens, scatter, sequence_bounds, to_chunks
 
 OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
            "context_parallel")
@@ -140,7 +140,7 @@ class CompiledOp:
         packed = {n: x.reshape(1, total, *x.shape[2:]) for n, x in inputs.items()}
         v_name = self.value_name
         device = packed[v_name].device
-        cu = (torch.arange(dims.B + 1, device=device) * dims.T if cu_seqlens is None else cu_seqlens)
+        cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device)
         h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
               if initial_state is None else initial_state.to(work))
 
