@@ -14,19 +14,21 @@ import time
 
 import qla_compiler
 from qla_compiler.bench import ROWS, parse_row
-from qla_compiler.kernels.forward import block_v
+from qla_compiler.kernels.forward import SCAN_STAGES, block_v
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
 
 H200_SMS = 132
 
 
-def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS):
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages=None):
     """The shape classes one call compiles: what kernels/forward.py picks for these sizes."""
+    stages = stages or SCAN_STAGES
     if not cp:
-        return [(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=block_v(K, HV, n_seqs, sms), io=io))]
+        return [(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=block_v(K, HV, n_seqs, sms), io=io, stages=stages))]
     n = n_seqs * cp  # segments are scanned as sequences, once on [0 | v] (width K + V), once on v
-    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=block_v(w, HV, n, sms), io=io)) for w in (2 * K, K)]
+    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=block_v(w, HV, n, sms), io=io, stages=stages))
+            for w in (2 * K, K)]
 
 
 def for_gpu_tests():
@@ -38,20 +40,20 @@ def for_gpu_tests():
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
         out += classes(spec, 2, 2, 128, 3)
     for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
-        for spec in ("gdn", "delta_net"):
+        for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
             out.append((spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)))
     for s in (2, 8):
         out += classes("gdn", 2, 8, 128, 3, cp=s)
     return out
 
 
-def for_bench(cp=None):
+def for_bench(cp=None, rows=ROWS, stages=None):
     out = []
-    for row in ROWS:
+    for row in rows:
         H, HV, lens = parse_row(row)
-        out += classes("gdn", H, HV, 128, len(lens))
+        out += classes("gdn", H, HV, 128, len(lens), stages=stages)
         if cp:
-            out += classes("gdn", H, HV, 128, len(lens), cp=cp)
+            out += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages)
     return out
 
 
@@ -67,9 +69,11 @@ def main(argv):
     ap.add_argument("--tests", action="store_true", help="the classes of the GPU tests")
     ap.add_argument("--bench", action="store_true", help="the classes of qla-bench's rows")
     ap.add_argument("--cp", type=int, help="with --bench: also the context-parallel classes")
+    ap.add_argument("--rows", nargs="*", default=ROWS, help="with --bench: only these rows")
+    ap.add_argument("--scan-stages", type=int, help="with --bench: for qla-bench --scan-stages N")
     args = ap.parse_args(argv)
     todo = [parse(i) for i in args.items] + (for_gpu_tests() if args.tests else []) \
-        + (for_bench(args.cp) if args.bench else [])
+        + (for_bench(args.cp, args.rows, args.scan_stages) if args.bench else [])
     seen = set()
     for spec, shape in todo:
         if (spec, shape) in seen:

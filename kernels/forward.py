@@ -17,6 +17,8 @@ from qla_compiler.passes.lower_tilelang import HEAD_DIMS, ShapeClass
 from .runtime import load_kernels
 
 IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# buffers for the scan's loads: 2 lets the producer fetch chunk i + 1 while the consumer works on i
+SCAN_STAGES = 1
 
 
 def check_head_dims(K: int, V: int) -> None:
@@ -69,6 +71,13 @@ def chunk_map(cu: torch.Tensor, n_tokens: int, C: int) -> torch.Tensor:
     return torch.stack([torch.where(n_valid > 0, first, torch.zeros_like(first)), n_valid], 1).to(torch.int32)
 
 
+def chunk_offsets(cu: torch.Tensor, C: int) -> torch.Tensor:
+    """The chunk slot of each sequence's first chunk, [N + 1] (slots count chunks in token order,
+    as chunk_map does), computed on the device."""
+    per_seq = (cu[1:] - cu[:-1] + C - 1).div(C, rounding_mode="floor")
+    return torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)]).to(torch.int32)
+
+
 def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_state, cu_seqlens,
             head_logs: dict, context_parallel=None):
     C = program.chunk_size
@@ -87,40 +96,47 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     tensors = dict(packed)
     for name, logs in head_logs.items():
         tensors[f"log_{name}"] = _on_device(tuple(logs), device)
-    # the kernel that loops over chunks is the scan; the others are parallel over chunks and run first
-    scan_kernel = next(k for k in program.kernels.kernels if k.loop)
-    prep = [k for k in program.kernels.kernels if not k.loop]
+    tensors["chunk_map"] = chunk_map(cu, total, C)
+    sizes = {"1": 1, "T": total, "HV": dims.HV, "H": dims.H, "K": dims.K, "V": dims.V, "C": C, "N": dims.N,
+             "CH": tensors["chunk_map"].shape[0]}
+    # kernels run in KernelIR order: parallel ones before the scan (prep) and after it (out)
+    ks = program.kernels.kernels
+    i_scan = next(i for i, k in enumerate(ks) if k.loop)
+    scan_kernel = ks[i_scan]
+    # the scan's value-width input (v, or what prep made from it): context parallelism widens it
+    (scan_values,) = [p.name for p in scan_kernel.params if p.role == "in" and p.shape[-1] == "V"
+                      and p.shape[0] == "1"]
 
     def shape(width, n_seqs):
         return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=width, io=IO_DTYPES[io], scale=scale,
-                          BV=choose_block_v(width, dims.HV, n_seqs, device))
+                          BV=choose_block_v(width, dims.HV, n_seqs, device), stages=SCAN_STAGES)
 
-    if prep:  # per chunk, independent of V and of how sequences are cut into segments
-        kernels = load_kernels(program, shape(dims.V, dims.N))
-        tensors["chunk_map"] = chunk_map(cu, total, C)
-        for k in prep:
-            for p in k.params:
-                if p.role == "out":
-                    tensors[p.name] = _empty(p, dims, C, total, io, device)
-            kernels[k.name](*[tensors[p.name] for p in k.params])
+    def run(kernel, t, width=dims.V, n_seqs=dims.N):
+        for p in kernel.params:
+            if p.role == "out" and p.name not in t:
+                t[p.name] = _empty(p, dict(sizes, V=width, N=n_seqs), io, device)
+        load_kernels(program, shape(width, n_seqs))[kernel.name](*[t[p.name] for p in kernel.params])
+
+    for k in ks[:i_scan]:  # per chunk, independent of how sequences are cut into segments
+        run(k, tensors)
 
     def scan(values, cu_, h0_):
         width, n_seqs = values.shape[-1], h0_.shape[0]
-        kernel = load_kernels(program, shape(width, n_seqs))[scan_kernel.name]
-        t = dict(tensors, cu_seqlens=cu_, initial_state=h0_.contiguous(), **{v_name: values.contiguous()})
-        t["o"] = torch.empty(1, total, dims.HV, width, device=device, dtype=io)
-        t["final_state"] = torch.empty(n_seqs, dims.HV, dims.K, width, device=device, dtype=torch.float32)
-        kernel(*[t[p.name] for p in scan_kernel.params])
-        return t["o"], t["final_state"]
+        t = dict(tensors, cu_seqlens=cu_, chunk_offsets=chunk_offsets(cu_, C), initial_state=h0_.contiguous(),
+                 **{scan_values: values.contiguous()})
+        run(scan_kernel, t, width, n_seqs)
+        return t, t["final_state"]
 
     if context_parallel:
-        o, final = run_segments(scan, packed[v_name], cu, h0, context_parallel, C)
+        t, final = run_segments(scan, tensors[scan_values], cu, h0, context_parallel, C)
     else:
-        o, final = scan(packed[v_name], cu, h0)
-    return o.view(dims.B, dims.T, dims.HV, dims.V), final
+        t, final = scan(tensors[scan_values], cu, h0)
+    tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})
+    for k in ks[i_scan + 1:]:
+        run(k, tensors)
+    return tensors["o"].view(dims.B, dims.T, dims.HV, dims.V), final
 
 
-def _empty(param, dims, C, total, io, device):
-    sizes = {"1": 1, "T": total, "HV": dims.HV, "H": dims.H, "K": dims.K, "V": dims.V, "C": C, "N": dims.N}
+def _empty(param, sizes, io, device):
     dtype = io if param.dtype == "io" else torch.float32
     return torch.empty(*[sizes[d] for d in param.shape], device=device, dtype=dtype)

@@ -83,7 +83,8 @@ class _Render:
             return [f"T.copy({self._global(s.srcs[0], scan)}, {s.dst})"]
         if s.op == "load_vec":
             x = s.srcs[0]
-            pad = f"{x}[0, t0 + n_valid - 1, i_hv]" if a.get("pad") == "hold" else "0.0"
+            # (an unused chunk slot has n_valid = 0 and t0 = 0: it reads token 0)
+            pad = f"{x}[0, t0 + T.max(n_valid - 1, 0), i_hv]" if a.get("pad") == "hold" else "0.0"
             return ["for i in T.Parallel(C):",
                     f"    {s.dst}[i] = T.if_then_else(i < n_valid, {x}[0, t0 + i, i_hv], {pad})"]
         if s.op == "zero_pad":
@@ -116,21 +117,24 @@ class _Render:
             a_s = s.srcs[0]
             return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_P_s, {s.dst}_PT_s, {s.dst}_P_f, "
                     "C, INVERSE_SQUARINGS)"]
-        if s.op == "store" and scan:
-            return ["if n_valid == C:",
-                    f"    T.copy({s.srcs[0]}, {s.dst}[0, t0:t0 + C, i_hv, v0:v0 + BV])",
-                    "else:",
-                    "    for i, j in T.Parallel(C, BV):",
-                    "        if i < n_valid:",
-                    f"            {s.dst}[0, t0 + i, i_hv, v0 + j] = {s.srcs[0]}[i, j]"]
         if s.op == "store":
-            return ["for i, j in T.Parallel(C, C):",
-                    "    if i < n_valid:",
-                    f"        {s.dst}_rows[0, t0 + i, i_hv, j] = T.cast({s.srcs[0]}[i, j], IO)"]
+            rows = self._global(s.dst, scan)
+            cols = rows.split(", ")[-1].rstrip("]")
+            start = cols.split(":")[0]
+            return ["if n_valid == C:",
+                    f"    T.copy({s.srcs[0]}, {rows})",
+                    "else:",
+                    f"    for i, j in T.Parallel({self._buf_shape(s.srcs[0])}):",
+                    "        if i < n_valid:",
+                    f"            {s.dst}[0, t0 + i, i_hv, {start} + j] = {s.srcs[0]}[i, j]"]
         if s.op == "store_vec":
             return ["for i in T.Parallel(C):",
                     "    if i < n_valid:",
                     f"        {s.dst}[0, t0 + i, i_hv] = {s.srcs[0]}[i]"]
+        if s.op == "load_chunk_state":
+            return [f"T.copy({s.srcs[0]}[i_slot, i_hv, 0:K, 0:V], {s.dst})"]
+        if s.op == "store_chunk_state":
+            return [f"T.copy({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:K, v0:v0 + BV])"]
         if s.op == "load_state":
             return [f"T.copy({s.srcs[0]}[i_n, i_hv, 0:K, v0:v0 + BV], {s.dst})"]
         if s.op == "store_state":
@@ -141,12 +145,12 @@ class _Render:
         return ", ".join(next(b for b in self.k.buffers if b.name == name).shape)
 
     def _global(self, name, scan: bool) -> str:
+        """The chunk's rows of a per-token tensor [1, T, heads, D] (the scan reads its V-block)."""
         p = next(p for p in self.k.params if p.name == name)
-        if p.shape[-1] == "K":
-            return f"{name}[0, t0:t0 + C, i_h, 0:K]"
-        if p.shape[-1] == "V":
-            return f"{name}[0, t0:t0 + C, i_hv, v0:v0 + BV]" if scan else f"{name}[0, t0:t0 + C, i_hv, 0:V]"
-        return f"{name}_rows[0, t0:t0 + C, i_hv, 0:C]"
+        head = "i_h" if p.shape[2] == "H" else "i_hv"
+        d = p.shape[3]
+        cols = "v0:v0 + BV" if (d == "V" and scan) else f"0:{d}"
+        return f"{name}[0, t0:t0 + C, {head}, {cols}]"
 
 
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
@@ -159,7 +163,7 @@ _DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1"}
 
 
 def _param(p) -> str:
-    name = f"{p.name}_rows" if p.shape == ("1", "T", "HV", "C") else p.name
+    name = p.name
     dims = ", ".join(_DIMS.get(d, d) for d in p.shape)
     return f"{name}: T.Tensor(({dims}{',' if len(p.shape) == 1 else ''}), {_dtype(p.dtype)})"
 
@@ -196,6 +200,8 @@ def lower_kernel(kernel: Kernel) -> list[str]:
         out += ["        for i_c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
                 "            t0 = bos + i_c * C",
                 "            n_valid = T.min(C, seq_len - i_c * C)"]
+        if any(s.op == "store_chunk_state" for s in kernel.body):
+            out.append("            i_slot = chunk_offsets[i_n] + i_c")
         ind = "            "
     for s in kernel.body:
         out += [ind + ln for ln in r.stmt(s, scan)]

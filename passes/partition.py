@@ -1,18 +1,27 @@
 """partition: which ChunkIR nodes run in which kernel.
 
-Two kinds of work (MATH.md): work parallel over chunks and the sequential scan over chunks.
-Splitting every parallel node into its own kernel would send C×C tensors through memory; fusing
-everything into the scan would put long parallel computations on the scan's critical path. The
-rule:
+Two kinds of work (MATH.md): work parallel over chunks and the sequential scan over chunks. What
+bounds a long sequence is the scan's per-chunk latency, so the scan kernel keeps only the chain —
+the nodes on the path from the state entering a chunk to the state leaving it — and three kernels
+run in order:
 
-  * triangular inverses and chunk-local cumulative sums (with their inputs) run in a `prep`
-    kernel, one CTA per (chunk, value head): they are the parallel work that is long (ten
-    tensor-core products for the inverse) or serial (a prefix sum); their results cross memory
-    once (T_r is gate-free, so the backward reuses it);
-  * everything else — the cheap parallel work (masks, decays, Q Kᵀ) and the scan — is one fused
-    `scan` kernel per (V-block, value head, sequence), recomputing parallel values on the fly.
+  * `prep`, one CTA per (chunk, value head): the long parallel work the chain and the output
+    read — triangular inverses, chunk-local cumulative sums, and the matmuls built on an inverse
+    (GDN's W and U). Their results cross memory once.
+  * `scan`, one CTA per (V-block, value head, sequence): the chain. It loads what `prep` made,
+    recomputes cheap state-free values (a decay, kᵀv for a gate-only recurrence) on the fly,
+    keeps the state in registers, and stores the values the output needs (`carried`: the state
+    entering each chunk, and v_new for the delta rule).
+  * `out`, one CTA per (chunk, value head): everything else that depends on the state (the output),
+    parallel over chunks again; it recomputes Q Kᵀ and the decay mask rather than loading them.
 
-So GDN, DeltaNet and simple GLA compile to two kernels; RetNet and linear attention to one.
+So GDN, DeltaNet and simple GLA compile to three kernels, RetNet and linear attention to two
+(nothing is long enough to prepare).
+
+    >>> print(partition(compile_spec("specs/gdn.py").chunk))            # doctest: +SKIP
+    partition gdn
+      kernel gdn_prep (parallel over chunks): g_cum ... W U
+      ...
 """
 from __future__ import annotations
 
@@ -23,43 +32,84 @@ import networkx as nx
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 
-PREP_OPS = ("inv_unit_lower", "cumsum")
+# state-free results worth computing once and passing through memory
+PREPARED_OPS = ("inv_unit_lower", "cumsum")
 
 
 @dataclass(frozen=True)
 class Partition:
     chunk: ChunkIR
-    prep: tuple  # nodes computed by the prep kernel (the PREP_OPS nodes and their ancestors)
-    crossing: tuple  # prep results the scan kernel loads
-    scan: tuple  # nodes of the fused scan kernel
+    prep: tuple  # nodes of the prep kernel
+    crossing: tuple  # prep results that later kernels load
+    scan: tuple  # nodes of the scan kernel: the chain and the state-free values it recomputes
+    carried: tuple  # scan values the out kernel loads (the state entering the chunk, v_new, ...)
+    out: tuple  # nodes of the out kernel
+
+    def kernel_nodes(self) -> dict:
+        return {k: v for k, v in (("prep", self.prep), ("scan", self.scan), ("out", self.out)) if v}
 
     def __str__(self) -> str:
-        lines = [f"partition {self.chunk.name}"]
+        name = self.chunk.name
+        lines = [f"partition {name}"]
         if self.prep:
-            lines.append(f"  kernel {self.chunk.name}_prep (parallel over chunks): {' '.join(self.prep)}")
-            lines.append(f"  through memory: {' '.join(self.crossing)}")
-        lines.append(f"  kernel {self.chunk.name}_scan (sequential over chunks): {' '.join(self.scan)}")
+            lines.append(f"  kernel {name}_prep (parallel over chunks): {' '.join(self.prep)}")
+            lines.append(f"    through memory: {' '.join(self.crossing)}")
+        lines.append(f"  kernel {name}_scan (sequential over chunks): {' '.join(self.scan)}")
+        lines.append(f"    through memory: {' '.join(self.carried)}")
+        lines.append(f"  kernel {name}_out (parallel over chunks): {' '.join(self.out)}")
         return "\n".join(lines)
 
 
-def partition(ir: ChunkIR) -> Partition:
-    scan_side = ir.scan_nodes()
-    roots = [n.name for n in ir.order() if n.op in PREP_OPS]
-    prep = set()
-    for r in roots:
-        if r in scan_side:
-            raise PassError("partition", f"{r} ({ir.node(r).op}) depends on the state; "
-                                         "it cannot run ahead of the scan")
-        prep |= nx.ancestors(ir.graph, r) | {r}
-    order = [n.name for n in ir.order()]
-    crossing = tuple(r for r in roots if any(u.name not in prep for u in ir.users(r)))
-    # the scan kernel computes what the outputs need, stopping at what the prep kernel made
-    scan, todo = set(), list(ir.outputs.values())
+def _prepared(ir: ChunkIR, name: str) -> bool:
+    """Computed by prep: inverses and prefix sums, and matmuls built on an inverse."""
+    n = ir.node(name)
+    if n.op in PREPARED_OPS:
+        return True
+    return n.op == "matmul" and any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
+
+
+def _closure(ir: ChunkIR, roots, stop) -> set:
+    """`roots` and the arguments they need, not looking past the nodes in `stop`."""
+    seen, todo = set(), list(roots)
     while todo:
-        name = todo.pop()
-        if name not in scan:
-            scan.add(name)
-            if name not in crossing:
-                todo.extend(ir.node(name).args)
-    return Partition(ir, tuple(n for n in order if n in prep), crossing,
-                     tuple(n for n in order if n in scan))
+        x = todo.pop()
+        if x not in seen:
+            seen.add(x)
+            if x not in stop:
+                todo.extend(ir.node(x).args)
+    return seen
+
+
+def partition(ir: ChunkIR) -> Partition:
+    state_in, s_next, o = ir.state_in, ir.outputs.get("state"), ir.outputs.get("o")
+    if state_in is None or s_next is None or o is None:
+        raise PassError("partition", "the chunk program needs a state and the outputs o and state")
+    dependent = ir.scan_nodes()
+    if s_next not in dependent:
+        raise PassError("partition", f"the next state {s_next} does not depend on the state")
+    chain = (nx.ancestors(ir.graph, s_next) | {s_next}) & dependent
+    prepared = {n.name for n in ir.order() if n.name not in dependent and _prepared(ir, n.name)}
+    for n in ir.order():
+        if n.op in PREPARED_OPS and n.name in dependent:
+            raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")
+
+    # the scan loads prepared values; it recomputes every other state-free value it needs
+    scan = _closure(ir, chain, prepared)
+    out_roots = (nx.ancestors(ir.graph, o) | {o}) & dependent - chain
+    carried = {a for x in out_roots for a in ir.node(x).args if a in chain}
+    # the out kernel loads prefix sums and inverses (and what is built on them); it recomputes
+    # the rest, including Q Kᵀ, which is parallel work there
+    out = _closure(ir, out_roots | carried, prepared | carried)
+    used = (scan | out) & prepared
+    prep = set()
+    for x in used:
+        prep |= nx.ancestors(ir.graph, x) | {x}
+    order = [n.name for n in ir.order()]
+    crossing = tuple(x for x in order if x in used)
+    for x in crossing:
+        if ir.node(x).shape in ((), ("K", "V")):
+            raise PassError("partition", f"{x} would cross memory with shape {ir.node(x).shape or 'scalar'}; "
+                                         "only per-token rows (C, C×C, C×K, C×V) do")
+    return Partition(ir, tuple(x for x in order if x in prep), crossing,
+                     tuple(x for x in order if x in scan), tuple(x for x in order if x in carried),
+                     tuple(x for x in order if x in out))

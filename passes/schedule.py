@@ -5,8 +5,8 @@ Placement rules (Hopper, TileLang):
     per-token vectors (g, β) → shared float32;
   * matmul results → register fragments (float32 accumulators of wgmma);
   * a matmul operand that is computed → a shared io-dtype copy `<name>_s` (wgmma reads shared);
-  * vectors over the chunk → shared float32; scalars and element-wise C×C / C×V values are not
-    stored at all: they are inlined as expressions where they are used;
+  * vectors over the chunk → shared float32 (the scan inlines them: see _build); scalars and
+    element-wise C×C / C×V values are not stored at all: they are inlined where they are used;
   * `x + A·B` with A·B used once accumulates into x's fragment; an element-wise x whose only
     fragment input dies there is computed in place (the state decays in place, then S += Kᵀ V).
 
@@ -158,12 +158,14 @@ def _accumulation(ir: ChunkIR, nodes) -> dict:
     return out
 
 
-def _check_v_columns(ir: ChunkIR) -> None:
+def _check_v_columns(ir: ChunkIR, nodes) -> None:
     for n in ir.of_op("matmul"):
+        if n.name not in nodes:
+            continue
         a, b = (ir.node(x).shape for x in n.args)
         inner = a[0] if n.attr.get("ta") else a[1]
         if inner == "V":
-            raise PassError("schedule", f"{n.name} contracts over V; V-blocking would be wrong")
+            raise PassError("schedule", f"{n.name} contracts over V; V-blocking the scan would be wrong")
 
 
 def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
@@ -177,13 +179,17 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
     in_place = {x for x, _ in acc.values()}
 
     for n in order:  # loads first: they are the producer's work
-        if n.op == "input" or n.name in b.loaded:
+        src = n.name if n.op == "input" else global_name(ir, n.name)
+        if n.op == "state_in" and n.name in b.loaded:  # the out kernel reads the chunk's entering state
+            b.place[n.name] = b.buf(f"{n.name}_s", n.shape, "io", "shared")
+            b.loads.append(Stmt("load_chunk_state", b.place[n.name], (src,)))
+        elif n.op == "input" or n.name in b.loaded:
             kind = n.attr.get("kind", "vector" if n.shape == ("C",) else "block")
             if kind in ("scalar", "gate", "vector"):
                 staged = b.buf(f"{n.name}_s", ("C",), "float32", "shared")
                 # a prefix sum of zero-padded gates holds its last value over the padding
                 pad = "hold" if n.op == "cumsum" else "zero"
-                b.loads.append(Stmt("load_vec", staged, (n.name,), (("pad", pad),)))
+                b.loads.append(Stmt("load_vec", staged, (src,), (("pad", pad),)))
                 b.place[n.name] = staged
                 if pipelined:
                     # TileLang 0.1.15 hands a vector loaded by the producer back to it too early
@@ -194,7 +200,7 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             else:
                 shape = BLOCK_INPUT_SHAPE.get(kind, n.shape)
                 b.place[n.name] = b.buf(f"{n.name}_s", shape, "io", "shared")
-                b.loads.append(Stmt("load", b.place[n.name], (n.name,)))
+                b.loads.append(Stmt("load", b.place[n.name], (src,)))
         elif n.op == "state_in":
             b.place[n.name] = b.buf("state", n.shape, "float32", "fragment")
 
@@ -237,79 +243,143 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             b.body.append(Stmt("ewise", b.place[frag], (),
                                (("expr", b.ex(name, ("i", "j"))), ("index", ("i", "j")))))
             b.place[name] = b.place[frag]
-        elif n.shape == ("C",) and op not in ("const", "valid", "positions"):
+        elif n.shape == ("C",) and op not in ("const", "valid", "positions") and not pipelined:
+            # (the pipelined scan inlines its per-token vectors instead: TileLang 0.1.15 puts the
+            # barrier after a C-wide write, which only half the consumer threads run, inside
+            # their branch, so the other half read the vector before it is written)
             b.ewise(b.buf(f"{name}_s", ("C",), "float32", "shared"), name)
             b.place[name] = f"{name}_s"
     return b
 
 
+def global_name(ir: ChunkIR, name: str) -> str:
+    """The global tensor a value crosses memory in: per-token rows, or one state per chunk."""
+    n = ir.node(name)
+    if n.op == "state_in":
+        return f"{name}_chunks"
+    return name if n.shape == ("C",) else f"{name}_rows"
+
+
+def _crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
+    n, g = ir.node(name), global_name(ir, name)
+    if n.op == "state_in":
+        return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk")
+    if n.shape == ("C",):
+        return Tensor(g, ("1", "T", "HV"), "float32", role, "per token")
+    return Tensor(g, ("1", "T", "HV", n.shape[1]), "io", role, "rows of the chunk's block, per token")
+
+
+def _input_params(ir: ChunkIR, nodes, loaded) -> list:
+    ps = []
+    for name in nodes:
+        n = ir.node(name)
+        if n.op == "input":
+            kind = n.attr["kind"]
+            shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
+            ps.append(Tensor(name, shape, "io" if kind in ("key", "value") else "float32", "in"))
+        elif name in loaded:
+            ps.append(_crossing_tensor(ir, name, "in"))
+    return ps
+
+
+def _head_params(ir: ChunkIR, nodes) -> list:
+    return [Tensor(f"log_{n.attr['name']}", ("HV",), "float32", "in", "log of the per-head decay")
+            for n in ir.of_op("head_log") if n.name in nodes]
+
+
+CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
+
+
+def _store_rows(ir: ChunkIR, b: _Builder, name: str) -> Stmt:
+    if ir.node(name).shape == ("C",):
+        return Stmt("store_vec", global_name(ir, name), (b.place[name],), (("rows", "n_valid"),))
+    return Stmt("store", global_name(ir, name), (b.place[name],), (("rows", "n_valid"),))
+
+
 def schedule(part: Partition) -> KernelIR:
     ir = part.chunk
-    _check_v_columns(ir)
+    _check_v_columns(ir, part.scan)
     kir = KernelIR(ir.name, ir.chunk_size)
-    heads = [n.attr["name"] for n in ir.of_op("head_log")]
-
-    def crossing_tensor(name, role):
-        if ir.node(name).shape == ("C",):
-            return Tensor(name, ("1", "T", "HV"), "float32", role, "per token")
-        return Tensor(name, ("1", "T", "HV", "C"), "io", role, "rows of the chunk's block, per token")
-
-    def params_for(nodes, loaded):
-        ps = []
-        for name in nodes:
-            n = ir.node(name)
-            if n.op == "input":
-                kind = n.attr["kind"]
-                shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
-                ps.append(Tensor(name, shape, "io" if kind in ("key", "value") else "float32", "in"))
-            elif name in loaded:
-                ps.append(crossing_tensor(name, "in"))
-        return ps
-
+    kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
+                    "(torch on the device: no synchronisation)")
     if part.prep:
-        b = _build(ir, part.prep, (), tiled=False)
-        stores = [Stmt("store_vec" if ir.node(x).shape == ("C",) else "store", x, (b.place[x],),
-                       (("rows", "n_valid"),)) for x in part.crossing]
-        params = params_for(part.prep, ()) + [
-            Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")]
-        params += [crossing_tensor(x, "out") for x in part.crossing]
-        work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by Neumann doubling on tf32 wgmma"),
-                                ("cumsum", "chunk-local cumulative gates")) if ir.of_op(op)]
-        kir.kernels.append(Kernel(
-            f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-            list(b.buffers.values()), [], b.loads + _zero_pad(b, only_partial=False) + b.body + stores, [],
-            roles=("all 4 warps: " + "; ".join(work),),
-            doc="parallel over chunks: " + ", ".join(work)))
-        kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
-                        "(torch on the device: no synchronisation)")
+        kir.kernels.append(_prep_kernel(part))
+    kir.kernels.append(_scan_kernel(part))
+    kir.kernels.append(_out_kernel(part))
+    return kir
 
+
+def _prep_kernel(part: Partition) -> Kernel:
+    ir = part.chunk
+    b = _build(ir, part.prep, (), tiled=False)
+    stores = []
+    for x in part.crossing:
+        if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment":
+            b.place[x] = b.operand(x)  # through a shared io copy: coalesced stores
+        stores.append(_store_rows(ir, b, x))
+    params = _input_params(ir, part.prep, ()) + [CHUNK_MAP] + _head_params(ir, part.prep)
+    params += [_crossing_tensor(ir, x, "out") for x in part.crossing]
+    work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by Neumann doubling on tf32 wgmma"),
+                            ("cumsum", "chunk-local cumulative gates"),
+                            ("matmul", "the matmuls built on the inverse")) if any(
+        ir.node(x).op == op for x in part.prep)]
+    return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
+                  list(b.buffers.values()), [], b.loads + _zero_pad(b, only_partial=False) + b.body + stores, [],
+                  roles=("all 4 warps: " + "; ".join(work),),
+                  doc="parallel over chunks: " + ", ".join(work))
+
+
+def _scan_kernel(part: Partition) -> Kernel:
+    ir = part.chunk
     b = _build(ir, part.scan, part.crossing, tiled=True)
-    o_node, s_node = ir.outputs["o"], ir.outputs["state"]
-    o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
-    store_o = [Stmt("ewise", o_buf, (), (("expr", b.ex(o_node, ("i", "j"))), ("index", ("i", "j")))),
-               Stmt("store", "o", (o_buf,), (("rows", "n_valid"),))]
+    s_node = ir.outputs["state"]
     if b.place.get(s_node) != "state":
         raise PassError("schedule", f"the next state {s_node} is not accumulated in the state fragment")
-    uses_state_s = "state_s" in {s for st in b.body for s in st.srcs}
+    stores = []
+    for x in part.carried:
+        if x == ir.state_in:
+            b.operand(x)  # the io copy of the entering state is what the out kernel reads
+            stores.append(Stmt("store_chunk_state", global_name(ir, x), ("state_s",)))
+        else:
+            b.place[x] = b.operand(x)
+            stores.append(_store_rows(ir, b, x))
+    uses_state_s = "state_s" in {s for st in b.body + stores for s in st.srcs}
     if uses_state_s:
         b.buf("state_s", ("K", "V"), "io", "shared")
-    params = params_for(part.scan, part.crossing)
+    params = _input_params(ir, part.scan, part.crossing)
     params += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
+               Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk"),
                Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
-    params += [Tensor(f"log_{h}", ("HV",), "float32", "in", "log of the per-head decay") for h in heads]
-    params += [Tensor("o", ("1", "T", "HV", "V"), "io", "out"),
-               Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
+    params += _head_params(ir, part.scan)
+    params += [_crossing_tensor(ir, x, "out") for x in part.carried]
+    params += [Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
     prologue = [Stmt("load_state", "state", ("initial_state",))]
-    body = b.loads + _zero_pad(b, only_partial=True) + b.copies + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) \
-        + b.body + store_o
-    kir.kernels.append(Kernel(
+    body = b.loads + _zero_pad(b, only_partial=True) + b.copies \
+        + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body + stores
+    return Kernel(
         f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,
         list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
         loop="chunks of the sequence",
         roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
-               "consumer warpgroup: the chunk's wgmma and element-wise work; the state in registers"),
-        doc="sequential over chunks: parallel work fused with the scan and the output"))
-    return kir
+               "consumer warpgroup: the state chain; the state in registers"),
+        doc="sequential over chunks: the state chain only")
+
+
+def _out_kernel(part: Partition) -> Kernel:
+    ir = part.chunk
+    loaded = set(part.crossing) | set(part.carried)
+    b = _build(ir, part.out, loaded, tiled=False)
+    o_node = ir.outputs["o"]
+    o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
+    body = b.loads + _zero_pad(b, only_partial=False) + b.body + [
+        Stmt("ewise", o_buf, (), (("expr", b.ex(o_node, ("i", "j"))), ("index", ("i", "j")))),
+        Stmt("store", "o", (o_buf,), (("rows", "n_valid"),))]
+    params = _input_params(ir, part.out, loaded) + [CHUNK_MAP] + _head_params(ir, part.out)
+    params += [Tensor("o", ("1", "T", "HV", "V"), "io", "out")]
+    return Kernel(f"{ir.name}_out", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
+                  list(b.buffers.values()), [], body, [],
+                  roles=("all 4 warps: the output from the entering state and the chunk's own tokens",),
+                  doc="parallel over chunks: the output")
 
 
 def _zero_pad(b: _Builder, only_partial: bool) -> list:

@@ -62,7 +62,7 @@ def eager_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def libraries(cp=None):
+def libraries(cp=None, only=None):
     import functools
 
     import qla_compiler.ops as qla_ops
@@ -70,6 +70,8 @@ def libraries(cp=None):
     libs = {"qla": qla_ops.chunk_gated_delta_rule}
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(qla_ops.chunk_gated_delta_rule, context_parallel=cp)
+    if only:  # e.g. while tuning: the baselines' times do not change between runs
+        return {k: v for k, v in libs.items() if k in only}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
         libs["FLA"] = fla_gdn
@@ -83,10 +85,10 @@ def libraries(cp=None):
     return libs
 
 
-def run(rows, plot=None, cp=None):
+def run(rows, plot=None, cp=None, only=None):
     import torch
 
-    libs = libraries(cp)
+    libs = libraries(cp, only)
     results = []
     print(f"# GDN forward, {torch.cuda.get_device_name()}, bf16, K=V=128, packed varlen, ms per call")
     for row in rows:
@@ -159,8 +161,15 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="PNG", help="save a bar chart of the GPU times")
     ap.add_argument("--cp", type=int, metavar="SEGMENTS",
                     help="also time qla with context parallelism, each sequence in SEGMENTS segments")
+    ap.add_argument("--only", nargs="*", metavar="LIB", help="time only these (qla, qla-cpS); default: all")
+    ap.add_argument("--scan-stages", type=int, metavar="N",
+                    help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's SCAN_STAGES)")
     args = ap.parse_args(argv)
-    run(args.rows, args.plot, args.cp)
+    if args.scan_stages:
+        from qla_compiler.kernels import forward
+
+        forward.SCAN_STAGES = args.scan_stages
+    run(args.rows, args.plot, args.cp, args.only)
     return 0
 
 

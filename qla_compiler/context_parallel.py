@@ -42,9 +42,10 @@ def segment_bounds(cu: torch.Tensor, segments: int, chunk_size: int) -> torch.Te
 
 def run_segments(scan: Callable, v: torch.Tensor, cu: torch.Tensor, h0: torch.Tensor, segments: int,
                  chunk_size: int):
-    """scan(values [1, T, HV, W], cu_seqlens, h0 [N', HV, K, W]) -> (o [1, T, HV, W], final [N', HV, K, W])
-    runs the chunked scan over packed sequences for any value width W. Returns what one scan over
-    the whole sequences returns (o [1, T, HV, V], final [N, HV, K, V]), computed by segments."""
+    """scan(values [1, T, HV, W], cu_seqlens, h0 [N', HV, K, W]) -> (out, final [N', HV, K, W])
+    runs the chunked scan over packed sequences for any value width W (`out` is whatever else the
+    scan returns, e.g. o). Returns what one scan over the whole sequences returns (out for the
+    values v, final [N, HV, K, V]), computed by segments."""
     check_segments(segments)
     N, HV, K, V = h0.shape
     cu_seg = segment_bounds(cu, segments, chunk_size)

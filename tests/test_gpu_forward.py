@@ -82,6 +82,7 @@ GDN_CASES = {
     "no initial state": dict(lens=[100, 157], initial_state=False),
     "dense batch B=2, T not a multiple of 64": dict(lens=[300], dense_B=2),
     "one token": dict(lens=[1]),
+    "one long sequence (47 chunks)": dict(lens=[3000]),
 }
 
 

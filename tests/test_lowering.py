@@ -26,33 +26,43 @@ def cuda_sources(tmp_path_factory):
     return {name: (out / f"{name}.cuda.cu").read_text() for name in NAMES}
 
 
-def test_partition_gives_prep_and_scan_kernels():
+def test_partition_gives_prep_scan_and_out_kernels():
     kernels = {n: [k.name for k in qla_compiler.compile_spec(n).kernels.kernels] for n in NAMES}
-    assert kernels["gdn"] == ["gdn_prep", "gdn_scan"]
-    assert kernels["delta_net"] == ["delta_net_prep", "delta_net_scan"]
-    assert kernels["simple_gla"] == ["simple_gla_prep", "simple_gla_scan"]
-    assert kernels["retnet"] == ["retnet_scan"]  # constant decay: no cumsum, no solve
-    assert kernels["linear_attn"] == ["linear_attn_scan"]
+    for n in ("gdn", "delta_net", "simple_gla"):
+        assert kernels[n] == [f"{n}_prep", f"{n}_scan", f"{n}_out"]
+    for n in ("retnet", "linear_attn"):  # constant decay or none: no cumsum, no solve
+        assert kernels[n] == [f"{n}_scan", f"{n}_out"]
 
 
-def test_gdn_kernel_ir_reads_like_the_math():
+def test_gdn_scan_keeps_only_the_state_chain():
     kir = qla_compiler.compile_spec("gdn").kernels
     text = str(kir)
-    prep, scan = kir.kernels
-    assert {p.name for p in prep.params if p.role == "out"} == {"g_cum", "T_r"}
+    prep, scan, out = kir.kernels
+    assert {p.name for p in prep.params if p.role == "out"} == {"g_cum", "W_rows", "U_rows"}
     assert "T_r = inverse A_r_s" in text
-    assert "v_new = T_beta_s · v_resid_s   (wgmma)" in text
-    assert "state += k_decayed_sᵀ · v_new_s   (wgmma)" in text  # S_next accumulates in place
+    # two matmuls per chunk on the sequential path, the state decays then accumulates in place
+    gemms = [str(s) for s in scan.body if s.op == "gemm"]
+    assert gemms == ["WS = W_s · state_s   (wgmma)", "state += k_decayed_sᵀ · v_new_s   (wgmma)"]
     assert scan.buffer("state").scope == "fragment"
-    assert not [b for b in scan.buffers if re.fullmatch(r"(W|U)(_s)?", b.name)]
+    assert {p.name for p in scan.params if p.role == "out"} == {"S0_chunks", "v_new_rows", "final_state"}
+    # the output is parallel over chunks again, from the stored entering states
+    assert {p.name for p in out.params if p.role == "in"} >= {"S0_chunks", "v_new_rows", "q", "k", "g_cum"}
+    assert "QS += P_s · v_new_s   (wgmma)" in text
+
+
+def test_partition_prints_what_crosses_memory():
+    text = str(qla_compiler.compile_spec("gdn").stage("partition"))
+    assert "kernel gdn_prep (parallel over chunks)" in text and "through memory: g_cum W U" in text
+    assert "kernel gdn_scan (sequential over chunks)" in text and "through memory: S0 v_new" in text
 
 
 def test_generated_tilelang_is_readable(capsys):
     assert main(["gdn", "--emit", "tilelang", "--shape", SHAPE]) == 0
     src = capsys.readouterr().out
     compile(src, "gdn_kernels.py", "exec")  # valid Python
-    for needle in ("def gdn_prep(", "def gdn_scan(", "state = T.alloc_fragment((K, BV)",
-                   "unit_lower_inverse(A_r_s, T_r,", "for i_c in T.Pipelined(", "T.gemm(T_beta_s, v_resid_s, v_new"):
+    for needle in ("def gdn_prep(", "def gdn_scan(", "def gdn_out(", "state = T.alloc_fragment((K, BV)",
+                   "unit_lower_inverse(A_r_s, T_r,", "for i_c in T.Pipelined(", "T.gemm(W_s, state_s, WS",
+                   "i_slot = chunk_offsets[i_n] + i_c"):
         assert needle in src, needle
     assert not re.search(r"\bbuf_\d+", src)
 

@@ -59,7 +59,7 @@ def test_notebook_runs_top_to_bottom(kernel_env):
     rich = "\n".join(str(v) for o in outputs for v in o.get("data", {}).values())
     # the story the notebook tells actually came out
     assert "recurrence(step=exp(g)" in text  # the spec's source
-    assert text.count("relative error vs the reference") >= 8  # one line per chunk stage
+    assert text.count("relative error vs the reference") >= 7  # one line per chunk stage
     assert "node 'Gamma_inv'" in text  # the verifier's refusal
     assert "D X D⁻¹ form                 finite: False" in text
     assert "chunk_program gdn" in rich and "T_r" in rich
@@ -75,8 +75,8 @@ def test_notebook_runs_top_to_bottom(kernel_env):
         assert row, f"no gradient error printed for {name}"
         assert float(row.group(1)) <= 1e-10, (name, row.group(1))
     # 8. kernels: the partition, the KernelIR, the generated TileLang (not lowered to CUDA)
-    assert "kernel gdn_prep (parallel over chunks)" in text and "through memory: g_cum T_r" in text
-    assert "kernel gdn_prep" in rich and "kernel gdn_scan" in rich and "fragment state" in rich
+    assert "kernel gdn_prep (parallel over chunks)" in text and "through memory: g_cum W U" in text
+    assert all(f"kernel gdn_{k}" in rich for k in ("prep", "scan", "out")) and "fragment state" in rich
     assert "Shape class: H=2 HV=8 K=128 V=128 BV=64" in text
     assert "def gdn_scan(" in text and "T.alloc_fragment((K, BV)" in text
     assert "chunk_program gdn_affine" in rich and "out M=" in rich  # context parallelism

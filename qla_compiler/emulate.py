@@ -1,0 +1,141 @@
+"""The compiled kernels emulated on any torch device: each kernel evaluates its partition's ChunkIR
+nodes in float64, reading and writing the global tensors under the names its KernelIR parameters
+give them.
+
+Everything but the TileLang code is exercised: the partition (each kernel's nodes are computable
+from what it loads), the names and shapes of the tensors between kernels, the slots of the
+per-chunk states, the wiring in kernels/forward.py. The CPU tests run the GPU forward's host side
+with it; the GPU tests feed each real kernel the emulator's inputs and compare its outputs.
+
+    >>> emu = KernelEmulator(op, cu_seqlens, scale)                         # doctest: +SKIP
+    >>> monkeypatch.setattr(kernels.forward, "load_kernels", emu)           # doctest: +SKIP
+    >>> emu.seen["gdn_scan"]["v_new_rows"]                                  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import torch
+
+from .ir.chunk_ops import OPS, Context
+from .kernels.forward import chunk_offsets
+from .layout import expand_heads, from_chunks, gather, scatter, to_chunks, token_index
+from .passes.schedule import global_name
+
+
+def _chunks(x, cu, HV, C):
+    """A packed global tensor [1, T, heads, ...] as blocks [N, HV, NC, C, ...] (zero padded)."""
+    starts, lengths = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+    NC = max(1, int(-(-lengths.max() // C)))
+    x = x.double()
+    x = expand_heads(x, HV) if x.dim() == 4 else x
+    return to_chunks(gather(x, starts, lengths, NC * C), C), lengths, NC
+
+
+def _unchunk(y, cu, out):
+    """Write blocks [N, HV, NC, C, ...] back into the packed tensor `out` [1, T, HV, ...] (real tokens only)."""
+    starts, lengths = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+    flat = scatter(from_chunks(y), starts, lengths, 1, out.shape[1])
+    idx, mask = token_index(starts, lengths, y.shape[2] * y.shape[3])
+    rows = idx[mask]
+    out[0, rows] = flat[0, rows].to(out.dtype)
+
+
+class KernelEmulator:
+    """Stands in for load_kernels on the CPU: each kernel evaluates its partition's nodes with the
+    ChunkIR ops in float64, reading and writing the global tensors under the names its KernelIR
+    parameters give them. So everything but the TileLang code is exercised: the partition (each
+    kernel's nodes are computable from what it loads), the names and shapes of the tensors
+    between kernels, the slots of the per-chunk states, the wiring in kernels/forward.py."""
+
+    def __init__(self, op, cu_seqlens: torch.Tensor, scale: float):
+        """op: a CompiledOp; cu_seqlens: the whole sequences' (the parallel kernels see only the
+        chunk map); scale: the op's scale. `calls` lists (kernel, value width) in launch order;
+        `seen[kernel]` holds copies of the tensors the last launch of that kernel read and wrote."""
+        self.op, self.cu, self.scale = op, cu_seqlens, scale
+        self.calls, self.shapes, self.seen = [], [], {}
+        self.part = op.program.stage("partition")
+
+    def __call__(self, program, shape):
+        self.shapes.append(shape)
+        return {k.name: self._kernel(k, shape) for k in program.kernels.kernels}
+
+    def _kernel(self, kernel, shape):
+        def run(*args):
+            assert len(args) == len(kernel.params)
+            named = dict(zip((p.name for p in kernel.params), args))
+            self.calls.append((kernel.name, shape.V))
+            kind = kernel.name.rsplit("_", 1)[1]
+            (self._scan if kernel.loop else self._parallel)(kernel, kind, named, shape)
+            self.seen[kernel.name] = {n: x.clone() for n, x in named.items()}
+        return run
+
+    def _context(self, kernel, nodes, named, cu, HV, state):
+        ir, C = self.part.chunk, self.part.chunk.chunk_size
+        vals, blocks, lengths, NC = {}, {}, None, None
+        reads = {p.name for p in kernel.params if p.role == "in"}
+        for name in nodes:
+            n = ir.node(name)
+            src = name if n.op == "input" else global_name(ir, name)
+            if src in reads and n.op != "state_in":
+                b, lengths, NC = _chunks(named[src], cu, HV, C)
+                (blocks if n.op == "input" else vals)[name] = b
+        dev = lengths.device
+        lens = (lengths[:, None] - C * torch.arange(NC, device=dev)).clamp(0, C)
+        consts = {k: torch.tensor(v, dtype=torch.float64, device=dev).view(1, HV, 1)
+                  for k, v in self.op._head_logs(HV).items()}
+        prm = {"scale": torch.tensor(self.scale, dtype=torch.float64, device=dev).view(1, 1, 1)}
+        return Context(blocks, lens.view(len(lengths), 1, NC), prm, consts, state, C, 3), vals, NC
+
+    def _eval(self, ctx, nodes, vals):
+        ir = self.part.chunk
+        for n in ir.order():
+            if n.name in nodes and n.name not in vals:
+                vals[n.name] = OPS[n.op].eval(ctx, [vals[a] for a in n.args], n.attr, [ir.node(a).shape for a in n.args])
+        return vals
+
+    def _parallel(self, kernel, kind, named, shape):
+        ir, part = self.part.chunk, self.part
+        assert (named["chunk_map"][:, 1] >= 0).all()
+        nodes = part.prep if kind == "prep" else part.out
+        cu = self.cu
+        N, HV = cu.numel() - 1, shape.HV
+        state = torch.zeros(1, 1, 1, 1, 1, dtype=torch.float64, device=cu.device)  # prep does not read it
+        if kind == "out":  # the entering state of every chunk, from its slot
+            slots = chunk_offsets(cu, ir.chunk_size)
+            S = named[global_name(ir, ir.state_in)].double()
+            NC = int((slots[1:] - slots[:-1]).max())
+            idx = (slots[:-1, None] + torch.arange(NC, device=cu.device)).clamp(max=S.shape[0] - 1)
+            state = S[idx].movedim(2, 1)  # [N, HV, NC, K, V]
+        ctx, vals, NC = self._context(kernel, nodes, named, cu, HV, state)
+        vals = self._eval(ctx, nodes, vals)
+        outs = part.crossing if kind == "prep" else (ir.outputs["o"],)
+        for x in outs:
+            y = vals[x].expand(N, HV, NC, *vals[x].shape[3:])
+            _unchunk(y, cu, named[global_name(ir, x) if kind == "prep" else "o"])
+
+    def _scan(self, kernel, kind, named, shape):
+        ir, part = self.part.chunk, self.part
+        cu, h0 = named["cu_seqlens"], named["initial_state"].double()
+        assert h0.shape[-1] == shape.V
+        ctx, vals, NC = self._context(kernel, part.scan, named, cu, shape.HV, h0.unsqueeze(2))
+        slots = named["chunk_offsets"]
+        assert torch.equal(slots, chunk_offsets(cu, ir.chunk_size))
+        state, carried = h0.unsqueeze(2), {x: [] for x in part.carried}
+        for c in range(NC):
+            sl = {k: v[:, :, c:c + 1] for k, v in vals.items()}
+            cctx = Context({k: b[:, :, c:c + 1] for k, b in ctx.inputs.items()}, ctx.lengths[:, :, c:c + 1],
+                           ctx.params, ctx.head_consts, state, ir.chunk_size, 3)
+            sl = self._eval(cctx, part.scan, sl)
+            for x in part.carried:
+                carried[x].append(sl[x])
+            state = sl[ir.outputs["state"]]
+        named["final_state"].copy_(state.squeeze(2))
+        lengths = cu[1:] - cu[:-1]
+        for x in part.carried:
+            y = torch.cat(carried[x], 2)
+            out = named[global_name(ir, x)]
+            if x == ir.state_in:
+                for n in range(cu.numel() - 1):
+                    used = int(-(-lengths[n] // ir.chunk_size))
+                    out[slots[n]:slots[n] + used] = y[n, :, :used].movedim(1, 0).to(out.dtype)
+            else:
+                _unchunk(y, cu, out)
