@@ -18,7 +18,7 @@ from .runtime import load_kernels
 
 IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # buffers for the scan's loads: 2 lets the producer fetch chunk i + 1 while the consumer works on i
-SCAN_STAGES = 1
+SCAN_STAGES = 2
 
 
 def check_head_dims(K: int, V: int) -> None:

@@ -119,14 +119,15 @@ class _Render:
                     "C, INVERSE_SQUARINGS)"]
         if s.op == "store":
             rows = self._global(s.dst, scan)
-            cols = rows.split(", ")[-1].rstrip("]")
-            start = cols.split(":")[0]
-            return ["if n_valid == C:",
-                    f"    T.copy({s.srcs[0]}, {rows})",
-                    "else:",
-                    f"    for i, j in T.Parallel({self._buf_shape(s.srcs[0])}):",
-                    "        if i < n_valid:",
-                    f"            {s.dst}[0, t0 + i, i_hv, {start} + j] = {s.srcs[0]}[i, j]"]
+            start = rows.split(", ")[-1].split(":")[0]
+            src = s.srcs[0]
+            masked = [f"for i, j in T.Parallel({self._buf_shape(src)}):",
+                      "    if i < n_valid:",
+                      f"        {s.dst}[0, t0 + i, i_hv, {start} + j] = "
+                      + (f"T.cast({src}[i, j], IO)" if self.dtype[src] != "io" else f"{src}[i, j]")]
+            if self.dtype[src] != "io":  # a float32 fragment: each thread stores its own elements
+                return masked
+            return ["if n_valid == C:", f"    T.copy({src}, {rows})", "else:"] + [f"    {ln}" for ln in masked]
         if s.op == "store_vec":
             return ["for i in T.Parallel(C):",
                     "    if i < n_valid:",

@@ -15,6 +15,8 @@ BV-wide blocks over CTAs (valid because no matmul contracts over V, which is che
 """
 from __future__ import annotations
 
+import networkx as nx
+
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
@@ -38,6 +40,7 @@ class _Builder:
 
     def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool):
         self.ir, self.nodes, self.loaded, self.tiled = ir, set(nodes), set(loaded), tiled
+        self.pipelined = tiled  # the V-blocked kernel is also the pipelined one
         self.buffers: dict[str, Buffer] = {}
         self.place: dict[str, str] = {}  # node -> buffer holding its value
         self.loads, self.copies, self.body = [], [], []
@@ -115,6 +118,13 @@ class _Builder:
             return self.place[name]
         if n.op == "state_in":
             return "state_s"
+        src = self.reusable_block(name)
+        if src is not None:  # write over the loaded block it is computed from
+            reuse = self.place[src]
+            self.ewise(reuse, name)
+            del self.place[src]  # that buffer now holds `name`; a later read of src is an error
+            self.place[name] = reuse
+            return reuse
         dst = self.buf(f"{name}_s", n.shape, "io", "shared")
         if dst not in [s.dst for s in self.body]:
             if name in self.place:  # a fragment: copy (and cast) it
@@ -122,6 +132,43 @@ class _Builder:
             else:
                 self.ewise(dst, name)
         return dst
+
+    def reusable_block(self, name: str):
+        """The loaded io block an element-wise `name` may overwrite: its only block-shaped input,
+        of the same shape, with every other reader already emitted. Shared memory decides how many
+        CTAs of a parallel kernel share an SM. Not in the pipelined scan, whose loaded buffers
+        belong to the producer."""
+        if self.pipelined or name in self.place:
+            return None
+        shape, blocks = self.ir.node(name).shape, set()
+
+        def walk(x):
+            if x in self.place:
+                if self.ir.node(x).shape == shape:
+                    blocks.add(x)
+                return
+            n = self.ir.node(x)
+            if n.op == "matmul" or n.op == "inv_unit_lower" or n.op == "cumsum":
+                blocks.add(None)  # not element-wise: not computed here
+                return
+            for a in n.args:
+                walk(a)
+        walk(name)
+        if len(blocks) != 1 or None in blocks:
+            return None
+        (src,) = blocks
+        buf = self.buffers[self.place[src]]
+        loaded = any(st.dst == buf.name for st in self.loads if st.op == "load")
+        if not loaded or buf.dtype != "io" or buf.shape != _dims(shape, self.tiled):
+            return None
+        readers = [u for u in self.users[src] if u != name]
+        if any(u not in self.place and not self._inlined_into(u, name) for u in readers):
+            return None
+        return src
+
+    def _inlined_into(self, node: str, target: str) -> bool:
+        """`node` is computed inside `target`'s expression (not placed, and `target` reads it)."""
+        return node in nx.ancestors(self.ir.graph, target) and node not in self.place
 
     def single_fragment(self, name: str):
         """The one fragment an element-wise node reads, if it may be overwritten in place."""
@@ -313,9 +360,7 @@ def _prep_kernel(part: Partition) -> Kernel:
     ir = part.chunk
     b = _build(ir, part.prep, (), tiled=False)
     stores = []
-    for x in part.crossing:
-        if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment":
-            b.place[x] = b.operand(x)  # through a shared io copy: coalesced stores
+    for x in part.crossing:  # (fragments store straight to global: no shared staging buffer)
         stores.append(_store_rows(ir, b, x))
     params = _input_params(ir, part.prep, ()) + [CHUNK_MAP] + _head_params(ir, part.prep)
     params += [_crossing_tensor(ir, x, "out") for x in part.crossing]

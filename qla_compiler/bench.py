@@ -41,8 +41,9 @@ def make_inputs(H, HV, lens, K=128, V=128, seed=0):
     return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 
 
-def device_ms(fn, iters=10) -> float:
-    """Sum of the GPU kernels' durations per call."""
+def device_ms(fn, iters=10, per_kernel=None) -> float:
+    """Sum of the GPU kernels' durations per call; `per_kernel` (a dict), if given, receives each
+    kernel's share (ms per call), by kernel name."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -52,8 +53,11 @@ def device_ms(fn, iters=10) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
-    return total_us / iters / 1000.0
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    if per_kernel is not None:
+        for e in events:
+            per_kernel[e.key] = per_kernel.get(e.key, 0.0) + e.self_device_time_total / iters / 1000.0
+    return sum(e.self_device_time_total for e in events) / iters / 1000.0
 
 
 def eager_ms(fn) -> float:
@@ -100,7 +104,11 @@ def run(rows, plot=None, cp=None, only=None):
                 return f(**a)
 
             try:
-                res[f"{name} device"] = device_ms(call)
+                kernels = {}
+                res[f"{name} device"] = device_ms(call, per_kernel=kernels)
+                if name.startswith("qla"):
+                    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]
+                    print(f"  {row} {name} kernels (ms): " + ", ".join(f"{k[:40]} {t:.3f}" for k, t in top))
                 res[f"{name} eager"] = eager_ms(call)
             except Exception as e:  # noqa: BLE001 - one failing library must not hide the others
                 print(f"{row} {name}: {type(e).__name__}: {e}", file=sys.stderr)
