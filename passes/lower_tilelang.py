@@ -79,6 +79,14 @@ class _Render:
 
     def stmt(self, s: Stmt, scan: bool) -> list[str]:
         a = s.attr
+        if s.op == "load" and a.get("rows"):  # rows past the sequence belong to the next one: zeros
+            rows = self._global(s.srcs[0], scan)
+            name, idx = rows.split("[", 1)
+            t, head, cols = [x.strip() for x in idx.rstrip("]").split(",")[1:]]
+            col = "j" if cols.startswith("0:") else f"{cols.split(':')[0]} + j"
+            return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
+                    f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {name}[0, t0 + i, {head}, {col}], "
+                    "T.cast(0, IO))"]
         if s.op == "load":
             return [f"T.copy({self._global(s.srcs[0], scan)}, {s.dst})"]
         if s.op == "load_vec":
@@ -107,11 +115,13 @@ class _Render:
             return [f"for {', '.join(idx)} in T.Parallel({self._buf_shape(s.dst)}):",
                     f"    {s.dst}[{', '.join(idx)}] = {value}"]
         if s.op == "cumsum":
-            # T.cumsum runs on threads 0..31 only, which under warp specialisation belong to the
-            # producer; a masked row sum over a C×C fragment runs on the consumer's own threads.
-            return ["for i, j in T.Parallel(C, C):",
-                    f"    {s.dst}_tri[i, j] = T.if_then_else(j <= i, {s.srcs[0]}[j], 0.0)",
-                    f"T.reduce_sum({s.dst}_tri, {s.dst}_acc, dim=1)",
+            # every thread sums its own prefix: C steps, no barrier (T.cumsum runs on threads 0..31
+            # only, and a row sum over a C×C fragment costs C cross-thread reductions)
+            return ["for i in T.Parallel(C):",
+                    f"    {s.dst}_acc[i] = 0.0",
+                    "for j in T.serial(C):",
+                    "    for i in T.Parallel(C):",
+                    f"        {s.dst}_acc[i] += T.if_then_else(j <= i, {s.srcs[0]}[j], 0.0)",
                     f"T.copy({s.dst}_acc, {s.dst})"]
         if s.op == "inverse":
             a_s = s.srcs[0]
@@ -119,11 +129,12 @@ class _Render:
                     "C, INVERSE_SQUARINGS)"]
         if s.op == "store":
             rows = self._global(s.dst, scan)
-            start = rows.split(", ")[-1].split(":")[0]
+            cols = rows.split(", ")[-1]
+            col = "j" if cols.startswith("0:") else f"{cols.split(':')[0]} + j"
             src = s.srcs[0]
             masked = [f"for i, j in T.Parallel({self._buf_shape(src)}):",
                       "    if i < n_valid:",
-                      f"        {s.dst}[0, t0 + i, i_hv, {start} + j] = "
+                      f"        {s.dst}[0, t0 + i, i_hv, {col}] = "
                       + (f"T.cast({src}[i, j], IO)" if self.dtype[src] != "io" else f"{src}[i, j]")]
             if self.dtype[src] != "io":  # a float32 fragment: each thread stores its own elements
                 return masked
@@ -157,7 +168,7 @@ class _Render:
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
 SCRATCH = {
     "inverse": {k: (scope, "(C, C)", dt) for k, (scope, dt) in INVERSE_SCRATCH.items()},
-    "cumsum": {"tri": ("fragment", "(C, C)", "float32"), "acc": ("fragment", "(C,)", "float32")},
+    "cumsum": {"acc": ("fragment", "(C,)", "float32")},
 }
 
 _DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1"}

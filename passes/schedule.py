@@ -369,7 +369,7 @@ def _prep_kernel(part: Partition) -> Kernel:
                             ("matmul", "the matmuls built on the inverse")) if any(
         ir.node(x).op == op for x in part.prep)]
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], b.loads + _zero_pad(b, only_partial=False) + b.body + stores, [],
+                  list(b.buffers.values()), [], _masked_loads(b) + b.body + stores, [],
                   roles=("all 4 warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work))
 
@@ -416,7 +416,7 @@ def _out_kernel(part: Partition) -> Kernel:
     b = _build(ir, part.out, loaded, tiled=False)
     o_node = ir.outputs["o"]
     o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
-    body = b.loads + _zero_pad(b, only_partial=False) + b.body + [
+    body = _masked_loads(b) + b.body + [
         Stmt("ewise", o_buf, (), (("expr", b.ex(o_node, ("i", "j"))), ("index", ("i", "j")))),
         Stmt("store", "o", (o_buf,), (("rows", "n_valid"),))]
     params = _input_params(ir, part.out, loaded) + [CHUNK_MAP] + _head_params(ir, part.out)
@@ -429,9 +429,13 @@ def _out_kernel(part: Partition) -> Kernel:
 
 def _zero_pad(b: _Builder, only_partial: bool) -> list:
     """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact).
-
-    `only_partial` skips the pass on full chunks. Only the pipelined scan uses it: TileLang 0.1.15
-    may put the barrier that orders the loads before their readers inside that branch, so a
-    kernel whose loads run on the same threads as their readers zero-pads unconditionally."""
+    For the pipelined scan, whose TMA loads cannot mask; `only_partial` skips full chunks."""
     return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"), ("only_partial", only_partial)))
             for s in b.loads if s.op == "load"]
+
+
+def _masked_loads(b: _Builder) -> list:
+    """The parallel kernels load blocks through registers with the padding rows zeroed on the way
+    (no second pass over shared memory: an in-place pass costs a barrier per row group)."""
+    return [Stmt(s.op, s.dst, s.srcs, s.attrs + (("rows", "n_valid"),)) if s.op == "load" else s
+            for s in b.loads]
