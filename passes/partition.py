@@ -6,8 +6,9 @@ the nodes on the path from the state entering a chunk to the state leaving it �
 run in order:
 
   * `prep`, one CTA per (chunk, value head): the long parallel work the chain and the output
-    read — triangular inverses, chunk-local cumulative sums, and the matmuls built on an inverse
-    (GDN's W and U). Their results cross memory once.
+    read — triangular inverses, chunk-local cumulative sums, the matmuls built on an inverse
+    (GDN's W and U) and any other state-free per-token matmul the chain reads. Their results
+    cross memory once.
   * `scan`, one CTA per (V-block, value head, sequence): the chain. It loads what `prep` made,
     recomputes cheap state-free values (a decay, kᵀv for a gate-only recurrence) on the fly,
     keeps the state in registers, and stores the values the output needs (`carried`: the state
@@ -60,12 +61,19 @@ class Partition:
         return "\n".join(lines)
 
 
-def _prepared(ir: ChunkIR, name: str) -> bool:
-    """Computed by prep: inverses and prefix sums, and matmuls built on an inverse."""
+def _prepared(ir: ChunkIR, name: str, for_scan: bool) -> bool:
+    """Computed by prep: inverses and prefix sums, and matmuls built on an inverse. For the scan,
+    also every matmul whose result is per-token rows: loading it costs what loading an input block
+    costs, and it leaves the sequential path (a K×V result stays in the scan: it would cost a
+    state's worth of memory per chunk)."""
     n = ir.node(name)
     if n.op in PREPARED_OPS:
         return True
-    return n.op == "matmul" and any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
+    if n.op != "matmul":
+        return False
+    if for_scan and n.shape[0] == "C":
+        return True
+    return any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
 
 
 def _closure(ir: ChunkIR, roots, stop) -> set:
@@ -81,26 +89,32 @@ def _closure(ir: ChunkIR, roots, stop) -> set:
 
 
 def partition(ir: ChunkIR) -> Partition:
-    state_in, s_next, o = ir.state_in, ir.outputs.get("state"), ir.outputs.get("o")
-    if state_in is None or s_next is None or o is None:
-        raise PassError("partition", "the chunk program needs a state and the outputs o and state")
+    state_in, s_next = ir.state_in, ir.outputs.get("state")
+    results = [v for r, v in ir.outputs.items() if r != "state"]  # o (a backward: the gradients)
+    if state_in is None or s_next is None or not results:
+        raise PassError("partition", "the chunk program needs a state, its next value and an output")
     dependent = ir.scan_nodes()
     if s_next not in dependent:
         raise PassError("partition", f"the next state {s_next} does not depend on the state")
     chain = (nx.ancestors(ir.graph, s_next) | {s_next}) & dependent
-    prepared = {n.name for n in ir.order() if n.name not in dependent and _prepared(ir, n.name)}
+    free = [n.name for n in ir.order() if n.name not in dependent]
+    prepared = {x for x in free if _prepared(ir, x, for_scan=False)}
+    prepared_scan = {x for x in free if _prepared(ir, x, for_scan=True)}
     for n in ir.order():
         if n.op in PREPARED_OPS and n.name in dependent:
             raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")
 
     # the scan loads prepared values; it recomputes every other state-free value it needs
-    scan = _closure(ir, chain, prepared)
-    out_roots = (nx.ancestors(ir.graph, o) | {o}) & dependent - chain
+    scan = _closure(ir, chain, prepared_scan)
+    out_roots = set()
+    for r in results:
+        out_roots |= (nx.ancestors(ir.graph, r) & dependent) | {r}
+    out_roots -= chain
     carried = {a for x in out_roots for a in ir.node(x).args if a in chain}
     # the out kernel loads prefix sums and inverses (and what is built on them); it recomputes
     # the rest, including Q Kᵀ, which is parallel work there
     out = _closure(ir, out_roots | carried, prepared | carried)
-    used = (scan | out) & prepared
+    used = (scan & prepared_scan) | (out & prepared)
     prep = set()
     for x in used:
         prep |= nx.ancestors(ir.graph, x) | {x}
