@@ -31,6 +31,7 @@ PRETTY = {
     "exp": "exp({0})", "exp2": "exp2({0})",
     "select_lower": "[{j}≤{i} ? {a} : {b}]", "select_strict": "[{j}<{i} ? {a} : {b}]",
     "select_valid": "[{i}<n_valid ? {a} : {b}]", "min_pos": "min({i}+1, n_valid)",
+    "select_last": "[{i}=n_valid−1 ? {a} : {b}]",
 }
 
 
@@ -48,7 +49,7 @@ def format_expr(e, syntax: dict, leaf) -> str:
         raise ValueError(f"unknown expression {e!r}")
     if tag in ("select_lower", "select_strict"):
         return syntax[tag].format(i=e[1], j=e[2], a=sub(e[3]), b=sub(e[4]))
-    if tag == "select_valid":
+    if tag in ("select_valid", "select_last"):
         return syntax[tag].format(i=e[1], a=sub(e[2]), b=sub(e[3]))
     if tag == "min_pos":
         return syntax[tag].format(i=e[1])
@@ -89,8 +90,8 @@ class Buffer:
 
 @dataclass(frozen=True)
 class Stmt:
-    """op: load | load_vec | zero_pad | copy | gemm | ewise | cumsum | inverse | store | store_vec
-    | store_state | load_state."""
+    """op: load | load_vec | load_chunk_state | zero_pad | copy | gemm | ewise | cumsum | reduce |
+    inverse | store | store_vec | store_chunk_state | store_state | load_state."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -123,6 +124,7 @@ class Kernel:
     body: list  # inside the loop over chunks (the loop is None for one-chunk kernels)
     epilogue: list
     loop: str | None = None  # "chunks of the sequence" for the scan
+    reverse: bool = False  # the loop runs from the last chunk to the first (a backward scan)
     roles: tuple = ()  # warpgroup roles, as lowered
     stages: int = 1
     doc: str = ""

@@ -79,7 +79,10 @@ def chunk_offsets(cu: torch.Tensor, C: int) -> torch.Tensor:
 
 
 def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_state, cu_seqlens,
-            head_logs: dict, context_parallel=None):
+            head_logs: dict, context_parallel=None, keep: bool = False):
+    """Run the program's kernels: (o [B, T, HV, V], final state [N, HV, K, V]). With keep, also
+    every global tensor by name (what kernels/backward.py needs: the packed inputs, the chunk map,
+    the state entering every chunk)."""
     C = program.chunk_size
     check_head_dims(dims.K, dims.V)
     v_name = next(n for n, k in kinds.items() if k == "value")
@@ -97,8 +100,7 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     for name, logs in head_logs.items():
         tensors[f"log_{name}"] = _on_device(tuple(logs), device)
     tensors["chunk_map"] = chunk_map(cu, total, C)
-    sizes = {"1": 1, "T": total, "HV": dims.HV, "H": dims.H, "K": dims.K, "V": dims.V, "C": C, "N": dims.N,
-             "CH": tensors["chunk_map"].shape[0]}
+    sizes = tensor_sizes(dims, C, tensors["chunk_map"])
     # kernels run in KernelIR order: parallel ones before the scan (prep) and after it (out)
     ks = program.kernels.kernels
     i_scan = next(i for i, k in enumerate(ks) if k.loop)
@@ -107,15 +109,8 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     (scan_values,) = [p.name for p in scan_kernel.params if p.role == "in" and p.shape[-1] == "V"
                       and p.shape[0] == "1"]
 
-    def shape(width, n_seqs):
-        return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=width, io=IO_DTYPES[io], scale=scale,
-                          BV=choose_block_v(width, dims.HV, n_seqs, device), stages=SCAN_STAGES)
-
     def run(kernel, t, width=dims.V, n_seqs=dims.N):
-        for p in kernel.params:
-            if p.role == "out" and p.name not in t:
-                t[p.name] = _empty(p, dict(sizes, V=width, N=n_seqs), io, device)
-        load_kernels(program, shape(width, n_seqs))[kernel.name](*[t[p.name] for p in kernel.params])
+        launch(program, kernel, t, dims, scale, io, sizes, width, n_seqs)
 
     for k in ks[:i_scan]:  # per chunk, independent of how sequences are cut into segments
         run(k, tensors)
@@ -134,7 +129,32 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})
     for k in ks[i_scan + 1:]:
         run(k, tensors)
-    return tensors["o"].view(dims.B, dims.T, dims.HV, dims.V), final
+    o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
+    return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+
+
+def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:
+    """The value of every dim name a KernelIR tensor uses, for this call."""
+    return {"1": 1, "T": dims.B * dims.T, "HV": dims.HV, "H": dims.H, "K": dims.K, "V": dims.V, "C": C,
+            "N": dims.N, "CH": chunk_map_.shape[0]}
+
+
+def shape_class(dims, width: int, n_seqs: int, scale: float, io, device) -> ShapeClass:
+    """What a launch compiles for: the head counts and dims, the value width (context
+    parallelism widens it), the V-block for this many sequences on this GPU."""
+    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=width, io=IO_DTYPES[io], scale=scale,
+                      BV=choose_block_v(width, dims.HV, n_seqs, device), stages=SCAN_STAGES)
+
+
+def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int) -> None:
+    """One kernel of `program`: its outputs allocated into `t` (unless given), its parameters
+    taken from `t` by name."""
+    device = t["chunk_map"].device
+    for p in kernel.params:
+        if p.role == "out" and p.name not in t:
+            t[p.name] = _empty(p, dict(sizes, V=width, N=n_seqs), io, device)
+    kernels = load_kernels(program, shape_class(dims, width, n_seqs, scale, io, device))
+    kernels[kernel.name](*[t[p.name] for p in kernel.params])
 
 
 def _empty(param, sizes, io, device):

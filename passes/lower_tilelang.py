@@ -24,6 +24,7 @@ TILELANG = {
     "exp": "T.exp({0})", "exp2": "T.exp2({0})",
     "select_lower": "T.if_then_else({j} <= {i}, {a}, {b})", "select_strict": "T.if_then_else({j} < {i}, {a}, {b})",
     "select_valid": "T.if_then_else({i} < n_valid, {a}, {b})",
+    "select_last": "T.if_then_else({i} == n_valid - 1, {a}, {b})",
     "min_pos": 'T.cast(T.min({i} + 1, n_valid), "float32")',
 }
 

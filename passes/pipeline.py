@@ -72,6 +72,24 @@ class Program:
         return self._derive("autodiff", derive_backward)
 
     @property
+    def backward_program(self) -> "Program":
+        """The backward chunk program taken through partition and schedule: a Program of its own
+        whose kernels the runtime compiles like the forward's (kernels/backward.py runs them)."""
+        if "backward_program" not in self._derived:
+            back = self.backward
+            try:
+                part = partition(back)
+                kir = schedule(part)
+            except PassError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a crash names the pass
+                raise PassError("schedule", f"backward: {type(e).__name__}: {e}") from e
+            self._derived["backward_program"] = Program(
+                self.path, self.target, self.chunk_size, self.recurrence, back, kir,
+                [("autodiff", back), ("partition", part), ("schedule", kir)])
+        return self._derived["backward_program"]
+
+    @property
     def affine(self) -> ChunkIR:
         """The chunk program's state update as S ↦ M S + H (passes/affine.py), derived on first use."""
         return self._derive("affine", derive_affine)

@@ -24,7 +24,7 @@ from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
 
 from .partition import Partition
 
-BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V")}
+BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
 RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "N", "NP1", "CH", "Tok",
             "i", "j", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
@@ -47,6 +47,7 @@ class _Builder:
         self.users = {n: [u.name for u in ir.users(n) if u.name in self.nodes] for n in self.nodes}
 
     def buf(self, name, shape, dtype, scope) -> str:
+        name = ident(name)
         name = f"{name}_f" if name in RESERVED else name
         if name not in self.buffers:
             self.buffers[name] = Buffer(name, _dims(shape, self.tiled), dtype, scope)
@@ -57,6 +58,8 @@ class _Builder:
         n = self.ir.node(name)
         if name in self.place:
             b = self.buffers[self.place[name]]
+            if n.shape == ():  # a scalar computed by a reduction lives in a 1-element buffer
+                return ("buf", b.name, "0")
             return ("buf", b.name, *idx[-len(b.shape):]) if b.shape else ("buf", b.name)
         op, a = n.op, n.args
 
@@ -96,6 +99,8 @@ class _Builder:
             return self.ex(a[0], ("n_valid - 1",))
         if op == "positions":
             return ("min_pos", idx[0])
+        if op == "at_last":  # the scalar at the chunk's last token, zero elsewhere
+            return ("select_last", idx[0], self.ex(a[0], ()), ("lit", 0.0))
         if op == "valid":
             return ("select_valid", idx[0], ("lit", 1.0), ("lit", 0.0))
         raise PassError("schedule", f"node {name} ({op}) must be materialised before it is used")
@@ -131,6 +136,15 @@ class _Builder:
                 self.body.append(Stmt("copy", dst, (self.place[name],)))
             else:
                 self.ewise(dst, name)
+        return dst
+
+    def fragment(self, name: str) -> str:
+        """A float32 register fragment holding `name` (for a reduction)."""
+        if name in self.place and self.buffers[self.place[name]].scope == "fragment":
+            return self.place[name]
+        dst = self.buf(f"{name}_f", self.ir.node(name).shape, "float32", "fragment")
+        if dst not in [s.dst for s in self.body]:
+            self.ewise(dst, name)
         return dst
 
     def reusable_block(self, name: str):
@@ -190,8 +204,9 @@ class _Builder:
         return f if ok and self.ir.node(f).shape == self.ir.node(name).shape else None
 
 
-def _accumulation(ir: ChunkIR, nodes) -> dict:
-    """add(x, A·B) with A·B used only there: A·B accumulates onto x.  Returns {add: (x, matmul)}."""
+def _accumulation(ir: ChunkIR, nodes, loaded=()) -> dict:
+    """add(x, A·B) with A·B computed here and used only there: A·B accumulates onto x.
+    Returns {add: (x, matmul)}."""
     out = {}
     for name in nodes:
         n = ir.node(name)
@@ -199,7 +214,8 @@ def _accumulation(ir: ChunkIR, nodes) -> dict:
             continue
         for x, m in (n.args, n.args[::-1]):
             mm = ir.node(m)
-            if mm.op == "matmul" and [u.name for u in ir.users(m)] == [name] and ir.node(x).shape == n.shape:
+            if mm.op == "matmul" and m not in loaded and [u.name for u in ir.users(m)] == [name] \
+                    and ir.node(x).shape == n.shape:
                 out[name] = (x, m)
                 break
     return out
@@ -221,13 +237,14 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
     b = _Builder(ir, nodes, loaded, tiled)
     pipelined = tiled
     order = [n for n in ir.order() if n.name in b.nodes]
-    acc = _accumulation(ir, [n.name for n in order])
+    acc = _accumulation(ir, [n.name for n in order], b.loaded)
     fused_matmuls = {m for _, m in acc.values()}
     in_place = {x for x, _ in acc.values()}
 
     for n in order:  # loads first: they are the producer's work
-        src = n.name if n.op == "input" else global_name(ir, n.name)
-        if n.op == "state_in" and n.name in b.loaded:  # the out kernel reads the chunk's entering state
+        src = global_name(ir, n.name)
+        per_chunk = n.op == "input" and n.attr.get("kind") == "saved_state"
+        if (n.op == "state_in" and n.name in b.loaded) or per_chunk:  # a state per chunk slot
             b.place[n.name] = b.buf(f"{n.name}_s", n.shape, "io", "shared")
             b.loads.append(Stmt("load_chunk_state", b.place[n.name], (src,)))
         elif n.op == "input" or n.name in b.loaded:
@@ -264,8 +281,9 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
         elif op == "cumsum":
             src = n.args[0]
             if src not in b.place:
-                b.ewise(b.buf(f"{src}_s", ("C",), "float32", "shared"), src)
-                b.place[src] = f"{src}_s"
+                dst = b.buf(f"{src}_s", ("C",), "float32", "shared")
+                b.ewise(dst, src)
+                b.place[src] = dst
             b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
             b.body.append(Stmt("cumsum", b.place[name], (b.place[src],)))
         elif op == "inv_unit_lower":
@@ -275,36 +293,62 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             b.body.append(Stmt("inverse", b.place[name], (A,)))
         elif name in acc:
             x, m = acc[name]
-            if x in b.place and b.buffers[b.place[x]].scope == "fragment":
-                frag = b.place[x]
-            else:
-                raise PassError("schedule", f"{name}: cannot accumulate {m} onto {x}")
             mm = ir.node(m)
             A, B = b.operand(mm.args[0]), b.operand(mm.args[1])
-            b.body.append(Stmt("gemm", frag, (A, B), tuple(sorted(mm.attrs)) + (("accumulate", True),)))
-            b.place[name] = frag
+            if x in b.place and b.buffers[b.place[x]].scope == "fragment":
+                frag = b.place[x]
+                b.body.append(Stmt("gemm", frag, (A, B), tuple(sorted(mm.attrs)) + (("accumulate", True),)))
+                b.place[name] = frag
+            else:  # x is not in registers: the product gets its own fragment, the sum stays inline
+                b.place[m] = b.buf(m, mm.shape, "float32", "fragment")
+                b.body.append(Stmt("gemm", b.place[m], (A, B), tuple(sorted(mm.attrs))))
         elif name in in_place and n.shape != ():
             frag = b.single_fragment(name)
-            if frag is None:
-                raise PassError("schedule", f"{name}: no fragment to compute in place")
+            if frag is None:  # several fragments feed it: a fresh one to accumulate onto
+                b.place[name] = b.fragment(name)
+                continue
             b.body.append(Stmt("ewise", b.place[frag], (),
                                (("expr", b.ex(name, ("i", "j"))), ("index", ("i", "j")))))
             b.place[name] = b.place[frag]
+        elif op in ("rowsum", "colsum", "sum_all"):
+            src = b.fragment(n.args[0])
+            dims = (1,) if op == "rowsum" else (0,) if op == "colsum" else (1, 0)
+            if op == "sum_all":
+                b.place[name] = b.buf(f"{name}_s", ("1",), "float32", "shared")
+            else:
+                b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
+            b.body.append(Stmt("reduce", b.place[name], (src,), (("dims", dims),)))
+        elif op == "rev_cumsum":
+            src = n.args[0]
+            if src not in b.place or b.buffers[b.place[src]].scope != "shared":
+                dst = b.buf(f"{src}_s", ("C",), "float32", "shared")
+                b.ewise(dst, src)
+                b.place[src] = dst
+            b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
+            b.body.append(Stmt("cumsum", b.place[name], (b.place[src],), (("reverse", True),)))
         elif n.shape == ("C",) and op not in ("const", "valid", "positions") and not pipelined:
             # (the pipelined scan inlines its per-token vectors instead: TileLang 0.1.15 puts the
             # barrier after a C-wide write, which only half the consumer threads run, inside
             # their branch, so the other half read the vector before it is written)
-            b.ewise(b.buf(f"{name}_s", ("C",), "float32", "shared"), name)
-            b.place[name] = f"{name}_s"
+            dst = b.buf(f"{name}_s", ("C",), "float32", "shared")
+            b.ewise(dst, name)
+            b.place[name] = dst
     return b
+
+
+def ident(name: str) -> str:
+    """A node name as a Python identifier (autodiff names partial gradients `d_x.user`)."""
+    return name.replace(".", "_")
 
 
 def global_name(ir: ChunkIR, name: str) -> str:
     """The global tensor a value crosses memory in: per-token rows, or one state per chunk."""
     n = ir.node(name)
-    if n.op == "state_in":
-        return f"{name}_chunks"
-    return name if n.shape == ("C",) else f"{name}_rows"
+    if n.op == "state_in" or (n.op == "input" and n.attr.get("kind") == "saved_state"):
+        return f"{ident(name)}_chunks"
+    if n.op == "input":
+        return name
+    return ident(name) if n.shape == ("C",) else f"{ident(name)}_rows"
 
 
 def _crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
@@ -320,10 +364,15 @@ def _input_params(ir: ChunkIR, nodes, loaded) -> list:
     ps = []
     for name in nodes:
         n = ir.node(name)
-        if n.op == "input":
+        if n.op == "input" and n.attr["kind"] == "saved_state":
+            ps.append(Tensor(global_name(ir, name), ("CH", "HV", "K", "V"), "io", "in",
+                             "the forward's state entering every chunk"))
+        elif n.op == "input":
             kind = n.attr["kind"]
-            shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
-            ps.append(Tensor(name, shape, "io" if kind in ("key", "value") else "float32", "in"))
+            shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V"),
+                     "cotangent_value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
+            blocks = kind in ("key", "value", "cotangent_value")
+            ps.append(Tensor(name, shape, "io" if blocks else "float32", "in"))
         elif name in loaded:
             ps.append(_crossing_tensor(ir, name, "in"))
     return ps
@@ -404,7 +453,7 @@ def _scan_kernel(part: Partition) -> Kernel:
     return Kernel(
         f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,
         list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
-        loop="chunks of the sequence",
+        loop="chunks of the sequence" + (", last to first" if ir.reverse else ""), reverse=ir.reverse,
         roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
                "consumer warpgroup: the state chain; the state in registers"),
         doc="sequential over chunks: the state chain only")
@@ -414,17 +463,32 @@ def _out_kernel(part: Partition) -> Kernel:
     ir = part.chunk
     loaded = set(part.crossing) | set(part.carried)
     b = _build(ir, part.out, loaded, tiled=False)
-    o_node = ir.outputs["o"]
-    o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
-    body = _masked_loads(b) + b.body + [
-        Stmt("ewise", o_buf, (), (("expr", b.ex(o_node, ("i", "j"))), ("index", ("i", "j")))),
-        Stmt("store", "o", (o_buf,), (("rows", "n_valid"),))]
-    params = _input_params(ir, part.out, loaded) + [CHUNK_MAP] + _head_params(ir, part.out)
-    params += [Tensor("o", ("1", "T", "HV", "V"), "io", "out")]
+    stores, outs = [], []
+    for role, x in ir.outputs.items():
+        if role == "state":
+            continue
+        shape = ir.node(x).shape
+        if role == "o":  # the op's output, in the io dtype, staged in shared memory for whole-row stores
+            o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
+            stores += [Stmt("ewise", o_buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
+                       Stmt("store", "o", (o_buf,), (("rows", "n_valid"),))]
+            outs.append(Tensor("o", ("1", "T", "HV", "V"), "io", "out"))
+        elif shape == ("C",):  # a gradient per token (gates, scalars), float32
+            if x not in b.place or b.buffers[b.place[x]].scope != "shared":
+                dst = b.buf(f"{x}_s", ("C",), "float32", "shared")
+                b.ewise(dst, x)
+                b.place[x] = dst
+            stores.append(Stmt("store_vec", role, (b.place[x],), (("rows", "n_valid"),)))
+            outs.append(Tensor(role, ("1", "T", "HV"), "float32", "out", "per token"))
+        else:  # a gradient block per token (keys per value head: the host sums each group)
+            stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
+            outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
+    params = _input_params(ir, part.out, loaded) + [CHUNK_MAP] + _head_params(ir, part.out) + outs
+    what = "the output" if list(ir.outputs) == ["o", "state"] else "the gradients"
     return Kernel(f"{ir.name}_out", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], body, [],
-                  roles=("all 4 warps: the output from the entering state and the chunk's own tokens",),
-                  doc="parallel over chunks: the output")
+                  list(b.buffers.values()), [], _masked_loads(b) + b.body + stores, [],
+                  roles=(f"all 4 warps: {what} from the entering state and the chunk's own tokens",),
+                  doc=f"parallel over chunks: {what}")
 
 
 def _zero_pad(b: _Builder, only_partial: bool) -> list:

@@ -39,12 +39,20 @@ def _unchunk(y, cu, out):
     out[0, rows] = flat[0, rows].to(out.dtype)
 
 
+def _per_slot(S: torch.Tensor, slots: torch.Tensor, NC: int) -> torch.Tensor:
+    """States stored per chunk slot [CH, HV, K, V] as blocks [N, HV, NC, K, V] (slots past a
+    sequence's chunks repeat the last slot: they are never used for real tokens)."""
+    idx = (slots[:-1, None] + torch.arange(NC, device=S.device)).clamp(max=S.shape[0] - 1)
+    return S.double()[idx].movedim(2, 1)
+
+
 class KernelEmulator:
-    """Stands in for load_kernels on the CPU: each kernel evaluates its partition's nodes with the
-    ChunkIR ops in float64, reading and writing the global tensors under the names its KernelIR
-    parameters give them. So everything but the TileLang code is exercised: the partition (each
-    kernel's nodes are computable from what it loads), the names and shapes of the tensors
-    between kernels, the slots of the per-chunk states, the wiring in kernels/forward.py."""
+    """Stands in for load_kernels: each kernel evaluates its partition's nodes with the ChunkIR ops
+    in float64, reading and writing the global tensors under the names its KernelIR parameters
+    give them. So everything but the TileLang code is exercised: the partition (each kernel's
+    nodes are computable from what it loads), the names and shapes of the tensors between
+    kernels, the slots of the per-chunk states, the wiring in kernels/forward.py and
+    kernels/backward.py."""
 
     def __init__(self, op, cu_seqlens: torch.Tensor, scale: float):
         """op: a CompiledOp; cu_seqlens: the whole sequences' (the parallel kernels see only the
@@ -52,32 +60,42 @@ class KernelEmulator:
         `seen[kernel]` holds copies of the tensors the last launch of that kernel read and wrote."""
         self.op, self.cu, self.scale = op, cu_seqlens, scale
         self.calls, self.shapes, self.seen = [], [], {}
-        self.part = op.program.stage("partition")
 
     def __call__(self, program, shape):
         self.shapes.append(shape)
-        return {k.name: self._kernel(k, shape) for k in program.kernels.kernels}
+        part = program.stage("partition")
+        return {k.name: self._kernel(part, k, shape) for k in program.kernels.kernels}
 
-    def _kernel(self, kernel, shape):
+    def _kernel(self, part, kernel, shape):
         def run(*args):
             assert len(args) == len(kernel.params)
             named = dict(zip((p.name for p in kernel.params), args))
             self.calls.append((kernel.name, shape.V))
             kind = kernel.name.rsplit("_", 1)[1]
-            (self._scan if kernel.loop else self._parallel)(kernel, kind, named, shape)
+            (self._scan if kernel.loop else self._parallel)(part, kernel, kind, named, shape)
             self.seen[kernel.name] = {n: x.clone() for n, x in named.items()}
         return run
 
-    def _context(self, kernel, nodes, named, cu, HV, state):
-        ir, C = self.part.chunk, self.part.chunk.chunk_size
+    def _context(self, part, kernel, nodes, named, cu, HV, state):
+        ir, C = part.chunk, part.chunk.chunk_size
         vals, blocks, lengths, NC = {}, {}, None, None
         reads = {p.name for p in kernel.params if p.role == "in"}
+        per_chunk = []
         for name in nodes:
             n = ir.node(name)
-            src = name if n.op == "input" else global_name(ir, name)
-            if src in reads and n.op != "state_in":
-                b, lengths, NC = _chunks(named[src], cu, HV, C)
-                (blocks if n.op == "input" else vals)[name] = b
+            src = global_name(ir, name)
+            if src not in reads or n.op == "state_in":
+                continue
+            if n.op == "input" and n.attr["kind"] == "saved_state":
+                per_chunk.append((name, src))
+                continue
+            b, lengths, NC = _chunks(named[src], cu, HV, C)
+            (blocks if n.op == "input" else vals)[name] = b
+        if lengths is None:
+            lengths = (cu[1:] - cu[:-1]).long()
+            NC = max(1, int(-(-lengths.max() // C)))
+        for name, src in per_chunk:  # the forward's state entering every chunk
+            blocks[name] = _per_slot(named[src], chunk_offsets(cu, C), NC)
         dev = lengths.device
         lens = (lengths[:, None] - C * torch.arange(NC, device=dev)).clamp(0, C)
         consts = {k: torch.tensor(v, dtype=torch.float64, device=dev).view(1, HV, 1)
@@ -85,48 +103,49 @@ class KernelEmulator:
         prm = {"scale": torch.tensor(self.scale, dtype=torch.float64, device=dev).view(1, 1, 1)}
         return Context(blocks, lens.view(len(lengths), 1, NC), prm, consts, state, C, 3), vals, NC
 
-    def _eval(self, ctx, nodes, vals):
-        ir = self.part.chunk
+    @staticmethod
+    def _eval(ir, ctx, nodes, vals):
         for n in ir.order():
             if n.name in nodes and n.name not in vals:
                 vals[n.name] = OPS[n.op].eval(ctx, [vals[a] for a in n.args], n.attr, [ir.node(a).shape for a in n.args])
         return vals
 
-    def _parallel(self, kernel, kind, named, shape):
-        ir, part = self.part.chunk, self.part
+    def _parallel(self, part, kernel, kind, named, shape):
+        ir = part.chunk
         assert (named["chunk_map"][:, 1] >= 0).all()
         nodes = part.prep if kind == "prep" else part.out
         cu = self.cu
         N, HV = cu.numel() - 1, shape.HV
         state = torch.zeros(1, 1, 1, 1, 1, dtype=torch.float64, device=cu.device)  # prep does not read it
-        if kind == "out":  # the entering state of every chunk, from its slot
-            slots = chunk_offsets(cu, ir.chunk_size)
-            S = named[global_name(ir, ir.state_in)].double()
-            NC = int((slots[1:] - slots[:-1]).max())
-            idx = (slots[:-1, None] + torch.arange(NC, device=cu.device)).clamp(max=S.shape[0] - 1)
-            state = S[idx].movedim(2, 1)  # [N, HV, NC, K, V]
-        ctx, vals, NC = self._context(kernel, nodes, named, cu, HV, state)
-        vals = self._eval(ctx, nodes, vals)
-        outs = part.crossing if kind == "prep" else (ir.outputs["o"],)
-        for x in outs:
+        if kind == "out":  # the state entering every chunk, from its slot
+            lengths = cu[1:] - cu[:-1]
+            NC = max(1, int(-(-lengths.max() // ir.chunk_size)))
+            state = _per_slot(named[global_name(ir, ir.state_in)], chunk_offsets(cu, ir.chunk_size), NC)
+        ctx, vals, NC = self._context(part, kernel, nodes, named, cu, HV, state)
+        vals = self._eval(ir, ctx, nodes, vals)
+        if kind == "prep":
+            outs = [(x, global_name(ir, x)) for x in part.crossing]
+        else:
+            outs = [(x, role) for role, x in ir.outputs.items() if role != "state"]
+        for x, dst in outs:
             y = vals[x].expand(N, HV, NC, *vals[x].shape[3:])
-            _unchunk(y, cu, named[global_name(ir, x) if kind == "prep" else "o"])
+            _unchunk(y, cu, named[dst])
 
-    def _scan(self, kernel, kind, named, shape):
-        ir, part = self.part.chunk, self.part
+    def _scan(self, part, kernel, kind, named, shape):
+        ir = part.chunk
         cu, h0 = named["cu_seqlens"], named["initial_state"].double()
         assert h0.shape[-1] == shape.V
-        ctx, vals, NC = self._context(kernel, part.scan, named, cu, shape.HV, h0.unsqueeze(2))
+        ctx, vals, NC = self._context(part, kernel, part.scan, named, cu, shape.HV, h0.unsqueeze(2))
         slots = named["chunk_offsets"]
         assert torch.equal(slots, chunk_offsets(cu, ir.chunk_size))
-        state, carried = h0.unsqueeze(2), {x: [] for x in part.carried}
-        for c in range(NC):
+        state, carried = h0.unsqueeze(2), {x: [None] * NC for x in part.carried}
+        for c in (reversed(range(NC)) if ir.reverse else range(NC)):
             sl = {k: v[:, :, c:c + 1] for k, v in vals.items()}
             cctx = Context({k: b[:, :, c:c + 1] for k, b in ctx.inputs.items()}, ctx.lengths[:, :, c:c + 1],
                            ctx.params, ctx.head_consts, state, ir.chunk_size, 3)
-            sl = self._eval(cctx, part.scan, sl)
+            sl = self._eval(ir, cctx, part.scan, sl)
             for x in part.carried:
-                carried[x].append(sl[x])
+                carried[x][c] = sl[x]
             state = sl[ir.outputs["state"]]
         named["final_state"].copy_(state.squeeze(2))
         lengths = cu[1:] - cu[:-1]
