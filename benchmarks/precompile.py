@@ -6,7 +6,8 @@ benchmark will need can be compiled here (a few seconds each) and the GPU's minu
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/precompile.py --tests --bench --cp 8
     tar -C /tmp/tlc -czf .gpu/tl-cache.tar .        # enter.sh unpacks it on the GPU node
 
-or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64.
+or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64 (gdn.backward:... for the
+backward program's kernels).
 """
 import argparse
 import sys
@@ -42,6 +43,7 @@ def for_gpu_tests():
     for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
         for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
             out.append((spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)))
+            out.append((f"{spec}.backward", ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)))
     for s in (2, 8):
         out += classes("gdn", 2, 8, 128, 3, cp=s)
     return out
@@ -80,7 +82,9 @@ def main(argv):
             continue
         seen.add((spec, shape))
         t = time.time()
-        load_kernels(qla_compiler.compile_spec(spec), shape)
+        name, _, direction = spec.partition(".")  # "gdn.backward": the backward program's kernels
+        program = qla_compiler.compile_spec(name)
+        load_kernels(program.backward_program if direction == "backward" else program, shape)
         print(f"{spec} {shape}: {time.time() - t:.1f}s", flush=True)
 
 

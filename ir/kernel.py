@@ -128,6 +128,9 @@ class Kernel:
     roles: tuple = ()  # warpgroup roles, as lowered
     stages: int = 1
     doc: str = ""
+    kind: str = ""  # "prep" | "scan" | "out": its place in the partition
+    nodes: tuple = ()  # the ChunkIR nodes it evaluates (loaded ones included)
+    outputs: tuple = ()  # for an out kernel: the chunk program's output roles it writes
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)

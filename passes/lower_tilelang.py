@@ -118,12 +118,22 @@ class _Render:
         if s.op == "cumsum":
             # every thread sums its own prefix: C steps, no barrier (T.cumsum runs on threads 0..31
             # only, and a row sum over a C×C fragment costs C cross-thread reductions)
+            keep = "j >= i" if a.get("reverse") else "j <= i"  # the suffix sum for a reverse cumsum
             return ["for i in T.Parallel(C):",
                     f"    {s.dst}_acc[i] = 0.0",
                     "for j in T.serial(C):",
                     "    for i in T.Parallel(C):",
-                    f"        {s.dst}_acc[i] += T.if_then_else(j <= i, {s.srcs[0]}[j], 0.0)",
+                    f"        {s.dst}_acc[i] += T.if_then_else({keep}, {s.srcs[0]}[j], 0.0)",
                     f"T.copy({s.dst}_acc, {s.dst})"]
+        if s.op == "reduce":  # srcs: the fragment, then one accumulator per reduced dimension
+            src, *accs = s.srcs
+            out = [f"T.reduce_sum({src}, {accs[0]}, dim={a['dim'] if len(accs) == 1 else 1})"]
+            if len(accs) == 2:  # a matrix summed entirely: the row sums, summed
+                out.append(f"T.reduce_sum({accs[0]}, {accs[1]}, dim=0)")
+            if self._buf_shape(src).count(",") == 0 and len(accs) == 1 and s.dst.endswith("_s") \
+                    and self._buf_shape(accs[0]) == "1":  # a vector summed entirely
+                out = [f"T.reduce_sum({src}, {accs[0]}, dim=0)"]
+            return out + [f"T.copy({accs[-1]}, {s.dst})"]
         if s.op == "inverse":
             a_s = s.srcs[0]
             return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_P_s, {s.dst}_PT_s, {s.dst}_P_f, "
@@ -133,10 +143,11 @@ class _Render:
             cols = rows.split(", ")[-1]
             col = "j" if cols.startswith("0:") else f"{cols.split(':')[0]} + j"
             src = s.srcs[0]
+            dst_dtype = next(p.dtype for p in self.k.params if p.name == s.dst)
+            value = f"{src}[i, j]" if self.dtype[src] == dst_dtype else f"T.cast({src}[i, j], {_dtype(dst_dtype)})"
             masked = [f"for i, j in T.Parallel({self._buf_shape(src)}):",
                       "    if i < n_valid:",
-                      f"        {s.dst}[0, t0 + i, i_hv, {col}] = "
-                      + (f"T.cast({src}[i, j], IO)" if self.dtype[src] != "io" else f"{src}[i, j]")]
+                      f"        {s.dst}[0, t0 + i, i_hv, {col}] = {value}"]
             if self.dtype[src] != "io":  # a float32 fragment: each thread stores its own elements
                 return masked
             return ["if n_valid == C:", f"    T.copy({src}, {rows})", "else:"] + [f"    {ln}" for ln in masked]
@@ -145,7 +156,8 @@ class _Render:
                     "    if i < n_valid:",
                     f"        {s.dst}[0, t0 + i, i_hv] = {s.srcs[0]}[i]"]
         if s.op == "load_chunk_state":
-            return [f"T.copy({s.srcs[0]}[i_slot, i_hv, 0:K, 0:V], {s.dst})"]
+            cols = "v0:v0 + BV" if scan else "0:V"
+            return [f"T.copy({s.srcs[0]}[i_slot, i_hv, 0:K, {cols}], {s.dst})"]
         if s.op == "store_chunk_state":
             return [f"T.copy({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:K, v0:v0 + BV])"]
         if s.op == "load_state":
@@ -213,7 +225,10 @@ def lower_kernel(kernel: Kernel) -> list[str]:
         out += ["        for i_c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
                 "            t0 = bos + i_c * C",
                 "            n_valid = T.min(C, seq_len - i_c * C)"]
-        if any(s.op == "store_chunk_state" for s in kernel.body):
+        if kernel.reverse:  # a backward scan: from the sequence's last chunk to its first
+            out[-3:-2] = ["        for i_r in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
+                          "            i_c = T.ceildiv(seq_len, C) - 1 - i_r"]
+        if any(s.op in ("store_chunk_state", "load_chunk_state") for s in kernel.body):
             out.append("            i_slot = chunk_offsets[i_n] + i_c")
         ind = "            "
     for s in kernel.body:

@@ -312,12 +312,15 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             b.place[name] = b.place[frag]
         elif op in ("rowsum", "colsum", "sum_all"):
             src = b.fragment(n.args[0])
-            dims = (1,) if op == "rowsum" else (0,) if op == "colsum" else (1, 0)
+            shape = ir.node(n.args[0]).shape
+            # partial sums in registers (the rows', or the columns'), then shared for any thread to read
+            sums = []
+            if len(shape) == 2:
+                sums.append(b.buf(f"{name}_acc", (shape[1] if op == "colsum" else shape[0],), "float32", "fragment"))
             if op == "sum_all":
-                b.place[name] = b.buf(f"{name}_s", ("1",), "float32", "shared")
-            else:
-                b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
-            b.body.append(Stmt("reduce", b.place[name], (src,), (("dims", dims),)))
+                sums.append(b.buf(f"{name}_acc1", ("1",), "float32", "fragment"))
+            b.place[name] = b.buf(f"{name}_s", ("1",) if op == "sum_all" else n.shape, "float32", "shared")
+            b.body.append(Stmt("reduce", b.place[name], (src, *sums), (("dim", 0 if op == "colsum" else 1),)))
         elif op == "rev_cumsum":
             src = n.args[0]
             if src not in b.place or b.buffers[b.place[src]].scope != "shared":
@@ -401,8 +404,41 @@ def schedule(part: Partition) -> KernelIR:
     if part.prep:
         kir.kernels.append(_prep_kernel(part))
     kir.kernels.append(_scan_kernel(part))
-    kir.kernels.append(_out_kernel(part))
+    kir.kernels += _out_kernels(part)
     return kir
+
+
+# Shared memory a parallel kernel may use (H100/H200 allow 227 KB per CTA; the margin leaves room
+# for TileLang's own scratch). An out kernel that needs more is split by output.
+SMEM_BUDGET = 200 * 1024
+_DIM_BYTES = {"C": 64, "K": 128, "V": 128, "BV": 64, "1": 1}  # the largest shape class
+_DTYPE_BYTES = {"io": 2, "float32": 4, "tfloat32": 4, "int32": 4}
+
+
+def smem_bytes(buffers) -> int:
+    """Shared memory of a kernel's buffers at the largest supported head dims (no reuse assumed)."""
+    total = 0
+    for b in buffers:
+        if b.scope == "shared":
+            n = _DTYPE_BYTES[b.dtype]
+            for d in b.shape:
+                n *= _DIM_BYTES[d]
+            total += n
+    return total
+
+
+def _out_kernels(part: Partition) -> list:
+    """The out kernel, or (when one kernel for every output would not fit in shared memory) one
+    kernel per group of outputs, each recomputing what its outputs need."""
+    roles = tuple(r for r in part.chunk.outputs if r != "state")
+
+    def split(group):
+        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group))
+        if smem_bytes(k.buffers) <= SMEM_BUDGET or len(group) == 1:
+            return [k]
+        half = (len(group) + 1) // 2
+        return split(group[:half]) + split(group[half:])
+    return split(roles)
 
 
 def _prep_kernel(part: Partition) -> Kernel:
@@ -420,7 +456,7 @@ def _prep_kernel(part: Partition) -> Kernel:
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
                   list(b.buffers.values()), [], _masked_loads(b) + b.body + stores, [],
                   roles=("all 4 warps: " + "; ".join(work),),
-                  doc="parallel over chunks: " + ", ".join(work))
+                  doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
 
 
 def _scan_kernel(part: Partition) -> Kernel:
@@ -456,17 +492,30 @@ def _scan_kernel(part: Partition) -> Kernel:
         loop="chunks of the sequence" + (", last to first" if ir.reverse else ""), reverse=ir.reverse,
         roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
                "consumer warpgroup: the state chain; the state in registers"),
-        doc="sequential over chunks: the state chain only")
+        doc="sequential over chunks: the state chain only", kind="scan", nodes=part.scan)
 
 
-def _out_kernel(part: Partition) -> Kernel:
+def _needed(ir: ChunkIR, roots, allowed, stop) -> tuple:
+    """The nodes of `allowed` that `roots` need, not looking past `stop` (in program order)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        x = todo.pop()
+        if x in seen or x not in allowed:
+            continue
+        seen.add(x)
+        if x not in stop:
+            todo.extend(ir.node(x).args)
+    return tuple(n.name for n in ir.order() if n.name in seen)
+
+
+def _out_kernel(part: Partition, roles: tuple, suffix: str = "") -> Kernel:
     ir = part.chunk
     loaded = set(part.crossing) | set(part.carried)
-    b = _build(ir, part.out, loaded, tiled=False)
+    nodes = _needed(ir, [ir.outputs[r] for r in roles], set(part.out), loaded)
+    b = _build(ir, nodes, loaded, tiled=False)
     stores, outs = [], []
-    for role, x in ir.outputs.items():
-        if role == "state":
-            continue
+    for role in roles:
+        x = ir.outputs[role]
         shape = ir.node(x).shape
         if role == "o":  # the op's output, in the io dtype, staged in shared memory for whole-row stores
             o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
@@ -483,12 +532,12 @@ def _out_kernel(part: Partition) -> Kernel:
         else:  # a gradient block per token (keys per value head: the host sums each group)
             stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
-    params = _input_params(ir, part.out, loaded) + [CHUNK_MAP] + _head_params(ir, part.out) + outs
-    what = "the output" if list(ir.outputs) == ["o", "state"] else "the gradients"
-    return Kernel(f"{ir.name}_out", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
+    params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
+    what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
+    return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
                   list(b.buffers.values()), [], _masked_loads(b) + b.body + stores, [],
                   roles=(f"all 4 warps: {what} from the entering state and the chunk's own tokens",),
-                  doc=f"parallel over chunks: {what}")
+                  doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
 
 
 def _zero_pad(b: _Builder, only_partial: bool) -> list:

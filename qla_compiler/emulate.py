@@ -71,8 +71,7 @@ class KernelEmulator:
             assert len(args) == len(kernel.params)
             named = dict(zip((p.name for p in kernel.params), args))
             self.calls.append((kernel.name, shape.V))
-            kind = kernel.name.rsplit("_", 1)[1]
-            (self._scan if kernel.loop else self._parallel)(part, kernel, kind, named, shape)
+            (self._scan if kernel.loop else self._parallel)(part, kernel, kernel.kind, named, shape)
             self.seen[kernel.name] = {n: x.clone() for n, x in named.items()}
         return run
 
@@ -113,11 +112,11 @@ class KernelEmulator:
     def _parallel(self, part, kernel, kind, named, shape):
         ir = part.chunk
         assert (named["chunk_map"][:, 1] >= 0).all()
-        nodes = part.prep if kind == "prep" else part.out
+        nodes = kernel.nodes
         cu = self.cu
         N, HV = cu.numel() - 1, shape.HV
         state = torch.zeros(1, 1, 1, 1, 1, dtype=torch.float64, device=cu.device)  # prep does not read it
-        if kind == "out":  # the state entering every chunk, from its slot
+        if global_name(ir, ir.state_in) in named:  # the state entering every chunk, from its slot
             lengths = cu[1:] - cu[:-1]
             NC = max(1, int(-(-lengths.max() // ir.chunk_size)))
             state = _per_slot(named[global_name(ir, ir.state_in)], chunk_offsets(cu, ir.chunk_size), NC)
@@ -126,7 +125,7 @@ class KernelEmulator:
         if kind == "prep":
             outs = [(x, global_name(ir, x)) for x in part.crossing]
         else:
-            outs = [(x, role) for role, x in ir.outputs.items() if role != "state"]
+            outs = [(ir.outputs[role], role) for role in kernel.outputs]
         for x, dst in outs:
             y = vals[x].expand(N, HV, NC, *vals[x].shape[3:])
             _unchunk(y, cu, named[dst])
@@ -135,7 +134,7 @@ class KernelEmulator:
         ir = part.chunk
         cu, h0 = named["cu_seqlens"], named["initial_state"].double()
         assert h0.shape[-1] == shape.V
-        ctx, vals, NC = self._context(part, kernel, part.scan, named, cu, shape.HV, h0.unsqueeze(2))
+        ctx, vals, NC = self._context(part, kernel, kernel.nodes, named, cu, shape.HV, h0.unsqueeze(2))
         slots = named["chunk_offsets"]
         assert torch.equal(slots, chunk_offsets(cu, ir.chunk_size))
         state, carried = h0.unsqueeze(2), {x: [None] * NC for x in part.carried}
@@ -143,7 +142,7 @@ class KernelEmulator:
             sl = {k: v[:, :, c:c + 1] for k, v in vals.items()}
             cctx = Context({k: b[:, :, c:c + 1] for k, b in ctx.inputs.items()}, ctx.lengths[:, :, c:c + 1],
                            ctx.params, ctx.head_consts, state, ir.chunk_size, 3)
-            sl = self._eval(ir, cctx, part.scan, sl)
+            sl = self._eval(ir, cctx, kernel.nodes, sl)
             for x in part.carried:
                 carried[x][c] = sl[x]
             state = sl[ir.outputs["state"]]

@@ -1,11 +1,12 @@
-"""Every generated kernel alone on the GPU, fed the inputs the float64 kernel emulator
-(qla_compiler/emulate.py) gave the same kernel, against the emulator's outputs: when the whole op
-disagrees with the reference, these say which kernel is wrong."""
+"""Every generated kernel alone on the GPU — the forward's and the backward's — fed the inputs the
+float64 kernel emulator (qla_compiler/emulate.py) gave the same kernel, against the emulator's
+outputs: when the whole op disagrees with the reference, these say which kernel is wrong."""
 import pytest
 import torch
 
 import qla_compiler
 from qla_compiler.emulate import KernelEmulator
+from qla_compiler.kernels import backward as bwd
 from qla_compiler.kernels import forward as fwd
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
@@ -17,7 +18,8 @@ LENS = [1, 200, 77]
 
 
 def _emulated(op, H, HV, K, monkeypatch):
-    """Run the forward with emulated kernels on the CPU: what each kernel read and wrote."""
+    """Run the forward and the backward with emulated kernels on the CPU: what each kernel read
+    and wrote."""
     cu = [0, 1, 201, 278]
     args = random_inputs(op, T=cu[-1], H=H, HV=HV, K=K, V=K, cu_seqlens=cu, initial_state=True,
                          dtype=torch.bfloat16)
@@ -26,8 +28,11 @@ def _emulated(op, H, HV, K, monkeypatch):
     emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
     monkeypatch.setattr(fwd, "load_kernels", emu)
     monkeypatch.setattr(fwd, "choose_block_v", lambda V, HV, N, device: 32)
-    fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
-                op._head_logs(dims.HV))
+    o, final, kept = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
+                                 args["cu_seqlens"], op._head_logs(dims.HV), keep=True)
+    gen = torch.Generator().manual_seed(1)
+    bwd.backward(op.program, kept, op.kinds, dims, scale, torch.randn(o.shape, generator=gen).to(o.dtype),
+                 torch.randn(final.shape, generator=gen))
     return emu.seen, scale
 
 
@@ -39,13 +44,15 @@ def _written(name, ref, seen):
 
 
 @pytest.mark.parametrize("H, HV, K", CLASSES)
+@pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "linear_attn"])
-def test_kernel_matches_emulator(spec, H, HV, K, monkeypatch):
+def test_kernel_matches_emulator(spec, direction, H, HV, K, monkeypatch):
     op = qla_compiler.compile(spec)
     seen, scale = _emulated(op, H, HV, K, monkeypatch)
     monkeypatch.undo()
-    kernels = load_kernels(op.program, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32, scale=scale))
-    for k in op.program.kernels.kernels:
+    program = op.program if direction == "forward" else op.program.backward_program
+    kernels = load_kernels(program, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32, scale=scale))
+    for k in program.kernels.kernels:
         got = {n: x.cuda() for n, x in seen[k.name].items()}
         for p in k.params:
             if p.role == "out":

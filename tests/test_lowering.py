@@ -123,3 +123,36 @@ def test_print_after_all_still_emits_what_was_asked(capsys):
     out = capsys.readouterr().out
     assert "// ----- after schedule -----" in out and out.rstrip().endswith(
         str(qla_compiler.compile_spec("linear_attn").kernels).rstrip())
+
+
+# ---- the backward program's kernels ------------------------------------------------------------
+
+def test_backward_program_has_a_reverse_scan_and_per_output_kernels():
+    prog = qla_compiler.compile_spec("gdn").backward_program
+    kinds = [k.kind for k in prog.kernels.kernels]
+    assert kinds[:2] == ["prep", "scan"] and set(kinds[2:]) == {"out"}
+    scan = prog.kernels.kernels[1]
+    assert scan.reverse and "last to first" in str(scan)
+    # the chain: dv_new = (loaded) + K_decayed·dS, dS ← Γ_C dS − Wᵀ dv_new + Qᵀ(Γ ⊙ dO)
+    assert [s.dst for s in scan.body if s.op == "gemm"] == ["d_v_new_S_update", "state", "state"]
+    # one kernel for every gradient would not fit in shared memory: split by output, each
+    # computing only what its outputs need
+    outs = [k for k in prog.kernels.kernels if k.kind == "out"]
+    assert sorted(r for k in outs for r in k.outputs) == sorted(["d_q", "d_k", "d_v", "d_g", "d_beta"])
+    assert all({p.name for p in k.params if p.role == "out"} == set(k.outputs) for k in outs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_tilelang_is_valid_python(name, capsys):
+    assert main([name, "--emit", "tilelang", "--backward", "--shape", SHAPE]) == 0
+    src = capsys.readouterr().out
+    compile(src, f"{name}_backward.py", "exec")
+    assert "i_c = T.ceildiv(seq_len, C) - 1 - i_r" in src  # the scan runs backwards
+    assert not re.search(r"\w\.\w+_s\b", src.split('"""')[-1].replace("T.", ""))  # no dotted names
+
+
+def test_backward_lowers_to_cuda_with_reductions(tmp_path):
+    """simple GLA's backward has every new statement: row, column and full sums, a reverse cumsum."""
+    assert main(["simple_gla", "--emit", "cuda", "--backward", "--shape", SHAPE, "-o", str(tmp_path)]) == 0
+    src = (tmp_path / "simple_gla.backward.cuda.cu").read_text()
+    assert "tl::wgmma_ss<" in src and "tl::AllReduce<tl::SumOp" in src
