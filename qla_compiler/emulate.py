@@ -17,7 +17,7 @@ import torch
 
 from .ir.chunk_ops import OPS, Context
 from .kernels.forward import chunk_offsets
-from .layout import expand_heads, from_chunks, gather, scatter, to_chunks, token_index
+from .layout import expand_heads, from_chunks, gather, packed_cu_seqlens, scatter, to_chunks, token_index
 from .passes.schedule import global_name
 
 
@@ -157,3 +157,28 @@ class KernelEmulator:
                     out[slots[n]:slots[n] + used] = y[n, :, :used].movedim(1, 0).to(out.dtype)
             else:
                 _unchunk(y, cu, out)
+
+
+def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32) -> dict:
+    """One training step of `op` through the GPU path's host code with every kernel emulated: the
+    forward (kernels/forward.py) on `args` (as `testing.random_inputs` makes them), then the backward
+    (kernels/backward.py) from random cotangents. Returns o, final, d_o, d_final, grads (by input),
+    d_h0 and the emulator (whose `seen` holds every kernel's tensors)."""
+    from unittest import mock
+
+    from .kernels import backward as bwd
+    from .kernels import forward as fwd
+
+    inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args.get("initial_state"),
+                                      args.get("cu_seqlens"), False)
+    emu = KernelEmulator(op, packed_cu_seqlens(dims.B, dims.T, args.get("cu_seqlens"), "cpu", torch.int32),
+                         scale)
+    with mock.patch.object(fwd, "load_kernels", emu), \
+            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: block_v):
+        o, final, kept = fwd.forward(op.program, inputs, op.kinds, dims, scale, args.get("initial_state"),
+                                     args.get("cu_seqlens"), op._head_logs(dims.HV), keep=True)
+        gen = torch.Generator().manual_seed(seed)
+        d_o = torch.randn(o.shape, generator=gen).to(o.dtype)
+        d_final = torch.randn(final.shape, generator=gen)
+        grads, d_h0 = bwd.backward(op.program, kept, op.kinds, dims, scale, d_o, d_final)
+    return dict(o=o, final=final, d_o=d_o, d_final=d_final, grads=grads, d_h0=d_h0, emulator=emu, scale=scale)

@@ -5,35 +5,23 @@ import pytest
 import torch
 
 import qla_compiler
-from qla_compiler.emulate import KernelEmulator
-from qla_compiler.kernels import backward as bwd
-from qla_compiler.kernels import forward as fwd
+from qla_compiler.emulate import emulated_step
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.testing import random_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 CLASSES = [(2, 8, 128), (2, 2, 128), (1, 2, 64)]
-LENS = [1, 200, 77]
 
 
-def _emulated(op, H, HV, K, monkeypatch):
+def _emulated(op, H, HV, K):
     """Run the forward and the backward with emulated kernels on the CPU: what each kernel read
     and wrote."""
     cu = [0, 1, 201, 278]
     args = random_inputs(op, T=cu[-1], H=H, HV=HV, K=K, V=K, cu_seqlens=cu, initial_state=True,
                          dtype=torch.bfloat16)
-    inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
-                                      args["cu_seqlens"], False)
-    emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
-    monkeypatch.setattr(fwd, "load_kernels", emu)
-    monkeypatch.setattr(fwd, "choose_block_v", lambda V, HV, N, device: 32)
-    o, final, kept = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
-                                 args["cu_seqlens"], op._head_logs(dims.HV), keep=True)
-    gen = torch.Generator().manual_seed(1)
-    bwd.backward(op.program, kept, op.kinds, dims, scale, torch.randn(o.shape, generator=gen).to(o.dtype),
-                 torch.randn(final.shape, generator=gen))
-    return emu.seen, scale
+    step = emulated_step(op, args)
+    return step["emulator"].seen, step["scale"]
 
 
 def _written(name, ref, seen):
@@ -46,10 +34,9 @@ def _written(name, ref, seen):
 @pytest.mark.parametrize("H, HV, K", CLASSES)
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "linear_attn"])
-def test_kernel_matches_emulator(spec, direction, H, HV, K, monkeypatch):
+def test_kernel_matches_emulator(spec, direction, H, HV, K):
     op = qla_compiler.compile(spec)
-    seen, scale = _emulated(op, H, HV, K, monkeypatch)
-    monkeypatch.undo()
+    seen, scale = _emulated(op, H, HV, K)
     program = op.program if direction == "forward" else op.program.backward_program
     kernels = load_kernels(program, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32, scale=scale))
     for k in program.kernels.kernels:
