@@ -46,3 +46,30 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
             g = g.view(1, total, dims.H, dims.HV // dims.H, dims.K).sum(3)
         grads[name] = g.reshape(dims.B, dims.T, *g.shape[2:])
     return grads, t["final_state"]
+
+
+class KernelStep(torch.autograd.Function):
+    """The GPU path as one differentiable function: the forward kernels (keeping what the backward
+    reads), then on backward the backward kernels. Gradients come back in each input's dtype.
+
+        >>> o, final = KernelStep.apply(op, dims, scale, cu_seqlens, h0, *inputs)   # doctest: +SKIP
+    """
+
+    @staticmethod
+    def forward(ctx, op, dims, scale, cu_seqlens, h0, *inputs):
+        from .forward import forward
+
+        named = dict(zip(op.input_names, inputs))
+        o, final, kept = forward(op.program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
+                                 keep=True)
+        ctx.op, ctx.dims, ctx.scale, ctx.kept = op, dims, scale, kept
+        ctx.dtypes = [x.dtype for x in inputs]
+        return o, final
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):
+        op = ctx.op
+        grads, d_h0 = backward(op.program, ctx.kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final)
+        d_inputs = [grads[n].to(dt) if need else None
+                    for n, dt, need in zip(op.input_names, ctx.dtypes, ctx.needs_input_grad[5:])]
+        return None, None, None, None, (d_h0 if ctx.needs_input_grad[4] else None), *d_inputs

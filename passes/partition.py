@@ -35,6 +35,7 @@ from qla_compiler.ir.chunk import ChunkIR
 
 # state-free results worth computing once and passing through memory
 PREPARED_OPS = ("inv_unit_lower", "cumsum")
+ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,20 @@ def _prepared(ir: ChunkIR, name: str, for_scan: bool) -> bool:
     return any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
 
 
+def _combined(ir: ChunkIR, free, prepared: set) -> set:
+    """Also prepare an element-wise block whose block arguments are all prepared (GDN's backward
+    v_new = U − W·S0): one tensor crosses memory instead of several."""
+    out = set(prepared)
+    for x in free:  # program order: a combination of combinations is found too
+        n = ir.node(x)
+        blocks = [a for a in n.args if len(ir.node(a).shape) == 2]
+        if n.op not in ELEMENTWISE or len(n.shape) != 2 or not blocks:
+            continue
+        if all(a in out for a in blocks):
+            out.add(x)
+    return out
+
+
 def _closure(ir: ChunkIR, roots, stop) -> set:
     """`roots` and the arguments they need, not looking past the nodes in `stop`."""
     seen, todo = set(), list(roots)
@@ -98,8 +113,8 @@ def partition(ir: ChunkIR) -> Partition:
         raise PassError("partition", f"the next state {s_next} does not depend on the state")
     chain = (nx.ancestors(ir.graph, s_next) | {s_next}) & dependent
     free = [n.name for n in ir.order() if n.name not in dependent]
-    prepared = {x for x in free if _prepared(ir, x, for_scan=False)}
-    prepared_scan = {x for x in free if _prepared(ir, x, for_scan=True)}
+    prepared = _combined(ir, free, {x for x in free if _prepared(ir, x, for_scan=False)})
+    prepared_scan = _combined(ir, free, {x for x in free if _prepared(ir, x, for_scan=True)})
     for n in ir.order():
         if n.op in PREPARED_OPS and n.name in dependent:
             raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")
@@ -111,6 +126,13 @@ def partition(ir: ChunkIR) -> Partition:
         out_roots |= (nx.ancestors(ir.graph, r) & dependent) | {r}
     out_roots -= chain
     carried = {a for x in out_roots for a in ir.node(x).args if a in chain}
+    # an element-wise function of other carried values (the backward's dW·S = −dv_new) is
+    # recomputed by the out kernel rather than stored
+    for x in sorted(carried):
+        n = ir.node(x)
+        others = [a for a in n.args if a in chain]
+        if n.op in ELEMENTWISE and others and all(a in carried and a != x for a in others):
+            carried.discard(x)
     # the out kernel loads prefix sums and inverses (and what is built on them); it recomputes
     # the rest, including Q Kᵀ, which is parallel work there
     out = _closure(ir, out_roots | carried, prepared | carried)

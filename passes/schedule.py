@@ -446,6 +446,8 @@ def _prep_kernel(part: Partition) -> Kernel:
     b = _build(ir, part.prep, (), tiled=False)
     stores = []
     for x in part.crossing:  # (fragments store straight to global: no shared staging buffer)
+        if x not in b.place:  # an element-wise combination: computed into registers for the store
+            b.place[x] = b.fragment(x)
         stores.append(_store_rows(ir, b, x))
     params = _input_params(ir, part.prep, ()) + [CHUNK_MAP] + _head_params(ir, part.prep)
     params += [_crossing_tensor(ir, x, "out") for x in part.crossing]

@@ -92,8 +92,9 @@ class CompiledOp:
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
             if _wants_grad(*inputs.values(), initial_state):
-                raise NotImplementedError(f"{self.name}: gradients through the sm90 kernels are not supported "
-                                          "yet (the GPU backward is not built); CPU tensors and float32 "
+                raise NotImplementedError(f"{self.name}: gradients through the sm90 kernels are not enabled "
+                                          "yet (the backward kernels, kernels/backward.py, have not been "
+                                          "verified on a GPU for every spec); CPU tensors and float32 "
                                           "inputs (the interpreter) are differentiable")
             from .kernels.forward import forward  # tilelang is imported only when kernels run
 
