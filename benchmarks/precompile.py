@@ -49,11 +49,13 @@ def for_gpu_tests():
     return out
 
 
-def for_bench(cp=None, rows=ROWS, stages=None):
+def for_bench(cp=None, rows=ROWS, stages=None, backward=False):
     out = []
     for row in rows:
         H, HV, lens = parse_row(row)
         out += classes("gdn", H, HV, 128, len(lens), stages=stages)
+        if backward:  # qla-bench --backward: the backward program at the forward's classes
+            out += [("gdn.backward", shape) for _, shape in classes("gdn", H, HV, 128, len(lens), stages=stages)]
         if cp:
             out += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages)
     return out
@@ -73,9 +75,10 @@ def main(argv):
     ap.add_argument("--cp", type=int, help="with --bench: also the context-parallel classes")
     ap.add_argument("--rows", nargs="*", default=ROWS, help="with --bench: only these rows")
     ap.add_argument("--scan-stages", type=int, help="with --bench: for qla-bench --scan-stages N")
+    ap.add_argument("--backward", action="store_true", help="with --bench: for qla-bench --backward")
     args = ap.parse_args(argv)
     todo = [parse(i) for i in args.items] + (for_gpu_tests() if args.tests else []) \
-        + (for_bench(args.cp, args.rows, args.scan_stages) if args.bench else [])
+        + (for_bench(args.cp, args.rows, args.scan_stages, args.backward) if args.bench else [])
     seen = set()
     for spec, shape in todo:
         if (spec, shape) in seen:

@@ -2,6 +2,7 @@
 
     qla-bench                        # the rows of the baseline table (shared/gpu/README.md)
     qla-bench --rows 2/8:1x32768 --plot bench.png
+    qla-bench --backward             # forward + backward per call (training)
     python benchmarks/bench_gdn.py   # the same
 
 Two times per call, as the baseline table reports them:
@@ -41,6 +42,33 @@ def make_inputs(H, HV, lens, K=128, V=128, seed=0):
     return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 
 
+def with_backward(fn):
+    """fn(**inputs) -> (o, final) as one training step: the forward, then the backward from
+    fixed cotangents (the inputs become leaves that require grad)."""
+    import torch
+
+    def step(**a):
+        a = {k: (v.detach().requires_grad_() if torch.is_tensor(v) and v.is_floating_point() else v)
+             for k, v in a.items()}
+        o, final = fn(**a)
+        torch.autograd.backward([o, final], [torch.ones_like(o), torch.ones_like(final)])
+        return o
+    return step
+
+
+def qla_training_step(**a):
+    """qla's GPU path with its backward kernels (kernels/backward.KernelStep). The op itself still
+    refuses CUDA gradients until they are verified; the benchmark times them anyway."""
+    from qla_compiler.kernels.backward import KernelStep
+    from qla_compiler.ops import _op
+
+    op = _op("gdn")
+    named = {n: a.pop(n) for n in op.input_names}
+    h0, cu = a.pop("initial_state"), a.pop("cu_seqlens")
+    inputs, dims, scale = op._prepare((), named, None, h0, cu, False)
+    return KernelStep.apply(op, dims, scale, cu, h0, *[inputs[n] for n in op.input_names])
+
+
 def device_ms(fn, iters=10, per_kernel=None) -> float:
     """Sum of the GPU kernels' durations per call; `per_kernel` (a dict), if given, receives each
     kernel's share (ms per call), by kernel name."""
@@ -66,16 +94,16 @@ def eager_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def libraries(cp=None, only=None):
+def libraries(cp=None, only=None, backward=False):
     import functools
 
     import qla_compiler.ops as qla_ops
 
-    libs = {"qla": qla_ops.chunk_gated_delta_rule}
+    libs = {"qla": qla_training_step if backward else qla_ops.chunk_gated_delta_rule}
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(qla_ops.chunk_gated_delta_rule, context_parallel=cp)
-    if only:  # e.g. while tuning: the baselines' times do not change between runs
-        return {k: v for k, v in libs.items() if k in only}
+    if backward:
+        libs.pop(f"qla-cp{cp}", None)  # the backward has no context-parallel path yet
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
         libs["FLA"] = fla_gdn
@@ -86,15 +114,20 @@ def libraries(cp=None, only=None):
         libs["FlashQLA"] = fq_gdn
     except ImportError as e:
         print(f"FlashQLA not importable: {e}", file=sys.stderr)
+    if backward:
+        libs = {k: with_backward(f) for k, f in libs.items()}
+    if only:  # e.g. while tuning: the baselines' times do not change between runs
+        libs = {k: v for k, v in libs.items() if k in only}
     return libs
 
 
-def run(rows, plot=None, cp=None, only=None):
+def run(rows, plot=None, cp=None, only=None, backward=False):
     import torch
 
-    libs = libraries(cp, only)
+    libs = libraries(cp, only, backward)
     results = []
-    print(f"# GDN forward, {torch.cuda.get_device_name()}, bf16, K=V=128, packed varlen, ms per call")
+    what = "forward + backward" if backward else "forward"
+    print(f"# GDN {what}, {torch.cuda.get_device_name()}, bf16, K=V=128, packed varlen, ms per call")
     for row in rows:
         H, HV, lens = parse_row(row)
         args = make_inputs(H, HV, lens)
@@ -172,12 +205,13 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", metavar="LIB", help="time only these (qla, qla-cpS); default: all")
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's SCAN_STAGES)")
+    ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
     args = ap.parse_args(argv)
     if args.scan_stages:
         from qla_compiler.kernels import forward
 
         forward.SCAN_STAGES = args.scan_stages
-    run(args.rows, args.plot, args.cp, args.only)
+    run(args.rows, args.plot, args.cp, args.only, args.backward)
     return 0
 
 
