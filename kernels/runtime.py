@@ -54,9 +54,13 @@ def cache_key(source: str) -> str:
 
 def write_module(program, shape: ShapeClass) -> Path:
     """The generated TileLang module on disk (TileLang reads kernel source with `inspect`)."""
-    source = module_source(program, shape)
+    return write_source(program.kernels.name, module_source(program, shape))
+
+
+def write_source(name: str, source: str) -> Path:
+    """A TileLang module's source on disk under the cache, named by its hash."""
     key = cache_key(source)
-    path = cache_dir() / f"{program.kernels.name}_{key}.py"
+    path = cache_dir() / f"{name}_{key}.py"
     if not path.exists() or path.read_text() != source:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -1,0 +1,133 @@
+"""Where a generated kernel's time goes: the kernel as generated against copies of it with one
+piece of work taken out, each timed alone on the same tensors (those of a real forward call).
+
+    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/ablate.py --compile-only   # on the CPU, first
+    python benchmarks/ablate.py --row 16/64:1x32768                          # on the GPU
+
+A variant is a list of (regex, replacement) edits of the generated module's lines; an edit that
+matches nothing is an error (the generator moved on: update the variant), so the table never
+silently times the unmodified kernel twice. The variants' results are wrong on purpose: only their
+times mean something.
+"""
+import argparse
+import re
+import sys
+
+import qla_compiler
+from qla_compiler.bench import make_inputs, parse_row
+from qla_compiler.kernels.runtime import TARGET, BACKEND, import_module, module_source, write_source
+from qla_compiler.passes.lower_tilelang import ShapeClass
+
+H200_SMS = 132
+
+VARIANTS = {
+    "gdn_prep": {
+        "no inverse (I − A only)": [(r"^INVERSE_SQUARINGS = \d+$", "INVERSE_SQUARINGS = 0")],
+        "no cumulative sum loop": [(r"for j in T\.serial\(C\):", "for j in T.serial(1):")],
+        "no W, U products": [(r"T\.gemm\(T_s, (\w+), (W|U),.*\)$", r"T.clear(\2)")],
+        "no W, U stores": [(r"(W|U)_rows\[0, t0 \+ i, i_hv, j\] = .*$", r"pass")],
+    },
+    "gdn_scan": {
+        "no W·S product": [(r"T\.gemm\(W_s, state_s, WS,.*\)$", "T.clear(WS)")],
+        "no state update": [(r"T\.gemm\(k_decayed_s, v_new_s, state,.*\)$", "pass")],
+        "no per-chunk state store": [(r"T\.copy\(state_s, S0_chunks\[.*\]\)$", "pass")],
+    },
+    "gdn_out": {
+        "no Q·S0": [(r"T\.gemm\(q_s, S0_s, QS,.*\)$", "T.clear(QS)")],
+        "no state load": [(r"T\.copy\(S0_chunks\[.*\], S0_s\)$", "pass")],
+    },
+}
+
+
+def edited(source: str, edits) -> str:
+    lines = source.splitlines()
+    for pattern, repl in edits:
+        rx, hits = re.compile(pattern), 0
+        for i, line in enumerate(lines):
+            body = line.lstrip()
+            if rx.search(body):
+                lines[i] = line[:len(line) - len(body)] + rx.sub(repl, body)
+                hits += 1
+        if not hits:
+            raise SystemExit(f"ablate: no line matches {pattern!r}: update the variant")
+    return "\n".join(lines) + "\n"
+
+
+def compile_variants(program, shape, kernel_name, variants):
+    import logging
+
+    import tilelang
+
+    logging.getLogger("tilelang").setLevel(logging.ERROR)  # one progress line per variant instead
+
+    base = module_source(program, shape)
+    out = {}
+    for label, edits in [("as generated", [])] + list(variants.items()):
+        path = write_source(f"{kernel_name}_ablate", edited(base, edits))
+        fn = getattr(import_module(path), kernel_name)
+        out[label] = tilelang.compile(fn, target=TARGET, execution_backend=BACKEND)
+        print(f"compiled {kernel_name}: {label}", file=sys.stderr, flush=True)
+    return out
+
+
+def shape_for(row):
+    from qla_compiler.kernels.forward import SCAN_STAGES, block_v
+
+    H, HV, lens = parse_row(row)
+    return ShapeClass(H=H, HV=HV, K=128, V=128, BV=block_v(128, HV, len(lens), H200_SMS), stages=SCAN_STAGES)
+
+
+def time_us(kernel, args, reps=20) -> float:
+    import torch
+
+    for _ in range(3):
+        kernel(*args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        kernel(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1000.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", action="append", help="h_qk/h_v:NxL (repeatable; default 16/64:1x32768, 2/8:1x32768)")
+    ap.add_argument("--compile-only", action="store_true", help="compile every variant (no GPU needed)")
+    args = ap.parse_args(argv)
+    rows = args.row or ["16/64:1x32768", "2/8:1x32768"]
+    program = qla_compiler.compile_spec("gdn")
+    for row in rows:
+        shape = shape_for(row)
+        compiled = {name: compile_variants(program, shape, name, v) for name, v in VARIANTS.items()}
+        if args.compile_only:
+            continue
+        import torch
+
+        from qla_compiler.kernels.forward import chunk_offsets, forward
+        from qla_compiler.ops import _op
+
+        op = _op("gdn")
+        a = make_inputs(*parse_row(row))
+        inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
+                                          a["cu_seqlens"], False)
+        _, _, kept = forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+                             op._head_logs(dims.HV), keep=True)
+        kept.update(chunk_offsets=chunk_offsets(kept["cu_seqlens"], op.program.chunk_size),
+                    initial_state=a["initial_state"].float().contiguous(), final_state=torch.empty_like(a["initial_state"]))
+        print(f"# {row}: each kernel alone, µs per launch (CUDA events, 20 launches)")
+        for k in program.kernels.kernels:
+            ks = compiled[k.name]
+            params = [kept[p.name] for p in k.params]
+            base = time_us(ks["as generated"], params)
+            print(f"{k.name:>10}  as generated {base:9.1f}")
+            for label, kern in ks.items():
+                if label != "as generated":
+                    t = time_us(kern, params)
+                    print(f"{'':>10}  {label:<28} {t:9.1f}  ({t - base:+.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
