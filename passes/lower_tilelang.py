@@ -125,15 +125,13 @@ class _Render:
                     "    for i in T.Parallel(C):",
                     f"        {s.dst}_acc[i] += T.if_then_else({keep}, {s.srcs[0]}[j], 0.0)",
                     f"T.copy({s.dst}_acc, {s.dst})"]
-        if s.op == "reduce":  # srcs: the fragment, then one accumulator per reduced dimension
+        if s.op == "reduce":  # srcs: the fragment, then one accumulator per reduction, in order
             src, *accs = s.srcs
-            out = [f"T.reduce_sum({src}, {accs[0]}, dim={a['dim'] if len(accs) == 1 else 1})"]
-            if len(accs) == 2:  # a matrix summed entirely: the row sums, summed
-                out.append(f"T.reduce_sum({accs[0]}, {accs[1]}, dim=0)")
-            if self._buf_shape(src).count(",") == 0 and len(accs) == 1 and s.dst.endswith("_s") \
-                    and self._buf_shape(accs[0]) == "1":  # a vector summed entirely
-                out = [f"T.reduce_sum({src}, {accs[0]}, dim=0)"]
-            return out + [f"T.copy({accs[-1]}, {s.dst})"]
+            out, prev = [], src
+            for acc, dim in zip(accs, a["dims"]):
+                out.append(f"T.reduce_sum({prev}, {acc}, dim={dim})")
+                prev = acc
+            return out + [f"T.copy({prev}, {s.dst})"]
         if s.op == "inverse":
             a_s = s.srcs[0]
             return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_P_s, {s.dst}_PT_s, {s.dst}_P_f, "

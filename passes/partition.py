@@ -47,9 +47,6 @@ class Partition:
     carried: tuple  # scan values the out kernel loads (the state entering the chunk, v_new, ...)
     out: tuple  # nodes of the out kernel
 
-    def kernel_nodes(self) -> dict:
-        return {k: v for k, v in (("prep", self.prep), ("scan", self.scan), ("out", self.out)) if v}
-
     def __str__(self) -> str:
         name = self.chunk.name
         lines = [f"partition {name}"]

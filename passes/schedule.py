@@ -320,7 +320,9 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             if op == "sum_all":
                 sums.append(b.buf(f"{name}_acc1", ("1",), "float32", "fragment"))
             b.place[name] = b.buf(f"{name}_s", ("1",) if op == "sum_all" else n.shape, "float32", "shared")
-            b.body.append(Stmt("reduce", b.place[name], (src, *sums), (("dim", 0 if op == "colsum" else 1),)))
+            # one reduction per accumulator: rows (dim 1), columns (dim 0), then a vector (dim 0)
+            dims = {"rowsum": (1,), "colsum": (0,)}.get(op, (1, 0) if len(shape) == 2 else (0,))
+            b.body.append(Stmt("reduce", b.place[name], (src, *sums), (("dims", dims),)))
         elif op == "rev_cumsum":
             src = n.args[0]
             if src not in b.place or b.buffers[b.place[src]].scope != "shared":

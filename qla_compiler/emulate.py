@@ -4,12 +4,12 @@ give them.
 
 Everything but the TileLang code is exercised: the partition (each kernel's nodes are computable
 from what it loads), the names and shapes of the tensors between kernels, the slots of the
-per-chunk states, the wiring in kernels/forward.py. The CPU tests run the GPU forward's host side
-with it; the GPU tests feed each real kernel the emulator's inputs and compare its outputs.
+per-chunk states, the wiring in kernels/forward.py and kernels/backward.py. The CPU tests run the
+GPU path's host code with it; the GPU tests feed each real kernel the emulator's inputs and
+compare its outputs.
 
-    >>> emu = KernelEmulator(op, cu_seqlens, scale)                         # doctest: +SKIP
-    >>> monkeypatch.setattr(kernels.forward, "load_kernels", emu)           # doctest: +SKIP
-    >>> emu.seen["gdn_scan"]["v_new_rows"]                                  # doctest: +SKIP
+    >>> step = emulated_step(op, random_inputs(op, T=300, cu_seqlens=[0, 1, 300]))   # doctest: +SKIP
+    >>> step["grads"]["k"], step["emulator"].seen["gdn_scan"]["v_new_rows"]           # doctest: +SKIP
 """
 from __future__ import annotations
 
