@@ -126,7 +126,6 @@ class Kernel:
     loop: str | None = None  # "chunks of the sequence" for the scan
     reverse: bool = False  # the loop runs from the last chunk to the first (a backward scan)
     roles: tuple = ()  # warpgroup roles, as lowered
-    stages: int = 1
     doc: str = ""
     kind: str = ""  # "prep" | "scan" | "out": its place in the partition
     nodes: tuple = ()  # the ChunkIR nodes it evaluates (loaded ones included)
@@ -147,7 +146,7 @@ class Kernel:
             lines.append(f"  role     {r}")
         lines += [f"  {s}" for s in self.prologue]
         if self.loop:
-            lines.append(f"  for chunk in {self.loop} (pipelined, {self.stages} stage(s)):")
+            lines.append(f"  for chunk in {self.loop} (pipelined: STAGES buffers per load, from the shape class):")
             lines += [f"    {s}" for s in self.body]
         else:
             lines += [f"  {s}" for s in self.body]

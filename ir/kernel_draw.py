@@ -91,8 +91,7 @@ def _panel(k, order: str) -> dict:
             need = max(max(_w(r) for r in rows), _w(title, FONT - 0.5, BOLD_EM)) + 2 * 0.1
             groups.append((scope, f"{title} ({len(bufs)})", rows, need))
     looped = bool(k.loop)
-    stages = f"{k.stages} stage{'' if k.stages == 1 else 's'}"
-    loop_head = f"for chunk in {k.loop}   (pipelined, {stages})" if looped else ""
+    loop_head = f"for chunk in {k.loop}   (pipelined: STAGES buffers per load)" if looped else ""
     code = [(s, _clip(s)) for s in [*k.prologue, *k.body, *k.epilogue]]
     chip = lambda ts: max((_w(f"{t.name}  {_tensor(t)}", MONO - 0.5) for t in ts), default=0) + 0.16
     chip_in, chip_out = chip(ins), chip(outs)

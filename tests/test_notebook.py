@@ -81,3 +81,9 @@ def test_notebook_runs_top_to_bottom(kernel_env):
     assert "def gdn_scan(" in text and "T.alloc_fragment((K, BV)" in text
     assert "chunk_program gdn_affine" in rich and "out M=" in rich  # context parallelism
     assert all(f"context_parallel={s}:" in text for s in (1, 2, 4, 8))
+    # 10. the backward as kernels: a reverse scan, and emulated gradients close to autograd's
+    assert "kernel gdn_backward_scan" in text and "last to first" in text
+    table = text.split("backward, emulated kernels: relative error vs autograd through the reference", 1)[1]
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        row = re.search(rf"^  d_{name} +(\S+)$", table, re.M)
+        assert row and float(row.group(1)) <= 1e-2, (name, row)
