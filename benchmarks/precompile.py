@@ -35,8 +35,9 @@ def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages
 def for_gpu_tests():
     """The classes tests/test_gpu_*.py use (keep in step with those files)."""
     out = []
-    for n in (8, 2, 1, 3):  # test_gpu_forward's GDN cases
+    for n in (8, 2, 1, 3):  # test_gpu_forward's GDN cases, and test_gpu_backward's (the same classes)
         out += classes("gdn", 2, 8, 128, n)
+        out += [("gdn.backward", shape) for _, shape in classes("gdn", 2, 8, 128, n)]
     out += classes("gdn", 1, 2, 64, 3, io="float16")
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
         out += classes(spec, 2, 2, 128, 3)
