@@ -278,14 +278,15 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             A, B = b.operand(n.args[0]), b.operand(n.args[1])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             b.body.append(Stmt("gemm", b.place[name], (A, B), tuple(sorted(n.attrs))))
-        elif op == "cumsum":
+        elif op in ("cumsum", "rev_cumsum"):  # prefix sums, or suffix sums (a cumsum's VJP)
             src = n.args[0]
-            if src not in b.place:
+            if src not in b.place or b.buffers[b.place[src]].scope != "shared":
                 dst = b.buf(f"{src}_s", ("C",), "float32", "shared")
                 b.ewise(dst, src)
                 b.place[src] = dst
             b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
-            b.body.append(Stmt("cumsum", b.place[name], (b.place[src],)))
+            b.body.append(Stmt("cumsum", b.place[name], (b.place[src],),
+                               (("reverse", True),) if op == "rev_cumsum" else ()))
         elif op == "inv_unit_lower":
             A = b.buf(f"{n.args[0]}_s", n.shape, "tfloat32", "shared")
             b.ewise(A, n.args[0])
@@ -323,14 +324,6 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             # one reduction per accumulator: rows (dim 1), columns (dim 0), then a vector (dim 0)
             dims = {"rowsum": (1,), "colsum": (0,)}.get(op, (1, 0) if len(shape) == 2 else (0,))
             b.body.append(Stmt("reduce", b.place[name], (src, *sums), (("dims", dims),)))
-        elif op == "rev_cumsum":
-            src = n.args[0]
-            if src not in b.place or b.buffers[b.place[src]].scope != "shared":
-                dst = b.buf(f"{src}_s", ("C",), "float32", "shared")
-                b.ewise(dst, src)
-                b.place[src] = dst
-            b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
-            b.body.append(Stmt("cumsum", b.place[name], (b.place[src],), (("reverse", True),)))
         elif n.shape == ("C",) and op not in ("const", "valid", "positions") and not pipelined:
             # (the pipelined scan inlines its per-token vectors instead: TileLang 0.1.15 puts the
             # barrier after a C-wide write, which only half the consumer threads run, inside

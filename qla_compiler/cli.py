@@ -138,7 +138,7 @@ def summary(prog) -> str:
         lines += [
             f"chunk program (C={chunk.chunk_size}) after {len(prog.stages)} passes: "
             f"{' → '.join(n for n, _ in prog.stages)}",
-            f"  {c['nodes']} nodes: {c['nodes'] - len(scan)} parallel over chunks, {len(scan)} in the scan",
+            f"  {c['nodes']} nodes: {c['nodes'] - len(scan)} free of the state, {len(scan)} depending on it",
             f"  {c['matmuls']} matmuls ({c['CxC matmuls']} of C×C), {c['exponentials']} exponentials, "
             f"{c['triangular inverses']} triangular inverses",
             f"  target {prog.target}; see --emit chunk for the program",

@@ -8,7 +8,7 @@ from qla_compiler.cli import main
 def test_summary(capsys):
     assert main(["specs/gdn.py", "--target", "sm90"]) == 0
     out = capsys.readouterr().out
-    assert "recurrence gdn" in out and "chunk program (C=64)" in out and "in the scan" in out
+    assert "recurrence gdn" in out and "chunk program (C=64)" in out and "depending on it" in out
 
 
 def test_emit_chunk_follows_math_md(capsys):
@@ -52,3 +52,11 @@ def test_emit_affine(capsys):
     assert main(["gdn", "--emit", "affine"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("chunk_program gdn_affine") and "out M=" in out and "H=" in out
+
+
+def test_backward_flag_goes_with_kernel_outputs(capsys):
+    assert main(["gdn", "--emit", "kernel", "--backward"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel gdn_backward_scan" in out and "last to first" in out
+    assert main(["gdn", "--emit", "chunk", "--backward"]) == 1
+    assert "--backward goes with --emit kernel, tilelang or cuda" in capsys.readouterr().err
