@@ -10,7 +10,9 @@ tree (`Expr`) indexed by the loop variables of one `T.Parallel` loop.
 
     >>> kir = compile_spec("specs/gdn.py").kernels                     # doctest: +SKIP
     >>> print(kir)                                                      # doctest: +SKIP
-    kernel gdn_solve  grid(chunk_slots, HV)  threads 128 ...
+    kernel_program gdn  C=64
+    ...
+    kernel gdn_prep  grid(chunk_slot:CH, value_head:HV)  threads 128  # parallel over chunks: ...
 """
 from __future__ import annotations
 
