@@ -23,7 +23,7 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     bprog = program.backward_program
     C = program.chunk_size
     v_name = next(n for n, k in kinds.items() if k == "value")
-    io = kept[v_name].dtype
+    io = kept[v_name].dtype if v_name in kept else d_o.dtype  # the forward's io dtype
     total = dims.B * dims.T
     ks = bprog.kernels.kernels
     made = {p.name for k in ks for p in k.params if p.role == "out"}
@@ -62,6 +62,9 @@ class KernelStep(torch.autograd.Function):
         named = dict(zip(op.input_names, inputs))
         o, final, kept = forward(op.program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
                                  keep=True)
+        # hold on only to what the backward kernels read (the forward's W, U, v_new are recomputed)
+        reads = {p.name for k in op.program.backward_program.kernels.kernels for p in k.params if p.role == "in"}
+        kept = {n: x for n, x in kept.items() if n in reads or n in ("chunk_map", "cu_seqlens")}
         ctx.op, ctx.dims, ctx.scale, ctx.kept = op, dims, scale, kept
         ctx.dtypes = [x.dtype for x in inputs]
         return o, final
