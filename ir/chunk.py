@@ -94,6 +94,19 @@ class ChunkIR:
     def state_in(self) -> str | None:
         return next((n.name for n in self.order() if n.op == "state_in"), None)
 
+    def closure(self, roots, stop=(), within=None) -> set[str]:
+        """`roots` and every node they need, not looking past the nodes in `stop` (which are kept)
+        nor outside `within` (when given)."""
+        seen, todo = set(), list(roots)
+        while todo:
+            x = todo.pop()
+            if x in seen or (within is not None and x not in within):
+                continue
+            seen.add(x)
+            if x not in stop:
+                todo.extend(self.node(x).args)
+        return seen
+
     def scan_nodes(self) -> set[str]:
         """Nodes that depend on the state entering the chunk: they run in the sequential scan."""
         s = self.state_in

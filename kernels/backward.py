@@ -17,6 +17,14 @@ import torch
 from .forward import chunk_offsets, launch, tensor_sizes
 
 
+def reads_from_forward(program) -> set:
+    """The names of the forward's tensors the backward kernels read (the inputs, the chunk map,
+    cu_seqlens, the entering states): what they take and none of them makes."""
+    ks = program.backward_program.kernels.kernels
+    made = {p.name for k in ks for p in k.params if p.role == "out"}
+    return {p.name for k in ks for p in k.params if p.role == "in" and p.name not in made}
+
+
 def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Tensor, d_final):
     """Gradients of every input (name -> tensor shaped like the input, float32) and of the
     initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state."""
@@ -25,19 +33,14 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = kept[v_name].dtype if v_name in kept else d_o.dtype  # the forward's io dtype
     total = dims.B * dims.T
-    ks = bprog.kernels.kernels
-    made = {p.name for k in ks for p in k.params if p.role == "out"}
-    # what the forward kept and the backward reads: the inputs, the chunk map, the entering states
-    t = {p.name: kept[p.name] for k in ks for p in k.params
-         if p.role == "in" and p.name not in made and p.name in kept}
+    t = {n: kept[n] for n in reads_from_forward(program) if n in kept}
     t["d_o"] = d_o.reshape(1, total, dims.HV, dims.V).to(io).contiguous()
     cu = kept["cu_seqlens"]
-    t["chunk_map"] = kept["chunk_map"]
     sizes = tensor_sizes(dims, C, kept["chunk_map"])
     d_final = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=d_o.device, dtype=torch.float32)
                if d_final is None else d_final.to(torch.float32).contiguous())
     t.update(cu_seqlens=cu, chunk_offsets=chunk_offsets(cu, C), initial_state=d_final)
-    for k in ks:
+    for k in bprog.kernels.kernels:
         launch(bprog, k, t, dims, scale, io, sizes, dims.V, dims.N)
     grads = {}
     for name, kind in kinds.items():
@@ -63,8 +66,8 @@ class KernelStep(torch.autograd.Function):
         o, final, kept = forward(op.program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
                                  keep=True)
         # hold on only to what the backward kernels read (the forward's W, U, v_new are recomputed)
-        reads = {p.name for k in op.program.backward_program.kernels.kernels for p in k.params if p.role == "in"}
-        kept = {n: x for n, x in kept.items() if n in reads or n in ("chunk_map", "cu_seqlens")}
+        reads = reads_from_forward(op.program)
+        kept = {n: x for n, x in kept.items() if n in reads}
         ctx.op, ctx.dims, ctx.scale, ctx.kept = op, dims, scale, kept
         ctx.dtypes = [x.dtype for x in inputs]
         return o, final

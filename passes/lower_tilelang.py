@@ -81,12 +81,8 @@ class _Render:
     def stmt(self, s: Stmt, scan: bool) -> list[str]:
         a = s.attr
         if s.op == "load" and a.get("rows"):  # rows past the sequence belong to the next one: zeros
-            rows = self._global(s.srcs[0], scan)
-            name, idx = rows.split("[", 1)
-            t, head, cols = [x.strip() for x in idx.rstrip("]").split(",")[1:]]
-            col = "j" if cols.startswith("0:") else f"{cols.split(':')[0]} + j"
             return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
-                    f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {name}[0, t0 + i, {head}, {col}], "
+                    f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {self._element(s.srcs[0], scan)}, "
                     "T.cast(0, IO))"]
         if s.op == "load":
             return [f"T.copy({self._global(s.srcs[0], scan)}, {s.dst})"]
@@ -137,18 +133,16 @@ class _Render:
             return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_P_s, {s.dst}_PT_s, {s.dst}_P_f, "
                     "C, INVERSE_SQUARINGS)"]
         if s.op == "store":
-            rows = self._global(s.dst, scan)
-            cols = rows.split(", ")[-1]
-            col = "j" if cols.startswith("0:") else f"{cols.split(':')[0]} + j"
             src = s.srcs[0]
             dst_dtype = next(p.dtype for p in self.k.params if p.name == s.dst)
             value = f"{src}[i, j]" if self.dtype[src] == dst_dtype else f"T.cast({src}[i, j], {_dtype(dst_dtype)})"
             masked = [f"for i, j in T.Parallel({self._buf_shape(src)}):",
                       "    if i < n_valid:",
-                      f"        {s.dst}[0, t0 + i, i_hv, {col}] = {value}"]
+                      f"        {self._element(s.dst, scan)} = {value}"]
             if self.dtype[src] != "io":  # a float32 fragment: each thread stores its own elements
                 return masked
-            return ["if n_valid == C:", f"    T.copy({src}, {rows})", "else:"] + [f"    {ln}" for ln in masked]
+            return ["if n_valid == C:", f"    T.copy({src}, {self._global(s.dst, scan)})", "else:"] + \
+                [f"    {ln}" for ln in masked]
         if s.op == "store_vec":
             return ["for i in T.Parallel(C):",
                     "    if i < n_valid:",
@@ -167,13 +161,23 @@ class _Render:
     def _buf_shape(self, name) -> str:
         return ", ".join(next(b for b in self.k.buffers if b.name == name).shape)
 
-    def _global(self, name, scan: bool) -> str:
-        """The chunk's rows of a per-token tensor [1, T, heads, D] (the scan reads its V-block)."""
+    def _columns(self, name, scan: bool) -> tuple:
+        """(head index, first column, width) of a per-token tensor [1, T, heads, D] in this
+        kernel (the scan reads its V-block)."""
         p = next(p for p in self.k.params if p.name == name)
         head = "i_h" if p.shape[2] == "H" else "i_hv"
-        d = p.shape[3]
-        cols = "v0:v0 + BV" if (d == "V" and scan) else f"0:{d}"
+        return (head, "v0", "BV") if (p.shape[3] == "V" and scan) else (head, "0", p.shape[3])
+
+    def _global(self, name, scan: bool) -> str:
+        """The chunk's rows of a per-token tensor, as a slice."""
+        head, start, width = self._columns(name, scan)
+        cols = f"0:{width}" if start == "0" else f"{start}:{start} + {width}"
         return f"{name}[0, t0:t0 + C, {head}, {cols}]"
+
+    def _element(self, name, scan: bool) -> str:
+        """Element (i, j) of the chunk's rows of a per-token tensor."""
+        head, start, _ = self._columns(name, scan)
+        return f"{name}[0, t0 + i, {head}, {'j' if start == '0' else f'{start} + j'}]"
 
 
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
@@ -220,12 +224,13 @@ def lower_kernel(kernel: Kernel) -> list[str]:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
     ind = "        "
     if scan:
-        out += ["        for i_c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
-                "            t0 = bos + i_c * C",
-                "            n_valid = T.min(C, seq_len - i_c * C)"]
         if kernel.reverse:  # a backward scan: from the sequence's last chunk to its first
-            out[-3:-2] = ["        for i_r in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
-                          "            i_c = T.ceildiv(seq_len, C) - 1 - i_r"]
+            out += ["        for i_r in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
+                    "            i_c = T.ceildiv(seq_len, C) - 1 - i_r"]
+        else:
+            out += ["        for i_c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):"]
+        out += ["            t0 = bos + i_c * C",
+                "            n_valid = T.min(C, seq_len - i_c * C)"]
         if any(s.op in ("store_chunk_state", "load_chunk_state") for s in kernel.body):
             out.append("            i_slot = chunk_offsets[i_n] + i_c")
         ind = "            "

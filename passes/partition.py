@@ -88,18 +88,6 @@ def _combined(ir: ChunkIR, free, prepared: set) -> set:
     return out
 
 
-def _closure(ir: ChunkIR, roots, stop) -> set:
-    """`roots` and the arguments they need, not looking past the nodes in `stop`."""
-    seen, todo = set(), list(roots)
-    while todo:
-        x = todo.pop()
-        if x not in seen:
-            seen.add(x)
-            if x not in stop:
-                todo.extend(ir.node(x).args)
-    return seen
-
-
 def partition(ir: ChunkIR) -> Partition:
     state_in, s_next = ir.state_in, ir.outputs.get("state")
     results = [v for r, v in ir.outputs.items() if r != "state"]  # o (a backward: the gradients)
@@ -117,7 +105,7 @@ def partition(ir: ChunkIR) -> Partition:
             raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")
 
     # the scan loads prepared values; it recomputes every other state-free value it needs
-    scan = _closure(ir, chain, prepared_scan)
+    scan = ir.closure(chain, stop=prepared_scan)
     out_roots = set()
     for r in results:
         out_roots |= (nx.ancestors(ir.graph, r) & dependent) | {r}
@@ -132,7 +120,7 @@ def partition(ir: ChunkIR) -> Partition:
             carried.discard(x)
     # the out kernel loads prefix sums and inverses (and what is built on them); it recomputes
     # the rest, including Q Kᵀ, which is parallel work there
-    out = _closure(ir, out_roots | carried, prepared | carried)
+    out = ir.closure(out_roots | carried, stop=prepared | carried)
     used = (scan & prepared_scan) | (out & prepared)
     prep = set()
     for x in used:

@@ -492,23 +492,11 @@ def _scan_kernel(part: Partition) -> Kernel:
         doc="sequential over chunks: the state chain only", kind="scan", nodes=part.scan)
 
 
-def _needed(ir: ChunkIR, roots, allowed, stop) -> tuple:
-    """The nodes of `allowed` that `roots` need, not looking past `stop` (in program order)."""
-    seen, todo = set(), list(roots)
-    while todo:
-        x = todo.pop()
-        if x in seen or x not in allowed:
-            continue
-        seen.add(x)
-        if x not in stop:
-            todo.extend(ir.node(x).args)
-    return tuple(n.name for n in ir.order() if n.name in seen)
-
-
 def _out_kernel(part: Partition, roles: tuple, suffix: str = "") -> Kernel:
     ir = part.chunk
     loaded = set(part.crossing) | set(part.carried)
-    nodes = _needed(ir, [ir.outputs[r] for r in roles], set(part.out), loaded)
+    needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
+    nodes = tuple(n.name for n in ir.order() if n.name in needed)
     b = _build(ir, nodes, loaded, tiled=False)
     stores, outs = [], []
     for role in roles:

@@ -21,10 +21,15 @@ from .layout import expand_heads, from_chunks, gather, packed_cu_seqlens, scatte
 from .passes.schedule import global_name
 
 
+def _n_chunks(lengths: torch.Tensor, C: int) -> int:
+    """Chunks of the longest sequence (at least one)."""
+    return max(1, int(-(-lengths.max() // C)))
+
+
 def _chunks(x, cu, HV, C):
     """A packed global tensor [1, T, heads, ...] as blocks [N, HV, NC, C, ...] (zero padded)."""
     starts, lengths = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
-    NC = max(1, int(-(-lengths.max() // C)))
+    NC = _n_chunks(lengths, C)
     x = x.double()
     x = expand_heads(x, HV) if x.dim() == 4 else x
     return to_chunks(gather(x, starts, lengths, NC * C), C), lengths, NC
@@ -92,7 +97,7 @@ class KernelEmulator:
             (blocks if n.op == "input" else vals)[name] = b
         if lengths is None:
             lengths = (cu[1:] - cu[:-1]).long()
-            NC = max(1, int(-(-lengths.max() // C)))
+            NC = _n_chunks(lengths, C)
         for name, src in per_chunk:  # the forward's state entering every chunk
             blocks[name] = _per_slot(named[src], chunk_offsets(cu, C), NC)
         dev = lengths.device
@@ -117,8 +122,7 @@ class KernelEmulator:
         N, HV = cu.numel() - 1, shape.HV
         state = torch.zeros(1, 1, 1, 1, 1, dtype=torch.float64, device=cu.device)  # prep does not read it
         if global_name(ir, ir.state_in) in named:  # the state entering every chunk, from its slot
-            lengths = cu[1:] - cu[:-1]
-            NC = max(1, int(-(-lengths.max() // ir.chunk_size)))
+            NC = _n_chunks(cu[1:] - cu[:-1], ir.chunk_size)
             state = _per_slot(named[global_name(ir, ir.state_in)], chunk_offsets(cu, ir.chunk_size), NC)
         ctx, vals, NC = self._context(part, kernel, nodes, named, cu, HV, state)
         vals = self._eval(ir, ctx, nodes, vals)
