@@ -41,6 +41,7 @@ def for_gpu_tests():
     out += classes("gdn", 1, 2, 64, 3, io="float16")
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
         out += classes(spec, 2, 2, 128, 3)
+        out += [(f"{spec}.backward", shape) for _, shape in classes(spec, 2, 2, 128, 3)]
     for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
         for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
             out.append((spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)))

@@ -138,6 +138,25 @@ class _Builder:
                 self.ewise(dst, name)
         return dst
 
+    def low_part(self, args, operands):
+        """The operands of A·B_lo when a state-chain product pairs a spec input A (exact in the io
+        dtype) with a block B computed in float32: B ≈ B_hi + B_lo, two io roundings, so that
+        A·B_hi + A·B_lo carries ~16 bits of B instead of 8. The state chain sums these products
+        over every chunk (the backward's qᵀ(Γ ⊙ dO) sets d_S0's error); a tf32 product would need
+        both operands in float32: twice the shared memory and half the tensor-core rate."""
+        exact = [self.ir.node(a).op == "input" for a in args]
+        if exact.count(True) != 1:
+            return None
+        computed, hi = args[exact.index(False)], operands[exact.index(False)]
+        written = [st for st in self.body if st.dst == hi and st.op == "ewise"]
+        if not written:  # loaded, or copied from a fragment: no float32 expression to split
+            return None
+        idx = ("i", "j")
+        lo = self.buf(f"{hi.removesuffix('_s')}_lo_s", self.ir.node(computed).shape, "io", "shared")
+        residual = ("sub", dict(written[-1].attrs)["expr"], ("buf", hi, *idx))
+        self.body.append(Stmt("ewise", lo, (), (("expr", residual), ("index", idx))))
+        return tuple(lo if o == hi else o for o in operands)
+
     def fragment(self, name: str) -> str:
         """A float32 register fragment holding `name` (for a reduction)."""
         if name in self.place and self.buffers[self.place[name]].scope == "fragment":
@@ -298,7 +317,11 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             A, B = b.operand(mm.args[0]), b.operand(mm.args[1])
             if x in b.place and b.buffers[b.place[x]].scope == "fragment":
                 frag = b.place[x]
-                b.body.append(Stmt("gemm", frag, (A, B), tuple(sorted(mm.attrs)) + (("accumulate", True),)))
+                attrs = tuple(sorted(mm.attrs)) + (("accumulate", True),)
+                low = b.low_part(mm.args, (A, B)) if pipelined and frag == "state" else None
+                b.body.append(Stmt("gemm", frag, (A, B), attrs))
+                if low is not None:
+                    b.body.append(Stmt("gemm", frag, low, attrs))
                 b.place[name] = frag
             else:  # x is not in registers: the product gets its own fragment, the sum stays inline
                 b.place[m] = b.buf(m, mm.shape, "float32", "fragment")
@@ -440,9 +463,18 @@ def _prep_kernel(part: Partition) -> Kernel:
     ir = part.chunk
     b = _build(ir, part.prep, (), tiled=False)
     stores = []
-    for x in part.crossing:  # (fragments store straight to global: no shared staging buffer)
+    for x in part.crossing:
         if x not in b.place:  # an element-wise combination: computed into registers for the store
             b.place[x] = b.fragment(x)
+    free = _free_at_end(b, part.crossing)
+    for x in part.crossing:
+        staging = next((f for f in free if b.buffers[f].shape == b.buffers[b.place[x]].shape), None)
+        if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment" and staging:
+            # a wgmma fragment spreads each row over 4 threads in 8-byte pieces: staged in a
+            # shared block whose work is done, the chunk leaves as whole 128-byte rows
+            free.remove(staging)
+            b.body.append(Stmt("copy", staging, (b.place[x],)))
+            b.place[x] = staging
         stores.append(_store_rows(ir, b, x))
     params = _input_params(ir, part.prep, ()) + [CHUNK_MAP] + _head_params(ir, part.prep)
     params += [_crossing_tensor(ir, x, "out") for x in part.crossing]
@@ -454,6 +486,14 @@ def _prep_kernel(part: Partition) -> Kernel:
                   list(b.buffers.values()), [], _masked_loads(b) + b.body + stores, [],
                   roles=("all 4 warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
+
+
+def _free_at_end(b: _Builder, keep) -> list:
+    """The io shared blocks nothing reads after the body, so a store may stage through them (no
+    new shared memory, which would cost CTAs per SM): all but those holding a value in `keep`."""
+    held = {b.place[x] for x in keep if x in b.place}
+    return [n for n, buf in b.buffers.items()
+            if buf.scope == "shared" and buf.dtype == "io" and len(buf.shape) == 2 and n not in held]
 
 
 def _scan_kernel(part: Partition) -> Kernel:

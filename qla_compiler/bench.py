@@ -56,19 +56,6 @@ def with_backward(fn):
     return step
 
 
-def qla_training_step(**a):
-    """qla's GPU path with its backward kernels (kernels/backward.KernelStep). The op itself still
-    refuses CUDA gradients until they are verified; the benchmark times them anyway."""
-    from qla_compiler.kernels.backward import KernelStep
-    from qla_compiler.ops import _op
-
-    op = _op("gdn")
-    named = {n: a.pop(n) for n in op.input_names}
-    h0, cu = a.pop("initial_state"), a.pop("cu_seqlens")
-    inputs, dims, scale = op._prepare((), named, None, h0, cu, False)
-    return KernelStep.apply(op, dims, scale, cu, h0, *[inputs[n] for n in op.input_names])
-
-
 def device_ms(fn, iters=10, per_kernel=None) -> float:
     """Sum of the GPU kernels' durations per call; `per_kernel` (a dict), if given, receives each
     kernel's share (ms per call), by kernel name."""
@@ -99,7 +86,7 @@ def libraries(cp=None, only=None, backward=False):
 
     import qla_compiler.ops as qla_ops
 
-    libs = {"qla": qla_training_step if backward else qla_ops.chunk_gated_delta_rule}
+    libs = {"qla": qla_ops.chunk_gated_delta_rule}
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(qla_ops.chunk_gated_delta_rule, context_parallel=cp)
     if backward:

@@ -18,8 +18,10 @@ On CPU tensors the op is differentiable (torch.autograd): the chunk program's ev
 autograd.Function whose forward runs the interpreter saving only the state entering each chunk, and
 whose backward runs the backward chunk program (passes/autodiff.py) as a reverse scan. Everything
 around it — l2-normalising q/k, expanding q/k heads to the value heads, packing/unpacking sequences,
-dtype casts — is plain torch, so autograd differentiates it. The sm90 kernels are not differentiable
-yet.
+dtype casts — is plain torch, so autograd differentiates it. On CUDA bf16/fp16 tensors that require
+grad the same holds with kernels (kernels/backward.KernelStep): the forward kernels keep what the
+backward kernels read, and backward() runs the backward program's kernels; with context_parallel
+the op refuses gradients (no backward for segments yet).
 """
 from __future__ import annotations
 
@@ -92,14 +94,19 @@ class CompiledOp:
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
             if _wants_grad(*inputs.values(), initial_state):
-                raise NotImplementedError(f"{self.name}: gradients through the sm90 kernels are not enabled "
-                                          "yet (the backward kernels, kernels/backward.py, have not been "
-                                          "verified on a GPU for every spec); CPU tensors and float32 "
-                                          "inputs (the interpreter) are differentiable")
-            from .kernels.forward import forward  # tilelang is imported only when kernels run
+                if context_parallel is not None:
+                    raise NotImplementedError(f"{self.name}: context_parallel={context_parallel} has no "
+                                              "backward yet; call without it to train (gradients run on "
+                                              "the sm90 backward kernels)")
+                from .kernels.backward import KernelStep  # tilelang is imported only when kernels run
 
-            o, final = forward(self.program, inputs, self.kinds, dims, scale, initial_state, cu_seqlens,
-                               self._head_logs(dims.HV), context_parallel)
+                o, final = KernelStep.apply(self, dims, scale, cu_seqlens, initial_state,
+                                            *[inputs[n] for n in self.input_names])
+            else:
+                from .kernels.forward import forward
+
+                o, final = forward(self.program, inputs, self.kinds, dims, scale, initial_state, cu_seqlens,
+                                   self._head_logs(dims.HV), context_parallel)
         elif context_parallel is not None:
             o, final = self._interpret_segments(inputs, dims, scale, initial_state, cu_seqlens, work,
                                                 context_parallel)

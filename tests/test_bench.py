@@ -18,18 +18,24 @@ def test_table_reports_times_and_ratios():
 
 
 def test_backward_mode_times_a_training_step_through_the_kernel_path():
-    """--backward: qla's step runs KernelStep (forward and backward kernels; emulated here on the
-    CPU), and every input of the timed call becomes a leaf that receives a gradient."""
+    """--backward: every input of the timed call becomes a leaf that receives a gradient, through
+    the kernel path's KernelStep (what the op runs for CUDA inputs; emulated here on the CPU)."""
     from unittest import mock
 
     import torch
 
-    from qla_compiler.bench import qla_training_step, with_backward
+    from qla_compiler.bench import with_backward
     from qla_compiler.emulate import KernelEmulator
     from qla_compiler.kernels import forward as fwd
+    from qla_compiler.kernels.backward import KernelStep
+    from qla_compiler.ops import _op
     from qla_compiler.testing import random_inputs
 
-    from qla_compiler.ops import _op
+    def kernel_path(**a):  # the op's CUDA branch, for CPU tensors
+        named = {n: a.pop(n) for n in op.input_names}
+        h0, cu = a.pop("initial_state"), a.pop("cu_seqlens")
+        inputs, dims, scale = op._prepare((), named, None, h0, cu, False)
+        return KernelStep.apply(op, dims, scale, cu, h0, *[inputs[n] for n in op.input_names])
 
     op = _op("gdn")
     args = random_inputs(op, T=100, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 30, 100], initial_state=True,
@@ -39,7 +45,7 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
     seen = {}
 
     def recording(**a):
-        o, final = qla_training_step(**a)
+        o, final = kernel_path(**a)
         seen.update({k: v for k, v in a.items() if torch.is_tensor(v)})
         return o, final
 

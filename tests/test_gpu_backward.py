@@ -1,17 +1,15 @@
-"""GDN's gradients through the sm90 kernels (kernels/backward.KernelStep) on the GPU, against torch
-autograd through the spec's float64 recurrence on the same bf16 inputs, and against FLA's own
-gradients on those inputs.
+"""Gradients through the sm90 kernels on the GPU (the op, as training calls it: the forward
+kernels keep what the backward kernels read, kernels/backward.KernelStep), against torch autograd
+through the spec's float64 recurrence on the same bf16 inputs, and against FLA's own gradients on
+those inputs.
 
 Tolerances (issue #5): relative error ≤ 2e-2 for every gradient, and no more than 1.5× FLA's error
-(+1e-4, so that two errors at the bf16 rounding floor compare as equal). The op still refuses CUDA
-gradients until these pass, so the step is called directly, after the op's own argument handling
-(which also applies use_qk_l2norm_in_kernel with torch ops, so its gradient flows through).
+(+1e-4, so that two errors at the bf16 rounding floor compare as equal).
 """
 import pytest
 import torch
 
 import qla_compiler
-from qla_compiler.kernels.backward import KernelStep
 from qla_compiler.testing import rel_err
 from test_gpu_forward import GDN_CASES, fla_args, make_inputs
 
@@ -28,10 +26,7 @@ def _leaves(args):
 
 def _qla_grads(op, args, cotangents, l2norm=False):
     a = _leaves(args)
-    inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a.get("initial_state"),
-                                      a.get("cu_seqlens"), l2norm)
-    o, final = KernelStep.apply(op, dims, scale, a.get("cu_seqlens"), a.get("initial_state"),
-                                *[inputs[n] for n in op.input_names])
+    o, final = op(**a, use_qk_l2norm_in_kernel=l2norm)
     torch.autograd.backward([o, final], list(cotangents))
     return {n: a[n].grad for n in GRADS if n in a}
 
@@ -88,3 +83,16 @@ def test_gdn_gradients_with_qk_l2norm_in_kernel():
     args = make_inputs(op, lens=[150, 90], H=2, HV=8, K=128, V=128)
     args["q"], args["k"] = (args["q"] * 3).detach(), (args["k"] * 0.25).detach()
     _check(op, args, l2norm=True)
+
+
+@pytest.mark.parametrize("spec", ["delta_net", "simple_gla", "retnet", "linear_attn"])
+def test_other_specs_gradients(spec):
+    """The same compiler's backward for the other specs (1-token, partial and multi-chunk sequences)."""
+    op = qla_compiler.compile(spec, target="sm90")
+    args = make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=128, V=128)
+    cot = _cotangents(args)
+    ours, ref = _qla_grads(op, args, cot), _ref_grads(op, args, cot)
+    for n in ours:
+        assert ours[n] is not None, n
+        err = rel_err(ours[n], ref[n])
+        assert err <= TOL, (n, err)
