@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .forward import chunk_offsets, launch, tensor_sizes
+from .forward import run_kernels
 
 
 def reads_from_forward(program) -> set:
@@ -25,57 +25,54 @@ def reads_from_forward(program) -> set:
     return {p.name for k in ks for p in k.params if p.role == "in" and p.name not in made}
 
 
-def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Tensor, d_final):
+def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Tensor, d_final, segments=None):
     """Gradients of every input (name -> tensor shaped like the input, float32) and of the
-    initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state."""
+    initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state.
+    With `segments` the reverse scan runs context-parallel, as the forward's can."""
     bprog = program.backward_program
-    C = program.chunk_size
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = kept[v_name].dtype if v_name in kept else d_o.dtype  # the forward's io dtype
     total = dims.B * dims.T
     t = {n: kept[n] for n in reads_from_forward(program) if n in kept}
     t["d_o"] = d_o.reshape(1, total, dims.HV, dims.V).to(io).contiguous()
-    cu = kept["cu_seqlens"]
-    sizes = tensor_sizes(dims, C, kept["chunk_map"])
     d_final = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=d_o.device, dtype=torch.float32)
                if d_final is None else d_final.to(torch.float32).contiguous())
-    t.update(cu_seqlens=cu, chunk_offsets=chunk_offsets(cu, C), initial_state=d_final)
-    for k in bprog.kernels.kernels:
-        launch(bprog, k, t, dims, scale, io, sizes, dims.V, dims.N)
+    d_h0 = run_kernels(bprog, t, dims, scale, io, kept["cu_seqlens"], d_final, segments)
     grads = {}
     for name, kind in kinds.items():
         g = t[f"d_{name}"]
         if kind == "key":  # per value head: the query/key head's gradient sums its group
             g = g.view(1, total, dims.H, dims.HV // dims.H, dims.K).sum(3)
         grads[name] = g.reshape(dims.B, dims.T, *g.shape[2:])
-    return grads, t["final_state"]
+    return grads, d_h0
 
 
 class KernelStep(torch.autograd.Function):
     """The GPU path as one differentiable function: the forward kernels (keeping what the backward
     reads), then on backward the backward kernels. Gradients come back in each input's dtype.
+    `segments`: context parallelism for both scans (None: off).
 
-        >>> o, final = KernelStep.apply(op, dims, scale, cu_seqlens, h0, *inputs)   # doctest: +SKIP
+        >>> o, final = KernelStep.apply(op, dims, scale, None, cu_seqlens, h0, *inputs)   # doctest: +SKIP
     """
 
     @staticmethod
-    def forward(ctx, op, dims, scale, cu_seqlens, h0, *inputs):
+    def forward(ctx, op, dims, scale, segments, cu_seqlens, h0, *inputs):
         from .forward import forward
 
         named = dict(zip(op.input_names, inputs))
         o, final, kept = forward(op.program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
-                                 keep=True)
+                                 segments, keep=True)
         # hold on only to what the backward kernels read (the forward's W, U, v_new are recomputed)
         reads = reads_from_forward(op.program)
         kept = {n: x for n, x in kept.items() if n in reads}
-        ctx.op, ctx.dims, ctx.scale, ctx.kept = op, dims, scale, kept
+        ctx.op, ctx.dims, ctx.scale, ctx.segments, ctx.kept = op, dims, scale, segments, kept
         ctx.dtypes = [x.dtype for x in inputs]
         return o, final
 
     @staticmethod
     def backward(ctx, d_o, d_final):
         op = ctx.op
-        grads, d_h0 = backward(op.program, ctx.kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final)
+        grads, d_h0 = backward(op.program, ctx.kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final, ctx.segments)
         d_inputs = [grads[n].to(dt) if need else None
-                    for n, dt, need in zip(op.input_names, ctx.dtypes, ctx.needs_input_grad[5:])]
-        return None, None, None, None, (d_h0 if ctx.needs_input_grad[4] else None), *d_inputs
+                    for n, dt, need in zip(op.input_names, ctx.dtypes, ctx.needs_input_grad[6:])]
+        return None, None, None, None, None, (d_h0 if ctx.needs_input_grad[5] else None), *d_inputs

@@ -100,14 +100,25 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     for name, logs in head_logs.items():
         tensors[f"log_{name}"] = _on_device(tuple(logs), device)
     tensors["chunk_map"] = chunk_map(cu, total, C)
+    final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
+    o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
+    return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+
+
+def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments=None):
+    """Launch the program's kernels in KernelIR order — the parallel ones before the scan (prep),
+    the scan, the parallel ones after it (out) — reading and writing `tensors` by parameter name
+    (it needs the chunk map). With `segments`, the scan runs context-parallel (each sequence cut
+    into that many segments; qla_compiler/context_parallel.py), the parallel kernels once.
+    Returns the scan's final state [N, HV, K, V]."""
+    C = program.chunk_size
     sizes = tensor_sizes(dims, C, tensors["chunk_map"])
-    # kernels run in KernelIR order: parallel ones before the scan (prep) and after it (out)
     ks = program.kernels.kernels
     i_scan = next(i for i, k in enumerate(ks) if k.loop)
     scan_kernel = ks[i_scan]
-    # the scan's value-width input (v, or what prep made from it): context parallelism widens it
-    (scan_values,) = [p.name for p in scan_kernel.params if p.role == "in" and p.shape[-1] == "V"
-                      and p.shape[0] == "1"]
+    # the scan's per-token inputs of the state's value width (v, or what prep made from it; dO in a
+    # backward): context parallelism widens them
+    values = [p.name for p in scan_kernel.params if p.role == "in" and p.shape[-1] == "V" and p.shape[0] == "1"]
 
     def run(kernel, t, width=dims.V, n_seqs=dims.N):
         launch(program, kernel, t, dims, scale, io, sizes, width, n_seqs)
@@ -115,22 +126,22 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     for k in ks[:i_scan]:  # per chunk, independent of how sequences are cut into segments
         run(k, tensors)
 
-    def scan(values, cu_, h0_):
-        width, n_seqs = values.shape[-1], h0_.shape[0]
+    def scan(vals, cu_, h0_):
+        width, n_seqs = h0_.shape[-1], h0_.shape[0]
         t = dict(tensors, cu_seqlens=cu_, chunk_offsets=chunk_offsets(cu_, C), initial_state=h0_.contiguous(),
-                 **{scan_values: values.contiguous()})
+                 **{n: x.contiguous() for n, x in vals.items()})
         run(scan_kernel, t, width, n_seqs)
         return t, t["final_state"]
 
-    if context_parallel:
-        t, final = run_segments(scan, tensors[scan_values], cu, h0, context_parallel, C)
+    vals = {n: tensors[n] for n in values}
+    if segments:
+        t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse)
     else:
-        t, final = scan(tensors[scan_values], cu, h0)
+        t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})
     for k in ks[i_scan + 1:]:
         run(k, tensors)
-    o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
-    return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+    return final
 
 
 def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 
-_LOADED: dict = {}  # (id of the KernelIR, shape class) -> {kernel name: compiled kernel}
+_LOADED: dict = {}  # (id of the KernelIR, shape class) -> Kernels
 _KEEP: list = []
 # An explicit sm_90a target and the tvm_ffi backend make TileLang's cache key the same on a machine
 # without a GPU, so kernels can be compiled ahead of time and the cache carried to the GPU.
@@ -80,29 +80,40 @@ def import_module(path: Path):
     return mod
 
 
-def load_kernels(program, shape: ShapeClass) -> dict:
-    """Compile (or fetch from the caches) every kernel of the program for this shape class."""
+class Kernels:
+    """The compiled kernels of one (program, shape class), by name; each is compiled (or fetched
+    from the caches) on first use, so a class only some kernels run at (context parallelism's
+    widened scan) compiles only those."""
+
+    def __init__(self, program, shape: ShapeClass):
+        self.program, self.shape, self._compiled = program, shape, {}
+        self.path = write_module(program, shape)
+        self._module = import_module(self.path)
+
+    def __getitem__(self, name: str):
+        if name not in self._compiled:
+            import logging
+
+            import tilelang
+
+            # TileLang logs every compile and cache hit; qla prints its own progress line instead
+            logging.getLogger("tilelang").setLevel(logging.ERROR)
+            s, t = self.shape, time.time()
+            print(f"qla: compiling {name} (H={s.H} HV={s.HV} K={s.K} V={s.V} BV={s.BV} {s.io}) ...",
+                  file=sys.stderr, flush=True)
+            self._compiled[name] = tilelang.compile(getattr(self._module, name), target=TARGET,
+                                                    execution_backend=BACKEND)
+            print(f"qla: {name} ready in {time.time() - t:.1f}s  ({self.path})", file=sys.stderr, flush=True)
+        return self._compiled[name]
+
+
+def load_kernels(program, shape: ShapeClass) -> Kernels:
+    """The program's kernels for this shape class (compiled on first use)."""
     key = (id(program.kernels), shape)  # the hot path: no lowering, no file access
-    if key in _LOADED:
-        return _LOADED[key]
-    import logging
-
-    import tilelang
-
-    # TileLang logs every compile and cache hit; qla prints its own progress line instead
-    logging.getLogger("tilelang").setLevel(logging.ERROR)
-    path = write_module(program, shape)
-    mod = import_module(path)
-    out = {}
-    for k in program.kernels.kernels:
-        t = time.time()
-        print(f"qla: compiling {k.name} (H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} BV={shape.BV} "
-              f"{shape.io}) ...", file=sys.stderr, flush=True)
-        out[k.name] = tilelang.compile(getattr(mod, k.name), target=TARGET, execution_backend=BACKEND)
-        print(f"qla: {k.name} ready in {time.time() - t:.1f}s  ({path})", file=sys.stderr, flush=True)
-    _LOADED[key] = out
-    _KEEP.append(program.kernels)  # keeps id(program.kernels) from being reused while cached
-    return out
+    if key not in _LOADED:
+        _LOADED[key] = Kernels(program, shape)
+        _KEEP.append(program.kernels)  # keeps id(program.kernels) from being reused while cached
+    return _LOADED[key]
 
 
 def lower_to_cuda(program, shape: ShapeClass) -> dict:

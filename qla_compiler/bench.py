@@ -89,8 +89,6 @@ def libraries(cp=None, only=None, backward=False):
     libs = {"qla": qla_ops.chunk_gated_delta_rule}
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(qla_ops.chunk_gated_delta_rule, context_parallel=cp)
-    if backward:
-        libs.pop(f"qla-cp{cp}", None)  # the backward has no context-parallel path yet
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
         libs["FLA"] = fla_gdn

@@ -13,7 +13,7 @@ All of it is torch on the device plus two scans: no host synchronisation. Segmen
 chunks, so the chunking — and the prep kernel's per-chunk work — is that of the plain scan.
 Exact: no term is dropped (the gate-driven warm-up shortcut of MATH.md is not used).
 
-    >>> o, final = run_segments(scan, v, cu, h0, segments=8, chunk_size=64)   # doctest: +SKIP
+    >>> o, final = run_segments(scan, {"v": v}, cu, h0, segments=8, chunk_size=64)   # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -40,23 +40,26 @@ def segment_bounds(cu: torch.Tensor, segments: int, chunk_size: int) -> torch.Te
     return torch.cat([starts.flatten(), cu[-1:]]).to(torch.int32)
 
 
-def run_segments(scan: Callable, v: torch.Tensor, cu: torch.Tensor, h0: torch.Tensor, segments: int,
-                 chunk_size: int):
-    """scan(values [1, T, HV, W], cu_seqlens, h0 [N', HV, K, W]) -> (out, final [N', HV, K, W])
+def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tensor, segments: int,
+                 chunk_size: int, reverse: bool = False):
+    """scan(values {name: [1, T, HV, W]}, cu_seqlens, h0 [N', HV, K, W]) -> (out, final [N', HV, K, W])
     runs the chunked scan over packed sequences for any value width W (`out` is whatever else the
-    scan returns, e.g. o). Returns what one scan over the whole sequences returns (out for the
-    values v, final [N, HV, K, V]), computed by segments."""
+    scan returns, e.g. o). `values` are the scan's per-token inputs of the state's width, each of
+    which enters the state update linearly (v for the forward; dO and the like for a backward).
+    Returns what one scan over the whole sequences returns (out for `values`, final [N, HV, K, V]),
+    computed by segments. A `reverse` scan (a backward) carries its state from each sequence's end
+    to its start: segments are chained last to first, and the final state is the first segment's."""
     check_segments(segments)
     N, HV, K, V = h0.shape
     cu_seg = segment_bounds(cu, segments, chunk_size)
     eye = torch.eye(K, device=h0.device, dtype=h0.dtype)
     start = torch.cat([eye.expand(N * segments, HV, K, K), h0.new_zeros(N * segments, HV, K, V)], -1)
-    widened = torch.cat([v.new_zeros(*v.shape[:-1], K), v], -1)
+    widened = {n: torch.cat([v.new_zeros(*v.shape[:-1], K), v], -1) for n, v in values.items()}
     _, maps = scan(widened, cu_seg, start)                       # 1. [M | H] of every segment
     maps = maps.view(N, segments, HV, K, K + V)
-    starts, state = [], h0
-    for s in range(segments):                                    # 2. the scan over segments
-        starts.append(state)
+    starts, state = [None] * segments, h0
+    for s in (reversed(range(segments)) if reverse else range(segments)):  # 2. the scan over segments
+        starts[s] = state
         state = maps[:, s, :, :, :K] @ state + maps[:, s, :, :, K:]
-    o, finals = scan(v, cu_seg, torch.stack(starts, 1).reshape(N * segments, HV, K, V))  # 3.
-    return o, finals.view(N, segments, HV, K, V)[:, -1]
+    out, finals = scan(values, cu_seg, torch.stack(starts, 1).reshape(N * segments, HV, K, V))  # 3.
+    return out, finals.view(N, segments, HV, K, V)[:, 0 if reverse else -1]

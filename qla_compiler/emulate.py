@@ -163,10 +163,10 @@ class KernelEmulator:
                 _unchunk(y, cu, out)
 
 
-def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32) -> dict:
+def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=None) -> dict:
     """One training step of `op` through the GPU path's host code with every kernel emulated: the
     forward (kernels/forward.py) on `args` (as `testing.random_inputs` makes them), then the backward
-    (kernels/backward.py) from random cotangents. Returns o, final, d_o, d_final, grads (by input),
+    (kernels/backward.py) from random cotangents; `segments`: both context-parallel. Returns o, final, d_o, d_final, grads (by input),
     d_h0 and the emulator (whose `seen` holds every kernel's tensors)."""
     from unittest import mock
 
@@ -180,9 +180,9 @@ def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32) -> dict:
     with mock.patch.object(fwd, "load_kernels", emu), \
             mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: block_v):
         o, final, kept = fwd.forward(op.program, inputs, op.kinds, dims, scale, args.get("initial_state"),
-                                     args.get("cu_seqlens"), op._head_logs(dims.HV), keep=True)
+                                     args.get("cu_seqlens"), op._head_logs(dims.HV), segments, keep=True)
         gen = torch.Generator().manual_seed(seed)
         d_o = torch.randn(o.shape, generator=gen).to(o.dtype)
         d_final = torch.randn(final.shape, generator=gen)
-        grads, d_h0 = bwd.backward(op.program, kept, op.kinds, dims, scale, d_o, d_final)
+        grads, d_h0 = bwd.backward(op.program, kept, op.kinds, dims, scale, d_o, d_final, segments)
     return dict(o=o, final=final, d_o=d_o, d_final=d_final, grads=grads, d_h0=d_h0, emulator=emu, scale=scale)

@@ -20,8 +20,8 @@ whose backward runs the backward chunk program (passes/autodiff.py) as a reverse
 around it — l2-normalising q/k, expanding q/k heads to the value heads, packing/unpacking sequences,
 dtype casts — is plain torch, so autograd differentiates it. On CUDA bf16/fp16 tensors that require
 grad the same holds with kernels (kernels/backward.KernelStep): the forward kernels keep what the
-backward kernels read, and backward() runs the backward program's kernels; with context_parallel
-the op refuses gradients (no backward for segments yet).
+backward kernels read, and backward() runs the backward program's kernels (context-parallel too,
+when the forward was).
 """
 from __future__ import annotations
 
@@ -94,13 +94,9 @@ class CompiledOp:
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
             if _wants_grad(*inputs.values(), initial_state):
-                if context_parallel is not None:
-                    raise NotImplementedError(f"{self.name}: context_parallel={context_parallel} has no "
-                                              "backward yet; call without it to train (gradients run on "
-                                              "the sm90 backward kernels)")
                 from .kernels.backward import KernelStep  # tilelang is imported only when kernels run
 
-                o, final = KernelStep.apply(self, dims, scale, cu_seqlens, initial_state,
+                o, final = KernelStep.apply(self, dims, scale, context_parallel, cu_seqlens, initial_state,
                                             *[inputs[n] for n in self.input_names])
             else:
                 from .kernels.forward import forward
@@ -153,10 +149,10 @@ class CompiledOp:
               if initial_state is None else initial_state.to(work))
 
         def scan(values, cu_, h0_):
-            d = Dims(1, total, dims.H, dims.HV, dims.K, values.shape[-1], cu_.numel() - 1)
-            return self._interpret({**packed, v_name: values}, d, scale, h0_, cu_, work)
+            d = Dims(1, total, dims.H, dims.HV, dims.K, values[v_name].shape[-1], cu_.numel() - 1)
+            return self._interpret({**packed, **values}, d, scale, h0_, cu_, work)
 
-        o, final = run_segments(scan, packed[v_name], cu, h0, segments, self.program.chunk_size)
+        o, final = run_segments(scan, {v_name: packed[v_name]}, cu, h0, segments, self.program.chunk_size)
         return o.view(dims.B, dims.T, dims.HV, dims.V), final
 
     def _interpret(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work):

@@ -199,15 +199,6 @@ def test_gradients_of_every_chunk_stage(ops, spec):
         assert op.program.backward.reverse
 
 
-@pytest.mark.gpu
-def test_cuda_gradients_with_context_parallel_are_refused(ops):
-    op = ops["gdn"]
-    args = random_inputs(op, T=70, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, device="cuda")
-    args["q"].requires_grad_(True)
-    with pytest.raises(NotImplementedError, match=r"context_parallel=2 has no backward yet"):
-        op(**args, context_parallel=2)
-
-
 def test_backward_program_matches_autograd_through_the_interpreter():
     """On a toy program whose triangular inverse takes a full matrix (no tril before it): the rule
     must keep only the strictly lower part, as the op reads only that. The interpreter's ops are

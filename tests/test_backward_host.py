@@ -10,20 +10,26 @@ from qla_compiler.kernels import forward as fwd
 from qla_compiler.testing import random_inputs, rel_err
 
 
+@pytest.mark.parametrize("cp", [None, 3])
 @pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn"])
-def test_backward_wiring_matches_autograd_of_the_reference(ops, spec):
+def test_backward_wiring_matches_autograd_of_the_reference(ops, spec, cp):
+    """cp: both scans context-parallel; the backward's reverse scan chains its segments last to
+    first, on the widened [0 | dO] and the like, as the forward's does on [0 | v]."""
     op = ops[spec]
     args = random_inputs(op, T=300, H=2, HV=4, K=64, V=64, cu_seqlens=[0, 1, 200, 300], initial_state=True,
                          dtype=torch.bfloat16)
-    step = emulated_step(op, args)
+    step = emulated_step(op, args, segments=cp)
     grads = step["grads"]
 
     ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
            for n, x in args.items()}
     o_ref, s_ref = op.reference(**ref)
     torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
-    names = [k.name for k in op.program.backward_program.kernels.kernels]
-    assert [n for n, _ in step["emulator"].calls[-len(names):]] == names  # each backward kernel once, in order
+    # each backward kernel once, in order; with cp the reverse scan twice (widened values first)
+    names = [n for k in op.program.backward_program.kernels.kernels for n in [k.name] * (2 if cp and k.loop else 1)]
+    if cp:
+        assert [w for n, w in step["emulator"].calls[-len(names):] if n.endswith("_scan")] == [128, 64]
+    assert [n for n, _ in step["emulator"].calls[-len(names):]] == names
     # the tensors between kernels are bf16 (W, U, the states, v_new, dv_new): ~2e-3 here; a wiring
     # mistake is O(1)
     for name in op.input_names:
@@ -48,7 +54,7 @@ def test_kernel_step_carries_gradients_through_autograd(ops):
     emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
     with mock.patch.object(fwd, "load_kernels", emu), \
             mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: 32):
-        o, final = KernelStep.apply(op, dims, scale, args["cu_seqlens"], leaves["initial_state"],
+        o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], leaves["initial_state"],
                                     *[inputs[n] for n in op.input_names])
         gen = torch.Generator().manual_seed(2)
         w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)

@@ -35,7 +35,7 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
         named = {n: a.pop(n) for n in op.input_names}
         h0, cu = a.pop("initial_state"), a.pop("cu_seqlens")
         inputs, dims, scale = op._prepare((), named, None, h0, cu, False)
-        return KernelStep.apply(op, dims, scale, cu, h0, *[inputs[n] for n in op.input_names])
+        return KernelStep.apply(op, dims, scale, None, cu, h0, *[inputs[n] for n in op.input_names])
 
     op = _op("gdn")
     args = random_inputs(op, T=100, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 30, 100], initial_state=True,

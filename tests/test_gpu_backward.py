@@ -24,9 +24,9 @@ def _leaves(args):
             for n, x in args.items()}
 
 
-def _qla_grads(op, args, cotangents, l2norm=False):
+def _qla_grads(op, args, cotangents, l2norm=False, context_parallel=None):
     a = _leaves(args)
-    o, final = op(**a, use_qk_l2norm_in_kernel=l2norm)
+    o, final = op(**a, use_qk_l2norm_in_kernel=l2norm, context_parallel=context_parallel)
     torch.autograd.backward([o, final], list(cotangents))
     return {n: a[n].grad for n in GRADS if n in a}
 
@@ -59,9 +59,9 @@ def _cotangents(args, seed=7):
     return d_o, d_final
 
 
-def _check(op, args, l2norm=False):
+def _check(op, args, l2norm=False, context_parallel=None):
     cot = _cotangents(args)
-    ours, ref, fla = _qla_grads(op, args, cot, l2norm), _ref_grads(op, args, cot, l2norm), \
+    ours, ref, fla = _qla_grads(op, args, cot, l2norm, context_parallel), _ref_grads(op, args, cot, l2norm), \
         _fla_grads(args, cot, l2norm)
     for n in ours:
         assert ours[n] is not None and ours[n].dtype == args[n].dtype, n
@@ -83,6 +83,13 @@ def test_gdn_gradients_with_qk_l2norm_in_kernel():
     args = make_inputs(op, lens=[150, 90], H=2, HV=8, K=128, V=128)
     args["q"], args["k"] = (args["q"] * 3).detach(), (args["k"] * 0.25).detach()
     _check(op, args, l2norm=True)
+
+
+@pytest.mark.parametrize("segments", [2, 8])
+def test_gdn_gradients_with_context_parallel(segments):
+    """Both scans by segments (the backward's chained last to first): the same gradients."""
+    op = qla_compiler.compile("gdn", target="sm90")
+    _check(op, make_inputs(op, H=2, HV=8, K=128, V=128, lens=[1, 700, 300]), context_parallel=segments)
 
 
 @pytest.mark.parametrize("spec", ["delta_net", "simple_gla", "retnet", "linear_attn"])
