@@ -3,15 +3,20 @@
 TileLang's cache key does not depend on the GPU, so every shape class the GPU tests and the
 benchmark will need can be compiled here (a few seconds each) and the GPU's minutes go to running:
 
-    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/precompile.py --tests --bench --cp 8
-    tar -C /tmp/tlc -czf .gpu/tl-cache.tar .        # enter.sh unpacks it on the GPU node
+    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/precompile.py --tests --bench --cp 8 --tar .gpu/tl-cache.tar
+
+(enter.sh unpacks the tar on the GPU node). --tar packs only the cache entries this run compiled or
+read, so stale kernels from earlier sources do not eat into the 64 MiB the device tool carries.
 
 or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64 (gdn.backward:... for the
 backward program's kernels).
 """
 import argparse
+import os
 import sys
+import tarfile
 import time
+from pathlib import Path
 
 import qla_compiler
 from qla_compiler.bench import ROWS, parse_row
@@ -67,6 +72,34 @@ def for_bench(cp=None, rows=ROWS, stages=None, backward=False):
     return out
 
 
+def _entries(cache: Path) -> list:
+    """The cache's units: a directory of one compiled kernel's files (TileLang), or one generated
+    module (qla)."""
+    qla = cache / "qla"
+    dirs = [d for d in cache.rglob("*") if d.is_dir() and d != qla and any(f.is_file() for f in d.iterdir())]
+    return dirs + sorted(qla.glob("*.py"))
+
+
+def forget_reads(cache: Path) -> None:
+    """Set every cached file's access time to 0 (its modification time kept): under Linux's
+    relatime a later read moves it again, which is how pack_used finds the entries in use."""
+    for f in cache.rglob("*"):
+        if f.is_file():
+            os.utime(f, (0, f.stat().st_mtime))
+
+
+def pack_used(cache: Path, since: float, out: str) -> None:
+    """Tar (gzip) the cache entries read or written after `since`, relative to the cache root."""
+    def used(path: Path) -> bool:
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        return any(f.stat().st_atime > 0 or f.stat().st_mtime >= since for f in files)
+    keep = [e for e in _entries(cache) if used(e)]
+    with tarfile.open(out, "w:gz") as tar:
+        for e in keep:
+            tar.add(e, arcname=str(e.relative_to(cache)))
+    print(f"{out}: {len(keep)} cache entries, {os.path.getsize(out) / 2**20:.1f} MiB", flush=True)
+
+
 def parse(item):
     spec, heads, K, io, BV = item.split(":")
     H, HV = map(int, heads.split("/"))
@@ -82,7 +115,11 @@ def main(argv):
     ap.add_argument("--rows", nargs="*", default=ROWS, help="with --bench: only these rows")
     ap.add_argument("--scan-stages", type=int, help="with --bench: for qla-bench --scan-stages N")
     ap.add_argument("--backward", action="store_true", help="with --bench: for qla-bench --backward")
+    ap.add_argument("--tar", metavar="PATH", help="then pack the cache entries this run used into PATH")
     args = ap.parse_args(argv)
+    cache, start = Path(os.environ.get("TILELANG_CACHE_DIR", Path.home() / ".tilelang" / "cache")), time.time()
+    if args.tar:
+        forget_reads(cache)
     todo = [parse(i) for i in args.items] + (for_gpu_tests() if args.tests else []) \
         + (for_bench(args.cp, args.rows, args.scan_stages, args.backward) if args.bench else [])
     seen = set()
@@ -100,6 +137,8 @@ def main(argv):
             if k.loop or shape.V == shape.K:
                 kernels[k.name]
         print(f"{spec} {shape}: {time.time() - t:.1f}s", flush=True)
+    if args.tar:
+        pack_used(cache, start, args.tar)
 
 
 if __name__ == "__main__":

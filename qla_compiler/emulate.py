@@ -166,8 +166,9 @@ class KernelEmulator:
 def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=None) -> dict:
     """One training step of `op` through the GPU path's host code with every kernel emulated: the
     forward (kernels/forward.py) on `args` (as `testing.random_inputs` makes them), then the backward
-    (kernels/backward.py) from random cotangents; `segments`: both context-parallel. Returns o, final, d_o, d_final, grads (by input),
-    d_h0 and the emulator (whose `seen` holds every kernel's tensors)."""
+    (kernels/backward.py) from random cotangents; `segments`: both context-parallel. Returns o,
+    final, d_o, d_final, grads (by input), d_h0 and the emulator (whose `seen` holds every kernel's
+    tensors)."""
     from unittest import mock
 
     from .kernels import backward as bwd
