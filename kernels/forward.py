@@ -7,6 +7,7 @@ Dense batches [B, T, ...] are viewed as one packed batch [1, B·T, ...] with cu_
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -78,6 +79,41 @@ def chunk_offsets(cu: torch.Tensor, C: int) -> torch.Tensor:
     return torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)]).to(torch.int32)
 
 
+class _Layout:
+    """The per-call layout tensors of one sequence layout — cu_seqlens as int32, the chunk map, each
+    sequence's first chunk slot — kept while the cu_seqlens tensor they came from is alive and
+    unmodified (every layer of a model calls with the same one; ~20 small device ops each time
+    otherwise). Not during CUDA-graph capture: there the ops must be recorded, so that a replay
+    recomputes them from the captured cu_seqlens' new contents."""
+
+    def __init__(self, size: int = 16):
+        self.size, self.entries = size, {}
+
+    def __call__(self, dims, cu_seqlens, device, C: int):
+        def compute():
+            cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
+            return cu, chunk_map(cu, dims.B * dims.T, C), chunk_offsets(cu, C)
+
+        if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()) or \
+                (cu_seqlens is not None and cu_seqlens.is_inference()):  # (no version counter to check)
+            return compute()
+        if cu_seqlens is None:  # dense: the layout is a function of the shape
+            key, version = ("dense", dims.B, dims.T, str(device), C), 0
+        else:  # the tensor itself: its id while it lives, its version counter for in-place writes
+            key, version = (id(cu_seqlens), dims.T, str(device), C), cu_seqlens._version
+        hit = self.entries.get(key)
+        if hit is not None and hit[0] == version and (cu_seqlens is None or hit[1]() is cu_seqlens):
+            return hit[2]
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        ref = (lambda: None) if cu_seqlens is None else weakref.ref(cu_seqlens, lambda _: self.entries.pop(key, None))
+        self.entries[key] = (version, ref, compute())
+        return self.entries[key][2]
+
+
+sequence_layout = _Layout()
+
+
 def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_state, cu_seqlens,
             head_logs: dict, context_parallel=None, keep: bool = False):
     """Run the program's kernels: (o [B, T, HV, V], final state [N, HV, K, V]). With keep, also
@@ -93,13 +129,13 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     for n, x in inputs.items():
         x = x.reshape(1, total, *x.shape[2:])
         packed[n] = x.contiguous() if kinds[n] in ("key", "value") else x.to(torch.float32).contiguous()
-    cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
+    cu, cmap, offsets = sequence_layout(dims, cu_seqlens, device, C)
     h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=device, dtype=torch.float32)
           if initial_state is None else initial_state.to(torch.float32).contiguous())
     tensors = dict(packed)
     for name, logs in head_logs.items():
         tensors[f"log_{name}"] = _on_device(tuple(logs), device)
-    tensors["chunk_map"] = chunk_map(cu, total, C)
+    tensors["chunk_map"], tensors["chunk_offsets"] = cmap, offsets
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
     o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
@@ -128,7 +164,8 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
 
     def scan(vals, cu_, h0_):
         width, n_seqs = h0_.shape[-1], h0_.shape[0]
-        t = dict(tensors, cu_seqlens=cu_, chunk_offsets=chunk_offsets(cu_, C), initial_state=h0_.contiguous(),
+        offsets = tensors["chunk_offsets"] if cu_ is cu and "chunk_offsets" in tensors else chunk_offsets(cu_, C)
+        t = dict(tensors, cu_seqlens=cu_, chunk_offsets=offsets, initial_state=h0_.contiguous(),
                  **{n: x.contiguous() for n, x in vals.items()})
         run(scan_kernel, t, width, n_seqs)
         return t, t["final_state"]

@@ -41,3 +41,31 @@ def test_forward_wiring_matches_reference(ops, fake, spec, cp):
     # parallel kernels run once, even with segments; the scan once per value width
     assert names == kernels if cp is None else names == kernels[:-2] + [kernels[-2]] * 2 + kernels[-1:]
     assert [w for n, w in f.calls if n.endswith("_scan")] == ([64] if cp is None else [128, 64])  # [0 | v] first
+
+
+def test_sequence_layout_is_reused_while_cu_seqlens_is_unchanged():
+    """The chunk map of one cu_seqlens tensor is computed once while that tensor lives unmodified
+    (every layer of a model passes the same one); an in-place write, another tensor, or an
+    inference-mode tensor (no version counter) gets a fresh, correct one."""
+    from qla_compiler.checks import Dims
+
+    layout = fwd._Layout()
+    dims = Dims(1, 300, 1, 2, 64, 64, 3)
+    cu = torch.tensor([0, 1, 200, 300])
+    first = layout(dims, cu, "cpu", 64)
+    assert layout(dims, cu, "cpu", 64)[1] is first[1]
+    cu[1] = 150  # in place: the version counter moves
+    again = layout(dims, cu, "cpu", 64)
+    assert again[1] is not first[1]
+    assert torch.equal(again[1], fwd.chunk_map(cu.to(torch.int32), 300, 64))
+    other = torch.tensor([0, 1, 200, 300])
+    assert layout(dims, other, "cpu", 64)[1] is not again[1]
+    assert len(layout.entries) == 2
+    del other  # its entry goes with it
+    assert len(layout.entries) == 1
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 100, 300])
+        got = layout(Dims(1, 300, 1, 2, 64, 64, 2), frozen, "cpu", 64)
+    assert torch.equal(got[1], fwd.chunk_map(frozen.to(torch.int32), 300, 64))
+    dense = Dims(2, 150, 1, 2, 64, 64, 2)
+    assert layout(dense, None, "cpu", 64)[1] is layout(dense, None, "cpu", 64)[1]
