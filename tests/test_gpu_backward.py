@@ -78,6 +78,11 @@ def test_gdn_gradients_match_reference_and_fla(case):
     _check(op, make_inputs(op, H=2, HV=8, K=128, V=128, **GDN_CASES[case]))
 
 
+def test_gdn_gradients_fp16_head_dim_64():
+    op = qla_compiler.compile("gdn", target="sm90")
+    _check(op, make_inputs(op, lens=[70, 1, 200], H=1, HV=2, K=64, V=64, dtype=torch.float16))
+
+
 def test_gdn_gradients_with_qk_l2norm_in_kernel():
     op = qla_compiler.compile("gdn", target="sm90")
     args = make_inputs(op, lens=[150, 90], H=2, HV=8, K=128, V=128)
