@@ -45,6 +45,7 @@ class _Builder:
         self.place: dict[str, str] = {}  # node -> buffer holding its value
         self.loads, self.copies, self.body = [], [], []
         self.users = {n: [u.name for u in ir.users(n) if u.name in self.nodes] for n in self.nodes}
+        self.io_copy: dict[str, str] = {}  # node -> the shared io-dtype copy made for a wgmma
 
     def buf(self, name, shape, dtype, scope) -> str:
         name = ident(name)
@@ -136,6 +137,7 @@ class _Builder:
                 self.body.append(Stmt("copy", dst, (self.place[name],)))
             else:
                 self.ewise(dst, name)
+            self.io_copy[name] = dst
         return dst
 
     def low_part(self, args, operands):
@@ -464,7 +466,10 @@ def _prep_kernel(part: Partition) -> Kernel:
     b = _build(ir, part.prep, (), tiled=False)
     stores = []
     for x in part.crossing:
-        if x not in b.place:  # an element-wise combination: computed into registers for the store
+        if x in b.io_copy:  # already rounded to io in shared memory for a wgmma: the store reads that
+            # (instead of keeping the float32 value, or what it is computed from, live to the end)
+            b.place[x] = b.io_copy[x]
+        elif x not in b.place:  # an element-wise combination: computed into registers for the store
             b.place[x] = b.fragment(x)
     free = _free_at_end(b, part.crossing)
     for x in part.crossing:
@@ -483,7 +488,7 @@ def _prep_kernel(part: Partition) -> Kernel:
                             ("matmul", "the matmuls built on the inverse")) if any(
         ir.node(x).op == op for x in part.prep)]
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _masked_loads(b) + b.body + stores, [],
+                  list(b.buffers.values()), [], _masked_loads(b, b.body + stores), [],
                   roles=("all 4 warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
 
@@ -560,7 +565,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str = "") -> Kernel:
     params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
     what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _masked_loads(b) + b.body + stores, [],
+                  list(b.buffers.values()), [], _masked_loads(b, b.body + stores), [],
                   roles=(f"all 4 warps: {what} from the entering state and the chunk's own tokens",),
                   doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
 
@@ -572,8 +577,33 @@ def _zero_pad(b: _Builder, only_partial: bool) -> list:
             for s in b.loads if s.op == "load"]
 
 
-def _masked_loads(b: _Builder) -> list:
-    """The parallel kernels load blocks through registers with the padding rows zeroed on the way
-    (no second pass over shared memory: an in-place pass costs a barrier per row group)."""
-    return [Stmt(s.op, s.dst, s.srcs, s.attrs + (("rows", "n_valid"),)) if s.op == "load" else s
-            for s in b.loads]
+def _masked_loads(b: _Builder, body: list) -> list:
+    """The parallel kernels' statements: each block loaded right before its first reader (its
+    padding rows zeroed on the way, through registers: no second pass over shared memory), so that
+    blocks whose lives do not overlap can share shared memory — these loads are synchronous, so
+    issuing them all first would hide no latency, and would keep every block alive through the
+    whole kernel."""
+    out, pending = [], [Stmt(s.op, s.dst, s.srcs, s.attrs + (("rows", "n_valid"),)) if s.op == "load" else s
+                        for s in b.loads]
+    for st in body:
+        reads = _reads(st)
+        for ld in [ld for ld in pending if ld.dst in reads]:
+            out.append(ld)
+            pending.remove(ld)
+        out.append(st)
+    return pending + out if pending else out
+
+
+def _reads(st: Stmt) -> set:
+    """The buffers a statement reads: its sources and every buffer its expression names."""
+    names = set(st.srcs)
+
+    def walk(e):
+        if isinstance(e, tuple):
+            if len(e) >= 2 and e[0] == "buf":
+                names.add(e[1])
+            for x in e:
+                walk(x)
+    for _, v in st.attrs:
+        walk(v)
+    return names
