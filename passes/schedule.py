@@ -349,7 +349,8 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             # one reduction per accumulator: rows (dim 1), columns (dim 0), then a vector (dim 0)
             dims = {"rowsum": (1,), "colsum": (0,)}.get(op, (1, 0) if len(shape) == 2 else (0,))
             b.body.append(Stmt("reduce", b.place[name], (src, *sums), (("dims", dims),)))
-        elif n.shape == ("C",) and op not in ("const", "valid", "positions") and not pipelined:
+        elif n.shape == ("C",) and op not in ("const", "valid", "positions") and not pipelined \
+                and not (op == "mul" and all(a in b.place for a in n.args)):
             # (the pipelined scan inlines its per-token vectors instead: TileLang 0.1.15 puts the
             # barrier after a C-wide write, which only half the consumer threads run, inside
             # their branch, so the other half read the vector before it is written)
