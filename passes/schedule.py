@@ -1,12 +1,16 @@
 """schedule: ChunkIR + Partition → KernelIR. Places every value and orders the statements.
 
 Placement rules (Hopper, TileLang):
-  * loaded blocks (q, k, v, T_r) → shared memory in the io dtype (TMA loads inside the pipeline);
-    per-token vectors (g, β) → shared float32;
+  * loaded blocks (q, k, v, T_r) → shared memory in the io dtype (TMA loads inside the pipeline;
+    in the parallel kernels, synchronous loads right before the first reader, so that blocks with
+    disjoint lives share memory); per-token vectors (g, β) → shared float32;
   * matmul results → register fragments (float32 accumulators of wgmma);
   * a matmul operand that is computed → a shared io-dtype copy `<name>_s` (wgmma reads shared);
-  * vectors over the chunk → shared float32 (the scan inlines them: see _build); scalars and
-    element-wise C×C / C×V values are not stored at all: they are inlined where they are used;
+  * vectors over the chunk → shared float32 (the scan inlines them, and the parallel kernels the
+    product of two shared vectors: see _build); scalars and element-wise C×C / C×V values are not
+    stored at all: they are inlined where they are used;
+  * a block crossing to a later kernel leaves through shared memory as whole rows: its bf16 wgmma
+    copy if it has one, else staged in a shared block whose work is done;
   * `x + A·B` with A·B used once accumulates into x's fragment; an element-wise x whose only
     fragment input dies there is computed in place (the state decays in place, then S += Kᵀ V).
 
