@@ -493,7 +493,7 @@ def _prep_kernel(part: Partition) -> Kernel:
                             ("matmul", "the matmuls built on the inverse")) if any(
         ir.node(x).op == op for x in part.prep)]
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _masked_loads(b, b.body + stores), [],
+                  list(b.buffers.values()), [], _loads_before_readers(b, b.body + stores), [],
                   roles=("all 4 warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
 
@@ -570,7 +570,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str = "") -> Kernel:
     params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
     what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _masked_loads(b, b.body + stores), [],
+                  list(b.buffers.values()), [], _loads_before_readers(b, b.body + stores), [],
                   roles=(f"all 4 warps: {what} from the entering state and the chunk's own tokens",),
                   doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
 
@@ -582,7 +582,7 @@ def _zero_pad(b: _Builder, only_partial: bool) -> list:
             for s in b.loads if s.op == "load"]
 
 
-def _masked_loads(b: _Builder, body: list) -> list:
+def _loads_before_readers(b: _Builder, body: list) -> list:
     """The parallel kernels' statements: each block loaded right before its first reader (its
     padding rows zeroed on the way, through registers: no second pass over shared memory), so that
     blocks whose lives do not overlap can share shared memory — these loads are synchronous, so
