@@ -7,13 +7,15 @@ lands near 1e-7 relative error (MATH.md); tf32 inputs round to 10 mantissa bits,
 
 The lowering allocates the scratch buffers listed in SCRATCH and calls the macro:
 
-    unit_lower_inverse(A_s, X, X_s, P_s, PT_s, P_f)     # X (fragment) = (I + A_s)⁻¹
+    unit_lower_inverse(A_s, X, X_s, PT_s, P_f)     # X (fragment) = (I + A_s)⁻¹; A_s is overwritten
+
+A_s itself holds the running power P (A, A², A⁴, …): the kernel's peak shared memory is during
+the inverse, and a separate copy of P would be 16 KB more of it (at C = 64, in tf32).
 """
 import tilelang.language as T
 
 # name suffix -> (scope, dtype) of the scratch buffers, all C×C
-SCRATCH = {"X_s": ("shared", "tfloat32"), "P_s": ("shared", "tfloat32"), "PT_s": ("shared", "tfloat32"),
-           "P_f": ("fragment", "float32")}
+SCRATCH = {"X_s": ("shared", "tfloat32"), "PT_s": ("shared", "tfloat32"), "P_f": ("fragment", "float32")}
 
 
 def squarings(C: int) -> int:
@@ -21,16 +23,15 @@ def squarings(C: int) -> int:
 
 
 @T.macro
-def unit_lower_inverse(A_s, X, X_s, P_s, PT_s, P_f, C, steps):
-    # X = I − A (kept in shared as the left factor), P = A, PT = Aᵀ
+def unit_lower_inverse(A_s, X, X_s, PT_s, P_f, C, steps):
+    # X = I − A (kept in shared as the left factor), P = A (in A_s), PT = Aᵀ
     for i, j in T.Parallel(C, C):
         X_s[i, j] = T.if_then_else(i == j, 1.0, 0.0) - A_s[i, j]
-        P_s[i, j] = A_s[i, j]
         PT_s[j, i] = A_s[i, j]
     T.copy(X_s, X)
     for _ in T.serial(steps):
-        T.gemm(P_s, PT_s, P_f, transpose_B=True, clear_accum=True)  # P ← P²
-        T.copy(P_f, P_s)
+        T.gemm(A_s, PT_s, P_f, transpose_B=True, clear_accum=True)  # P ← P²
+        T.copy(P_f, A_s)
         for i, j in T.Parallel(C, C):
             PT_s[j, i] = P_f[i, j]
         T.gemm(X_s, PT_s, X, transpose_B=True)  # X ← X + X·P = X (I + P)

@@ -130,7 +130,7 @@ class _Render:
             return out + [f"T.copy({prev}, {s.dst})"]
         if s.op == "inverse":
             a_s = s.srcs[0]
-            return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_P_s, {s.dst}_PT_s, {s.dst}_P_f, "
+            return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_PT_s, {s.dst}_P_f, "
                     "C, INVERSE_SQUARINGS)"]
         if s.op == "store":
             src = s.srcs[0]
