@@ -159,3 +159,37 @@ def test_backward_lowers_to_cuda_with_reductions(tmp_path):
     assert main(["simple_gla", "--emit", "cuda", "--backward", "--shape", SHAPE, "-o", str(tmp_path)]) == 0
     src = (tmp_path / "simple_gla.backward.cuda.cu").read_text()
     assert "tl::wgmma_ss<" in src and "tl::AllReduce<tl::SumOp" in src
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
+    """A block's shared memory is live from its load: loaded first, every block would be alive in
+    the whole kernel and none could share memory (the loads are synchronous, so loading early
+    hides nothing)."""
+    from qla_compiler.passes.schedule import _reads
+
+    prog = qla_compiler.compile_spec(name)
+    for k in prog.kernels.kernels + prog.backward_program.kernels.kernels:
+        if k.loop:
+            continue
+        body = k.body
+        for i, st in enumerate(body):
+            if st.op != "load":
+                continue
+            first = next(j for j in range(i + 1, len(body)) if st.dst in _reads(body[j]))
+            assert all(body[j].op in ("load", "load_vec", "load_chunk_state") for j in range(i + 1, first)), \
+                f"{k.name}: {st} is loaded before it is needed"
+            assert not any(st.dst in _reads(body[j]) for j in range(i)), f"{k.name}: {st.dst} read before its load"
+    prep = prog.kernels.kernels[0]
+    if name == "gdn":  # v is needed only after the inverse: its block does not exist during it
+        order = [(s.op, s.dst) for s in prep.body]
+        assert order.index(("load", "v_s")) > next(i for i, (op, _) in enumerate(order) if op == "inverse")
+
+
+def test_backward_prep_stores_its_wgmma_copies():
+    """W and v_new were rounded to bf16 in shared memory for the prep's own wgmmas: the stores read
+    those (no float32 copy, nor U and W·S0 to recompute v_new from, kept alive to the end)."""
+    prep = qla_compiler.compile_spec("gdn").backward_program.kernels.kernels[0]
+    stores = {s.dst: s.srcs[0] for s in prep.body if s.op == "store"}
+    assert stores["W_rows"] == "W_s" and stores["v_new_rows"] == "v_new_s"
+    assert "v_new_f" not in {b.name for b in prep.buffers}
