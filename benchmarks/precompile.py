@@ -94,7 +94,12 @@ def pack_used(cache: Path, since: float, out: str) -> None:
     def used(path: Path) -> bool:
         files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
         return any(f.stat().st_atime > 0 or f.stat().st_mtime >= since for f in files)
-    keep = [e for e in _entries(cache) if used(e)]
+    entries = _entries(cache)
+    keep = [e for e in entries if used(e)]
+    if not any(f.stat().st_atime > 0 for e in keep for f in ([e] if e.is_file() else e.rglob("*")) if f.is_file()):
+        # no read moved an access time (a noatime mount): what this run used is unknown, pack it all
+        print("precompile: access times do not move here; packing the whole cache", file=sys.stderr)
+        keep = entries
     with tarfile.open(out, "w:gz") as tar:
         for e in keep:
             tar.add(e, arcname=str(e.relative_to(cache)))

@@ -7,8 +7,8 @@ runs from the last chunk to the first, carrying dS from the final state's cotang
 kernel writes every input's gradient per token, keys per value head (summed here over each
 group of value heads that shares a query/key head).
 
-    >>> o, final, kept = forward(program, inputs, ..., keep=True)            # doctest: +SKIP
-    >>> grads, d_h0 = backward(program, kept, kinds, dims, scale, d_o, d_final)  # doctest: +SKIP
+    >>> o, final, kept = forward(program, inputs, ..., segments, keep=True)            # doctest: +SKIP
+    >>> grads, d_h0 = backward(program, kept, kinds, dims, scale, d_o, d_final, segments)  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -62,17 +62,22 @@ class KernelStep(torch.autograd.Function):
         named = dict(zip(op.input_names, inputs))
         o, final, kept = forward(op.program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
                                  segments, keep=True)
-        # hold on only to what the backward kernels read (the forward's W, U, v_new are recomputed)
+        # hold on only to what the backward kernels read (the forward's W, U, v_new are recomputed),
+        # through save_for_backward: an in-place write to an input before backward() is an error
+        # there, not a silently wrong gradient, and saved-tensor hooks (offloading) apply
         reads = reads_from_forward(op.program)
-        kept = {n: x for n, x in kept.items() if n in reads}
-        ctx.op, ctx.dims, ctx.scale, ctx.segments, ctx.kept = op, dims, scale, segments, kept
+        ctx.kept_names = [n for n in kept if n in reads]
+        ctx.save_for_backward(*[kept[n] for n in ctx.kept_names])
+        ctx.op, ctx.dims, ctx.scale, ctx.segments = op, dims, scale, segments
         ctx.dtypes = [x.dtype for x in inputs]
         return o, final
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, d_o, d_final):
         op = ctx.op
-        grads, d_h0 = backward(op.program, ctx.kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final, ctx.segments)
+        kept = dict(zip(ctx.kept_names, ctx.saved_tensors))
+        grads, d_h0 = backward(op.program, kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final, ctx.segments)
         d_inputs = [grads[n].to(dt) if need else None
                     for n, dt, need in zip(op.input_names, ctx.dtypes, ctx.needs_input_grad[6:])]
         return None, None, None, None, None, (d_h0 if ctx.needs_input_grad[5] else None), *d_inputs

@@ -94,6 +94,9 @@ class _Layout:
             cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
             return cu, chunk_map(cu, dims.B * dims.T, C), chunk_offsets(cu, C)
 
+        def kept(layout):  # the caller's own int32 tensor is not held (it would never be freed)
+            return (None, *layout[1:]) if layout[0] is cu_seqlens else layout
+
         if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()) or \
                 (cu_seqlens is not None and cu_seqlens.is_inference()):  # (no version counter to check)
             return compute()
@@ -103,12 +106,14 @@ class _Layout:
             key, version = (id(cu_seqlens), dims.T, str(device), C), cu_seqlens._version
         hit = self.entries.get(key)
         if hit is not None and hit[0] == version and (cu_seqlens is None or hit[1]() is cu_seqlens):
-            return hit[2]
-        if len(self.entries) >= self.size:
+            cu, cmap, offsets = hit[2]
+            return (cu_seqlens if cu is None else cu), cmap, offsets
+        if key not in self.entries and len(self.entries) >= self.size:
             self.entries.pop(next(iter(self.entries)))
         ref = (lambda: None) if cu_seqlens is None else weakref.ref(cu_seqlens, lambda _: self.entries.pop(key, None))
-        self.entries[key] = (version, ref, compute())
-        return self.entries[key][2]
+        layout = compute()
+        self.entries[key] = (version, ref, kept(layout))
+        return layout
 
 
 sequence_layout = _Layout()

@@ -6,11 +6,12 @@ Placement rules (Hopper, TileLang):
     disjoint lives share memory); per-token vectors (g, β) → shared float32;
   * matmul results → register fragments (float32 accumulators of wgmma);
   * a matmul operand that is computed → a shared io-dtype copy `<name>_s` (wgmma reads shared);
-  * vectors over the chunk → shared float32 (the scan inlines them, and the parallel kernels the
-    product of two shared vectors: see _build); scalars and element-wise C×C / C×V values are not
-    stored at all: they are inlined where they are used;
+  * vectors over the chunk → shared float32 (the scan inlines them, and the parallel kernels a
+    product of two values already placed: see _build); scalars and element-wise C×C / C×V values
+    are not stored at all: they are inlined where they are used;
   * a block crossing to a later kernel leaves through shared memory as whole rows: its bf16 wgmma
-    copy if it has one, else staged in a shared block whose work is done;
+    copy if it has one, else staged in a shared block of its shape whose work is done, if there is
+    one (else straight from its fragment);
   * `x + A·B` with A·B used once accumulates into x's fragment; an element-wise x whose only
     fragment input dies there is computed in place (the state decays in place, then S += Kᵀ V).
 
@@ -313,6 +314,8 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             b.body.append(Stmt("cumsum", b.place[name], (b.place[src],),
                                (("reverse", True),) if op == "rev_cumsum" else ()))
         elif op == "inv_unit_lower":
+            if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
+                raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")
             A = b.buf(f"{n.args[0]}_s", n.shape, "tfloat32", "shared")
             b.ewise(A, n.args[0])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
@@ -324,7 +327,9 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
             if x in b.place and b.buffers[b.place[x]].scope == "fragment":
                 frag = b.place[x]
                 attrs = tuple(sorted(mm.attrs)) + (("accumulate", True),)
-                low = b.low_part(mm.args, (A, B)) if pipelined and frag == "state" else None
+                # (the backward's chain only: there it set d_S0's error, 2.5–4× FLA's without it;
+                # the forwards' final states were within FLA's error, and each split costs a wgmma)
+                low = b.low_part(mm.args, (A, B)) if pipelined and frag == "state" and ir.reverse else None
                 b.body.append(Stmt("gemm", frag, (A, B), attrs))
                 if low is not None:
                     b.body.append(Stmt("gemm", frag, low, attrs))
@@ -591,12 +596,12 @@ def _loads_before_readers(b: _Builder, body: list) -> list:
     out, pending = [], [Stmt(s.op, s.dst, s.srcs, s.attrs + (("rows", "n_valid"),)) if s.op == "load" else s
                         for s in b.loads]
     for st in body:
-        reads = _reads(st)
-        for ld in [ld for ld in pending if ld.dst in reads]:
+        touched = _reads(st) | {st.dst}  # a write (a store staged in the block) needs the load first too
+        for ld in [ld for ld in pending if ld.dst in touched]:
             out.append(ld)
             pending.remove(ld)
         out.append(st)
-    return pending + out if pending else out
+    return pending + out
 
 
 def _reads(st: Stmt) -> set:

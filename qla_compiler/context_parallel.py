@@ -9,6 +9,9 @@ columns widened to [0 | v] from the start state [I | 0] ends in [M | H]. Then
     2. a short scan over the segments of each sequence                     ->  its start states
     3. scan every segment at once from its start state                      ->  o, final states
 
+The backward's reverse scan carries dS the same way (its dO-like inputs are widened), from each
+sequence's end: step 2 chains the segments last to first.
+
 All of it is torch on the device plus two scans: no host synchronisation. Segments are whole
 chunks, so the chunking — and the prep kernel's per-chunk work — is that of the plain scan.
 Exact: no term is dropped (the gate-driven warm-up shortcut of MATH.md is not used).

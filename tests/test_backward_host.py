@@ -66,3 +66,27 @@ def test_kernel_step_carries_gradients_through_autograd(ops):
     for n, leaf in leaves.items():
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, n
         assert rel_err(leaf.grad, ref[n].grad) <= 2e-2, n
+
+
+def test_kernel_step_refuses_an_input_written_in_place_before_backward(ops):
+    """What the backward kernels read is saved through save_for_backward: writing an input in place
+    between the forward and backward() raises instead of giving silently wrong gradients."""
+    from unittest import mock
+
+    from qla_compiler.kernels.backward import KernelStep
+
+    op = ops["gdn"]
+    args = random_inputs(op, T=70, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 70], initial_state=True,
+                         dtype=torch.bfloat16)
+    k = args["k"].detach().clone().requires_grad_()
+    inputs, dims, scale = op._prepare((), {**{n: args[n] for n in op.input_names}, "k": k}, None,
+                                      args["initial_state"], args["cu_seqlens"], False)
+    emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
+    with mock.patch.object(fwd, "load_kernels", emu), \
+            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: 32):
+        o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], args["initial_state"],
+                                    *[inputs[n] for n in op.input_names])
+        with torch.no_grad():
+            k.mul_(2.0)
+        with pytest.raises(RuntimeError, match="inplace"):
+            (o.float().sum() + final.sum()).backward()

@@ -69,3 +69,9 @@ def test_sequence_layout_is_reused_while_cu_seqlens_is_unchanged():
     assert torch.equal(got[1], fwd.chunk_map(frozen.to(torch.int32), 300, 64))
     dense = Dims(2, 150, 1, 2, 64, 64, 2)
     assert layout(dense, None, "cpu", 64)[1] is layout(dense, None, "cpu", 64)[1]
+    own = torch.tensor([0, 300], dtype=torch.int32)  # used as is: the cache must not hold it
+    assert layout(Dims(1, 300, 1, 2, 64, 64, 1), own, "cpu", 64)[0] is own
+    assert layout(Dims(1, 300, 1, 2, 64, 64, 1), own, "cpu", 64)[0] is own
+    n = len(layout.entries)
+    del own
+    assert len(layout.entries) == n - 1

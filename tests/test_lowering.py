@@ -176,14 +176,26 @@ def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
         for i, st in enumerate(body):
             if st.op != "load":
                 continue
-            first = next(j for j in range(i + 1, len(body)) if st.dst in _reads(body[j]))
+            first = next(j for j in range(i + 1, len(body)) if st.dst in _reads(body[j]) | {body[j].dst})
             assert all(body[j].op in ("load", "load_vec", "load_chunk_state") for j in range(i + 1, first)), \
                 f"{k.name}: {st} is loaded before it is needed"
-            assert not any(st.dst in _reads(body[j]) for j in range(i)), f"{k.name}: {st.dst} read before its load"
+            assert not any(st.dst in _reads(body[j]) | {body[j].dst} for j in range(i)), \
+                f"{k.name}: {st.dst} used before its load"
     prep = prog.kernels.kernels[0]
     if name == "gdn":  # v is needed only after the inverse: its block does not exist during it
         order = [(s.op, s.dst) for s in prep.body]
         assert order.index(("load", "v_s")) > next(i for i, (op, _) in enumerate(order) if op == "inverse")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_only_the_backward_chain_splits_its_products(name):
+    """The hi/lo split (two wgmmas) is for the backward's state chain, where it set d_S0's error;
+    the forward scans keep one product per term."""
+    prog = qla_compiler.compile_spec(name)
+    fwd_scan = next(k for k in prog.kernels.kernels if k.loop)
+    bwd_scan = next(k for k in prog.backward_program.kernels.kernels if k.loop)
+    assert not any(b.name.endswith("_lo_s") for b in fwd_scan.buffers)
+    assert any(b.name.endswith("_lo_s") for b in bwd_scan.buffers)
 
 
 def test_backward_prep_stores_its_wgmma_copies():
