@@ -37,24 +37,24 @@ def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages
             for w in (2 * K, K)]
 
 
+def _with_backward(items) -> list:
+    """The classes, each also for its spec's backward program (training runs both at one class)."""
+    return items + [(f"{spec}.backward", shape) for spec, shape in items]
+
+
 def for_gpu_tests():
     """The classes tests/test_gpu_*.py use (keep in step with those files)."""
     out = []
     for n in (8, 2, 1, 3):  # test_gpu_forward's GDN cases, and test_gpu_backward's (the same classes)
-        out += classes("gdn", 2, 8, 128, n)
-        out += [("gdn.backward", shape) for _, shape in classes("gdn", 2, 8, 128, n)]
-    for spec in ("gdn", "gdn.backward"):  # fp16, K = V = 64
-        out += [(spec, shape) for _, shape in classes("gdn", 1, 2, 64, 3, io="float16")]
+        out += _with_backward(classes("gdn", 2, 8, 128, n))
+    out += _with_backward(classes("gdn", 1, 2, 64, 3, io="float16"))  # fp16, K = V = 64
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
-        out += classes(spec, 2, 2, 128, 3)
-        out += [(f"{spec}.backward", shape) for _, shape in classes(spec, 2, 2, 128, 3)]
+        out += _with_backward(classes(spec, 2, 2, 128, 3))
     for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
         for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
-            out.append((spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)))
-            out.append((f"{spec}.backward", ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)))
+            out += _with_backward([(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32))])
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
-        for _, shape in classes("gdn", 2, 8, 128, 3, cp=s):
-            out += [("gdn", shape), ("gdn.backward", shape)]
+        out += _with_backward(classes("gdn", 2, 8, 128, 3, cp=s))
     return out
 
 
@@ -62,14 +62,10 @@ def for_bench(cp=None, rows=ROWS, stages=None, backward=False):
     out = []
     for row in rows:
         H, HV, lens = parse_row(row)
-        out += classes("gdn", H, HV, 128, len(lens), stages=stages)
-        if backward:  # qla-bench --backward: the backward program at the forward's classes
-            out += [("gdn.backward", shape) for _, shape in classes("gdn", H, HV, 128, len(lens), stages=stages)]
+        items = classes("gdn", H, HV, 128, len(lens), stages=stages)
         if cp:
-            out += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages)
-            if backward:
-                out += [("gdn.backward", shape) for _, shape in
-                        classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages)]
+            items += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages)
+        out += _with_backward(items) if backward else items  # qla-bench --backward: both programs
     return out
 
 

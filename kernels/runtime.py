@@ -86,7 +86,7 @@ class Kernels:
     widened scan) compiles only those."""
 
     def __init__(self, program, shape: ShapeClass):
-        self.program, self.shape, self._compiled = program, shape, {}
+        self.shape, self._compiled = shape, {}
         self.path = write_module(program, shape)
         self._module = import_module(self.path)
 

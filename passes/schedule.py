@@ -155,12 +155,11 @@ class _Builder:
         if exact.count(True) != 1:
             return None
         computed, hi = args[exact.index(False)], operands[exact.index(False)]
-        written = [st for st in self.body if st.dst == hi and st.op == "ewise"]
-        if not written:  # loaded, or copied from a fragment: no float32 expression to split
-            return None
+        if self.io_copy.get(computed) != hi or computed in self.place:
+            return None  # loaded, or copied from a fragment: no float32 expression to split
         idx = ("i", "j")
         lo = self.buf(f"{hi.removesuffix('_s')}_lo_s", self.ir.node(computed).shape, "io", "shared")
-        residual = ("sub", dict(written[-1].attrs)["expr"], ("buf", hi, *idx))
+        residual = ("sub", self.ex(computed, idx), ("buf", hi, *idx))
         self.body.append(Stmt("ewise", lo, (), (("expr", residual), ("index", idx))))
         return tuple(lo if o == hi else o for o in operands)
 
