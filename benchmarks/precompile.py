@@ -118,17 +118,19 @@ def main(argv):
     ap.add_argument("--scan-stages", type=int, help="with --bench: for qla-bench --scan-stages N")
     ap.add_argument("--backward", action="store_true", help="with --bench: for qla-bench --backward")
     ap.add_argument("--tar", metavar="PATH", help="then pack the cache entries this run used into PATH")
+    ap.add_argument("--shard", metavar="I/N", help="compile only every N-th class from the I-th (0-based): "
+                                                    "N processes share the machine's cores; then one run with --tar")
     args = ap.parse_args(argv)
     cache, start = Path(os.environ.get("TILELANG_CACHE_DIR", Path.home() / ".tilelang" / "cache")), time.time()
     if args.tar:
         forget_reads(cache)
     todo = [parse(i) for i in args.items] + (for_gpu_tests() if args.tests else []) \
         + (for_bench(args.cp, args.rows, args.scan_stages, args.backward) if args.bench else [])
-    seen = set()
+    todo = list(dict.fromkeys(todo))
+    if args.shard:
+        i, n = map(int, args.shard.split("/"))
+        todo = todo[i::n]
     for spec, shape in todo:
-        if (spec, shape) in seen:
-            continue
-        seen.add((spec, shape))
         t = time.time()
         name, _, direction = spec.partition(".")  # "gdn.backward": the backward program's kernels
         program = qla_compiler.compile_spec(name)

@@ -92,8 +92,9 @@ class Buffer:
 
 @dataclass(frozen=True)
 class Stmt:
-    """op: load | load_vec | load_chunk_state | zero_pad | copy | gemm | ewise | cumsum | reduce |
-    inverse | store | store_vec | store_chunk_state | store_state | load_state."""
+    """op: load | load_vec | load_chunk_state | wait_load | zero_pad | copy | gemm | ewise | cumsum |
+    reduce | inverse | store | store_vec | store_chunk_state | store_state | load_state. A load with
+    attribute async only starts the copy; wait_load (same dst) waits for it."""
     op: str
     dst: str | None
     srcs: tuple = ()

@@ -84,8 +84,17 @@ class _Render:
             return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
                     f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {self._element(s.srcs[0], scan)}, "
                     "T.cast(0, IO))"]
-        if s.op == "load":
-            return [f"T.copy({self._global(s.srcs[0], scan)}, {s.dst})"]
+        if s.op in ("load", "load_chunk_state"):
+            src = self._global(s.srcs[0], scan) if s.op == "load" else \
+                f"{s.srcs[0]}[i_slot, i_hv, 0:K, {'v0:v0 + BV' if scan else '0:V'}]"
+            if not a.get("async"):
+                return [f"T.copy({src}, {s.dst})"]
+            # issued here, waited for at wait_load; after other work, the block's memory may be
+            # what an earlier block used, and TileLang puts no barrier before a TMA write into it
+            sync = ["T.sync_threads()  # nobody reads what this block's memory held before"] if a.get("sync") else []
+            return sync + [f"T.tma_copy({src}, {s.dst}, barrier={s.dst}_bar[0], {ARRIVE})"]
+        if s.op == "wait_load":
+            return [f"T.mbarrier_wait_parity({s.dst}_bar[0], 0)"]
         if s.op == "load_vec":
             x = s.srcs[0]
             # (an unused chunk slot has n_valid = 0 and t0 = 0: it reads token 0)
@@ -141,22 +150,26 @@ class _Render:
                       f"        {self._element(s.dst, scan)} = {value}"]
             if self.dtype[src] != "io":  # a float32 fragment: each thread stores its own elements
                 return masked
-            return ["if n_valid == C:", f"    T.copy({src}, {self._global(s.dst, scan)})", "else:"] + \
-                [f"    {ln}" for ln in masked]
+            return ["if n_valid == C:", f"    {self._bulk_store(scan)}({src}, {self._global(s.dst, scan)})",
+                    "else:"] + [f"    {ln}" for ln in masked]
         if s.op == "store_vec":
             return ["for i in T.Parallel(C):",
                     "    if i < n_valid:",
                     f"        {s.dst}[0, t0 + i, i_hv] = {s.srcs[0]}[i]"]
-        if s.op == "load_chunk_state":
-            cols = "v0:v0 + BV" if scan else "0:V"
-            return [f"T.copy({s.srcs[0]}[i_slot, i_hv, 0:K, {cols}], {s.dst})"]
         if s.op == "store_chunk_state":
-            return [f"T.copy({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:K, v0:v0 + BV])"]
+            return [f"{self._bulk_store(scan)}({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:K, v0:v0 + BV])"]
         if s.op == "load_state":
             return [f"T.copy({s.srcs[0]}[i_n, i_hv, 0:K, v0:v0 + BV], {s.dst})"]
         if s.op == "store_state":
             return [f"T.copy({s.srcs[0]}, {s.dst}[i_n, i_hv, 0:K, v0:v0 + BV])"]
         raise PassError("lower", f"no template for statement {s.op}")
+
+    @staticmethod
+    def _bulk_store(scan: bool) -> str:
+        # In the scan a TMA store's wait for its shared source to be read sat on the sequential path,
+        # once per store per chunk; there the store is only issued, and the next chunk waits (at
+        # the top of its body, see SCAN_STORE_WAIT) before it overwrites the source block.
+        return "T.tma_copy" if scan else "T.copy"
 
     def _buf_shape(self, name) -> str:
         return ", ".join(next(b for b in self.k.buffers if b.name == name).shape)
@@ -220,6 +233,9 @@ def lower_kernel(kernel: Kernel) -> list[str]:
             for suffix, (scope, shape, dt) in SCRATCH[s.op].items():
                 alloc = "T.alloc_shared" if scope == "shared" else "T.alloc_fragment"
                 out.append(f"        {s.dst}_{suffix} = {alloc}({shape}, {_dtype(dt)})")
+    for s in kernel.body:
+        if s.attr.get("async"):
+            out.append(f"        {s.dst}_bar = T.alloc_barrier([1])  # completes when {s.dst} has landed")
     for s in kernel.prologue:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
     ind = "        "
@@ -234,11 +250,33 @@ def lower_kernel(kernel: Kernel) -> list[str]:
         if any(s.op in ("store_chunk_state", "load_chunk_state") for s in kernel.body):
             out.append("            i_slot = chunk_offsets[i_n] + i_c")
         ind = "            "
+        if _bulk_stores(kernel):
+            out.append(ind + SCAN_STORE_WAIT + "  # the previous chunk's stores have read their blocks")
     for s in kernel.body:
         out += [ind + ln for ln in r.stmt(s, scan)]
+    if scan and _bulk_stores(kernel):
+        out.append("        " + SCAN_STORE_WAIT + "  # and the last chunk's")
     for s in kernel.epilogue:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
     return out
+
+
+# A split-phase TMA load: the issuing thread also arrives on the load's barrier (with the bytes to
+# expect), which then completes when they land. Without the arrival the barrier never completes and
+# the wait hangs (T.tma_copy leaves the arrival to the caller unless asked).
+ARRIVE = 'annotations={"emit_arrive": 1}'
+
+# only the thread that issued the stores waits; a barrier follows before any thread writes a block
+SCAN_STORE_WAIT = "T.tma_store_wait()"
+
+
+def _bulk_stores(kernel: Kernel) -> bool:
+    return any(s.op == "store_chunk_state" or (s.op == "store" and _buffer_dtype(kernel, s.srcs[0]) == "io")
+               for s in kernel.body)
+
+
+def _buffer_dtype(kernel: Kernel, name: str) -> str:
+    return next(b.dtype for b in kernel.buffers if b.name == name)
 
 
 def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:

@@ -3,7 +3,8 @@
 Placement rules (Hopper, TileLang):
   * loaded blocks (q, k, v, T_r) → shared memory in the io dtype (TMA loads inside the pipeline;
     in the parallel kernels, synchronous loads right before the first reader, so that blocks with
-    disjoint lives share memory); per-token vectors (g, β) → shared float32;
+    disjoint lives share memory, or as an option split-phase TMA loads issued as early as the peak
+    of live shared memory allows: _place_loads); per-token vectors (g, β) → shared float32;
   * matmul results → register fragments (float32 accumulators of wgmma);
   * a matmul operand that is computed → a shared io-dtype copy `<name>_s` (wgmma reads shared);
   * vectors over the chunk → shared float32 (the scan inlines them, and the parallel kernels a
@@ -26,6 +27,7 @@ from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
+from qla_compiler.kernels.tri_inverse import SCRATCH as INVERSE_SCRATCH
 
 from .partition import Partition
 
@@ -424,16 +426,28 @@ def _store_rows(ir: ChunkIR, b: _Builder, name: str) -> Stmt:
     return Stmt("store", global_name(ir, name), (b.place[name],), (("rows", "n_valid"),))
 
 
-def schedule(part: Partition) -> KernelIR:
+# Split-phase TMA loads in the parallel kernels (_place_loads). Off: on the H200 (session 4, run 3)
+# they gave the right forward, but a wrong d q until the WAR barrier (`sync`) was added, and with
+# that barrier they have not run on a GPU. The next GPU session turns this on, runs
+# tests/test_gpu_kernels.py, and measures (benchmarks/NOTES.md).
+SPLIT_PHASE_LOADS = False
+
+
+def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS) -> KernelIR:
+    """The KernelIR of a partitioned chunk program.
+
+        >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
+        >>> print(kir)                                       # doctest: +SKIP
+    """
     ir = part.chunk
     _check_v_columns(ir, part.scan)
     kir = KernelIR(ir.name, ir.chunk_size)
     kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
                     "(torch on the device: no synchronisation)")
     if part.prep:
-        kir.kernels.append(_prep_kernel(part))
+        kir.kernels.append(_prep_kernel(part, split_phase_loads))
     kir.kernels.append(_scan_kernel(part))
-    kir.kernels += _out_kernels(part)
+    kir.kernels += _out_kernels(part, split_phase_loads)
     return kir
 
 
@@ -456,13 +470,13 @@ def smem_bytes(buffers) -> int:
     return total
 
 
-def _out_kernels(part: Partition) -> list:
+def _out_kernels(part: Partition, split_phase: bool) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
     kernel per group of outputs, each recomputing what its outputs need."""
     roles = tuple(r for r in part.chunk.outputs if r != "state")
 
     def split(group):
-        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group))
+        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase)
         if smem_bytes(k.buffers) <= SMEM_BUDGET or len(group) == 1:
             return [k]
         half = (len(group) + 1) // 2
@@ -470,7 +484,7 @@ def _out_kernels(part: Partition) -> list:
     return split(roles)
 
 
-def _prep_kernel(part: Partition) -> Kernel:
+def _prep_kernel(part: Partition, split_phase: bool) -> Kernel:
     ir = part.chunk
     b = _build(ir, part.prep, (), tiled=False)
     stores = []
@@ -497,7 +511,7 @@ def _prep_kernel(part: Partition) -> Kernel:
                             ("matmul", "the matmuls built on the inverse")) if any(
         ir.node(x).op == op for x in part.prep)]
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _loads_before_readers(b, b.body + stores), [],
+                  list(b.buffers.values()), [], _place_loads(b, b.body + stores, split_phase), [],
                   roles=("all 4 warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
 
@@ -546,7 +560,7 @@ def _scan_kernel(part: Partition) -> Kernel:
         doc="sequential over chunks: the state chain only", kind="scan", nodes=part.scan)
 
 
-def _out_kernel(part: Partition, roles: tuple, suffix: str = "") -> Kernel:
+def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -> Kernel:
     ir = part.chunk
     loaded = set(part.crossing) | set(part.carried)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
@@ -574,7 +588,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str = "") -> Kernel:
     params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
     what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _loads_before_readers(b, b.body + stores), [],
+                  list(b.buffers.values()), [], _place_loads(b, b.body + stores, split_phase), [],
                   roles=(f"all 4 warps: {what} from the entering state and the chunk's own tokens",),
                   doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
 
@@ -586,21 +600,78 @@ def _zero_pad(b: _Builder, only_partial: bool) -> list:
             for s in b.loads if s.op == "load"]
 
 
-def _loads_before_readers(b: _Builder, body: list) -> list:
-    """The parallel kernels' statements: each block loaded right before its first reader (its
-    padding rows zeroed on the way, through registers: no second pass over shared memory), so that
-    blocks whose lives do not overlap can share shared memory — these loads are synchronous, so
-    issuing them all first would hide no latency, and would keep every block alive through the
-    whole kernel."""
-    out, pending = [], [Stmt(s.op, s.dst, s.srcs, s.attrs + (("rows", "n_valid"),)) if s.op == "load" else s
-                        for s in b.loads]
+def _place_loads(b: _Builder, body: list, split_phase: bool = False) -> list:
+    """The parallel kernels' statements, with their loads placed by shared-memory liveness.
+
+    By default each block is loaded through registers right before its first reader, its padding
+    rows zeroed on the way, so that blocks whose lives do not overlap share shared memory (the
+    loads are synchronous: issuing them all first would hide no latency and keep every block
+    alive through the whole kernel).
+
+    With `split_phase` (see SPLIT_PHASE_LOADS) vectors are loaded first, and a block (the chunk's
+    rows of a per-token tensor, or the state entering the chunk) is a TMA copy in two phases:
+    issued as early as it fits under the kernel's peak of live shared memory, waited for right
+    before its first reader, so its latency overlaps the work in between. A partial chunk's rows
+    past the sequence belong to the next one (TMA cannot mask them): they are zeroed after the
+    wait. An issue after other work is marked `sync`: its memory may be what an earlier block
+    used, which other threads (or their wgmmas) may still be reading."""
+    def rows(ld):  # a synchronous block load, masked to the chunk's rows on the way
+        return Stmt(ld.op, ld.dst, ld.srcs, ld.attrs + (("rows", "n_valid"),)) if ld.op == "load" else ld
+
+    out, pending, issues = [], list(b.loads), []
     for st in body:
         touched = _reads(st) | {st.dst}  # a write (a store staged in the block) needs the load first too
         for ld in [ld for ld in pending if ld.dst in touched]:
-            out.append(ld)
             pending.remove(ld)
+            if split_phase and ld.op in ("load", "load_chunk_state"):
+                issues.append(Stmt(ld.op, ld.dst, ld.srcs, ld.attrs + (("async", True),)))
+                out.append(Stmt("wait_load", ld.dst))
+                if ld.op == "load":
+                    out.append(Stmt("zero_pad", ld.dst, (), (("rows", "n_valid"), ("only_partial", True))))
+            else:
+                out.append(rows(ld))
         out.append(st)
-    return pending + out
+    if not split_phase:
+        return [rows(ld) for ld in pending] + out
+    out = pending + out
+    # a vector is 256 bytes: all of them first, their global latencies overlapping each other's
+    vectors = [st for st in out if st.op == "load_vec"]
+    out = vectors + [st for st in out if st.op != "load_vec"]
+    for issue in issues:
+        at = _earliest_issue(b, out, issue.dst)
+        after_work = any(not st.attr.get("async") for st in out[:at])
+        out.insert(at, Stmt(issue.op, issue.dst, issue.srcs, issue.attrs + ((("sync", True),) if after_work else ())))
+    return out
+
+
+def _earliest_issue(b: _Builder, stmts: list, name: str) -> int:
+    """Where the async load of block `name` may start: the first position from which, up to its
+    wait, twice the block fits under the peak of live shared memory the statements already have,
+    and not before the inverse (the usual peak). The margin and the stop are there because
+    TileLang's allocator packs less tightly than this estimate: with the block allowed right up
+    to the peak, GDN's backward prep took 8 KB more than it had, one CTA per SM less."""
+    size = smem_bytes([b.buffers[name]])
+    live = _live_shared(b, stmts)
+    wait = next(i for i, st in enumerate(stmts) if st.op == "wait_load" and st.dst == name)
+    peak = max(live, default=0)
+    at = wait
+    while at > 0 and live[at - 1] + 2 * size <= peak and stmts[at - 1].op != "inverse":
+        at -= 1
+    return at
+
+
+def _live_shared(b: _Builder, stmts: list) -> list:
+    """Bytes of shared memory live at each statement: every shared buffer from its first touch
+    (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
+    first, last = {}, {}
+    for i, st in enumerate(stmts):
+        for x in _reads(st) | {st.dst}:
+            if x in b.buffers and b.buffers[x].scope == "shared":
+                first.setdefault(x, i)
+                last[x] = i
+    live = [smem_bytes([b.buffers[x] for x in first if first[x] <= i <= last[x]]) for i in range(len(stmts))]
+    scratch = smem_bytes([Buffer("", ("C", "C"), dt, scope) for scope, dt in INVERSE_SCRATCH.values()])
+    return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
 
 
 def _reads(st: Stmt) -> set:

@@ -3,6 +3,7 @@
 CI has no GPU but has TileLang and nvcc, so it can lower every spec to CUDA, check that the GDN
 kernels use tensor-core wgmma and TMA, and compile them with ptxas to catch register spills.
 """
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -12,6 +13,10 @@ import pytest
 
 import qla_compiler
 from qla_compiler.cli import main, parse_shape
+from qla_compiler.kernels.runtime import lower_to_cuda
+from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+from qla_compiler.passes.partition import partition
+from qla_compiler.passes.schedule import _reads, schedule
 from qla_compiler.specs import NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16"
@@ -79,6 +84,34 @@ def test_gdn_scan_uses_tma_and_warp_specialisation(cuda_sources):
     assert "tl::tma_load(" in scan
     assert re.search(r"__launch_bounds__\(256, 1\)", scan)  # producer + consumer warpgroups
     assert "mbarrier" in scan
+
+
+def _split_phase_loads_complete(src: str) -> int:
+    """Every split-phase load's barrier gets an arrival with the bytes to expect (else it never
+    completes and the wait hangs the kernel) and is waited on. Returns how many there are."""
+    n = 0
+    for kernel in src.split('extern "C" __global__')[1:]:
+        for bar in set(re.findall(r"(\w+_bar)\[0\]\.init\(1\)", kernel)):
+            assert f"{bar}[0].arrive_and_expect_tx(" in kernel, f"{bar}: no arrival, the wait would hang"
+            assert f"{bar}[0].wait(0)" in kernel
+            n += 1
+    return n
+
+
+def test_split_phase_loads_arrive_on_their_barriers():
+    """GDN's forward and backward with split-phase loads, in CUDA: every load's barrier gets its
+    arrival and its wait, and an issue after the first wait comes after a block barrier."""
+    prog = qla_compiler.compile_spec("gdn")
+    shape = ShapeClass(H=2, HV=8, K=128, V=128, BV=64)
+    for p, at_least in ((prog, 6), (prog.backward_program, 10)):
+        src = "\n".join(lower_to_cuda(dataclasses.replace(p, kernels=_split_phase(p)), shape).values())
+        assert _split_phase_loads_complete(src) >= at_least
+        for kernel in src.split('extern "C" __global__')[1:]:
+            for m in re.finditer(r"\w+_bar\[0\]\.arrive_and_expect_tx\(", kernel):
+                before = kernel[:m.start()]
+                if ".wait(0)" in before:  # after work: a barrier since the last wgmma or wait
+                    last = max(before.rfind(".wait(0)"), before.rfind("warpgroup_wait"))
+                    assert "__syncthreads()" in before[last:], kernel[m.start() - 300:m.start()]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
@@ -161,18 +194,21 @@ def test_backward_lowers_to_cuda_with_reductions(tmp_path):
     assert "tl::wgmma_ss<" in src and "tl::AllReduce<tl::SumOp" in src
 
 
+def _split_phase(prog):
+    """The program's KernelIR with split-phase loads (schedule's option, off by default)."""
+    return schedule(partition(prog.chunk), split_phase_loads=True)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
-    """A block's shared memory is live from its load: loaded first, every block would be alive in
-    the whole kernel and none could share memory (the loads are synchronous, so loading early
-    hides nothing)."""
-    from qla_compiler.passes.schedule import _reads
-
+    """By default a block's load is synchronous: loaded first, every block would be alive in the
+    whole kernel and none could share memory, and loading early would hide nothing."""
     prog = qla_compiler.compile_spec(name)
     for k in prog.kernels.kernels + prog.backward_program.kernels.kernels:
         if k.loop:
             continue
         body = k.body
+        assert not any(st.op == "wait_load" or st.attr.get("async") for st in body)
         for i, st in enumerate(body):
             if st.op != "load":
                 continue
@@ -185,6 +221,58 @@ def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
     if name == "gdn":  # v is needed only after the inverse: its block does not exist during it
         order = [(s.op, s.dst) for s in prep.body]
         assert order.index(("load", "v_s")) > next(i for i, (op, _) in enumerate(order) if op == "inverse")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_split_phase_loads_issue_early_and_wait_right_before_the_reader(name):
+    """With split-phase loads a block's TMA load is issued, then waited for right before its
+    first reader (its padding rows zeroed after the wait), so its latency overlaps the work in
+    between; nothing touches the block between the issue and the wait; an issue after other work
+    has a barrier first (its memory may be an earlier block's). Vectors (through registers) come
+    first, after the issues of blocks needed at once."""
+    prog = qla_compiler.compile_spec(name)
+    for kir in (_split_phase(prog), _split_phase(prog.backward_program)):
+        for k in kir.kernels:
+            if k.loop:
+                continue
+            body = k.body
+            head = [st for st in body if not st.attr.get("async")]
+            n_vec = sum(st.op == "load_vec" for st in body)
+            assert all(st.op == "load_vec" for st in head[:n_vec]), f"{k.name}: vectors are not loaded first"
+            for i, st in enumerate(body):
+                if st.op not in ("load", "load_chunk_state"):
+                    continue
+                assert st.attr.get("async"), f"{k.name}: {st} is synchronous"
+                assert bool(st.attr.get("sync")) == any(not x.attr.get("async") for x in body[:i]), \
+                    f"{k.name}: {st} has no barrier before it"
+                wait = next(j for j in range(i + 1, len(body)) if body[j].op == "wait_load" and body[j].dst == st.dst)
+                assert not any(st.dst in _reads(body[j]) | {body[j].dst} for j in list(range(i)) + list(range(i + 1, wait))), \
+                    f"{k.name}: {st.dst} is touched between its issue and its wait"
+                after = wait + 1
+                if st.op == "load":
+                    assert body[after].op == "zero_pad" and body[after].attr["only_partial"], f"{k.name}: {st.dst} not padded"
+                    after += 1
+                readers = [j for j in range(after, len(body)) if st.dst in _reads(body[j]) | {body[j].dst}]
+                assert readers and all(body[j].op in ("wait_load", "zero_pad") or body[j].op.startswith("load")
+                                       for j in range(after, readers[0])), f"{k.name}: {st.dst} waited for too early"
+        if name == "gdn" and kir.kernels[0].name == "gdn_prep":
+            order = [(s.op, s.dst) for s in kir.kernels[0].body]
+            assert order.index(("load", "v_s")) > next(i for i, (op, _) in enumerate(order) if op == "inverse")
+            assert order.index(("load", "k_s")) < order.index(("cumsum", "g_cum_s")), "k's load overlaps nothing"
+
+
+def test_scan_waits_for_its_stores_only_before_reusing_their_blocks():
+    """The scan's TMA stores (the entering state, v_new) are only issued in the chunk's body; the
+    wait for their shared sources comes at the top of the next chunk (and once after the loop),
+    not after each store on the sequential path."""
+    prog = qla_compiler.compile_spec("gdn")
+    src = lower(prog.kernels, ShapeClass(H=1, HV=2, K=128, V=128, BV=64))
+    scan = src[src.index("def gdn_scan("):src.index("def gdn_out(")]
+    loop = scan[scan.index("T.Pipelined"):]
+    assert loop.count("T.tma_copy(") == 2 and "T.copy(state_s" not in loop
+    body_lines = loop.splitlines()
+    assert body_lines[4].strip().startswith("T.tma_store_wait()")  # after the loop, t0, n_valid, i_slot
+    assert "T.tma_store_wait()" in scan[scan.rindex("T.tma_copy("):scan.index("final_state[i_n")]
 
 
 @pytest.mark.parametrize("name", NAMES)
