@@ -171,6 +171,11 @@ class _Render:
         # the top of its body, see SCAN_STORE_WAIT) before it overwrites the source block.
         return "T.tma_copy" if scan else "T.copy"
 
+    def bulk_stores(self) -> bool:
+        """Whether the body stores whole io blocks (with _bulk_store: TMA copies in the scan)."""
+        return any(s.op == "store_chunk_state" or (s.op == "store" and self.dtype[s.srcs[0]] == "io")
+                   for s in self.k.body)
+
     def _buf_shape(self, name) -> str:
         return ", ".join(next(b for b in self.k.buffers if b.name == name).shape)
 
@@ -211,6 +216,7 @@ def _param(p) -> str:
 def lower_kernel(kernel: Kernel) -> list[str]:
     r = _Render(kernel)
     scan = kernel.loop is not None
+    store_waits = scan and r.bulk_stores()
     out = ["@T.prim_func", f"def {kernel.name}("]
     out += [f"    {_param(p)}," for p in kernel.params]
     out.append("):")
@@ -250,11 +256,11 @@ def lower_kernel(kernel: Kernel) -> list[str]:
         if any(s.op in ("store_chunk_state", "load_chunk_state") for s in kernel.body):
             out.append("            i_slot = chunk_offsets[i_n] + i_c")
         ind = "            "
-        if _bulk_stores(kernel):
+        if store_waits:
             out.append(ind + SCAN_STORE_WAIT + "  # the previous chunk's stores have read their blocks")
     for s in kernel.body:
         out += [ind + ln for ln in r.stmt(s, scan)]
-    if scan and _bulk_stores(kernel):
+    if store_waits:
         out.append("        " + SCAN_STORE_WAIT + "  # and the last chunk's")
     for s in kernel.epilogue:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
@@ -268,15 +274,6 @@ ARRIVE = 'annotations={"emit_arrive": 1}'
 
 # only the thread that issued the stores waits; a barrier follows before any thread writes a block
 SCAN_STORE_WAIT = "T.tma_store_wait()"
-
-
-def _bulk_stores(kernel: Kernel) -> bool:
-    return any(s.op == "store_chunk_state" or (s.op == "store" and _buffer_dtype(kernel, s.srcs[0]) == "io")
-               for s in kernel.body)
-
-
-def _buffer_dtype(kernel: Kernel, name: str) -> str:
-    return next(b.dtype for b in kernel.buffers if b.name == name)
 
 
 def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
