@@ -9,7 +9,7 @@ benchmark will need can be compiled here (a few seconds each) and the GPU's minu
 read, so stale kernels from earlier sources do not eat into the 64 MiB the device tool carries.
 
 or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64 (gdn.backward:... for the
-backward program's kernels).
+backward program's kernels, gdn.training:... for the forward a training step runs).
 """
 import argparse
 import os
@@ -38,8 +38,9 @@ def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages
 
 
 def _with_backward(items) -> list:
-    """The classes, each also for its spec's backward program (training runs both at one class)."""
-    return items + [(f"{spec}.backward", shape) for spec, shape in items]
+    """The classes, each also for its spec's training forward and backward program (training runs
+    both at one class)."""
+    return items + [(f"{spec}.{part}", shape) for part in ("training", "backward") for spec, shape in items]
 
 
 def for_gpu_tests():
@@ -132,9 +133,10 @@ def main(argv):
         todo = todo[i::n]
     for spec, shape in todo:
         t = time.time()
-        name, _, direction = spec.partition(".")  # "gdn.backward": the backward program's kernels
+        name, _, variant = spec.partition(".")  # "gdn.backward": the backward program's kernels
         program = qla_compiler.compile_spec(name)
-        program = program.backward_program if direction == "backward" else program
+        program = {"": program, "training": program.training_program,
+                   "backward": program.backward_program}[variant]
         kernels = load_kernels(program, shape)
         for k in program.kernels.kernels:
             # a value width other than K is context parallelism's widened scan: only the scan runs at it

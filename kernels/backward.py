@@ -2,7 +2,9 @@
 VJP taken through partition and schedule), run after the forward kept what they read.
 
 The forward's scan already stores the state entering every chunk (bf16, `S0_chunks`, for its
-output kernel), so the backward reads it instead of recomputing the forward scan. Its own scan
+output kernel), so the backward reads it instead of recomputing the forward scan; likewise what the
+forward's prep and scan stored per token (W, v_new, the cumulative gates, and the inverse T_r,
+which the training forward stores for this). Its own scan
 runs from the last chunk to the first, carrying dS from the final state's cotangent; its output
 kernel writes every input's gradient per token, keys per value head (summed here over each
 group of value heads that shares a query/key head).
@@ -62,7 +64,7 @@ class KernelStep(torch.autograd.Function):
         named = dict(zip(op.input_names, inputs))
         o, final, kept = forward(op.program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
                                  segments, keep=True)
-        # hold on only to what the backward kernels read (the forward's W, U, v_new are recomputed),
+        # hold on only to what the backward kernels read (U, for one, is not),
         # through save_for_backward: an in-place write to an input before backward() is an error
         # there, not a silently wrong gradient, and saved-tensor hooks (offloading) apply
         reads = reads_from_forward(op.program)

@@ -123,7 +123,10 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
             head_logs: dict, context_parallel=None, keep: bool = False):
     """Run the program's kernels: (o [B, T, HV, V], final state [N, HV, K, V]). With keep, also
     every global tensor by name (what kernels/backward.py needs: the packed inputs, the chunk map,
-    the state entering every chunk)."""
+    the state entering every chunk, the prep's results), from the kernels of the training program
+    (which also store the triangular inverses for the backward)."""
+    if keep:
+        program = program.training_program
     C = program.chunk_size
     check_head_dims(dims.K, dims.V)
     v_name = next(n for n, k in kinds.items() if k == "value")

@@ -10,11 +10,12 @@ or head constants) and d_S0. As a program:
     outputs       "d_<input>" per differentiable input, "state" = d_S0
     reverse       ... from the last chunk to the first
 
-What the forward saves, besides its inputs: only the state entering each chunk
-(`run_chunks(..., save_states=True)`, [N, HV, NC, K, V]).
-The backward program recomputes everything else of the forward from the inputs and that S0, so the
-recomputation (and most of the backward) does not depend on d_S_next and runs in parallel over
-chunks; only the d_S chain is a sequential scan, run in reverse.
+What the backward program reads of the forward, besides its inputs: only the state entering each
+chunk (`run_chunks(..., save_states=True)`, [N, HV, NC, K, V]).
+It recomputes everything else of the forward from the inputs and that S0, so the recomputation (and
+most of the backward) does not depend on d_S_next and runs in parallel over chunks; only the d_S
+chain is a sequential scan, run in reverse. (Its kernels go further: the values the forward's
+kernels stored per token — W, v_new, the inverse — they load instead; see Program.backward_program.)
 
 Per-op VJP rules are data: `VJP[op](b, node, g, want)` gets the node's cotangent `g` and returns one
 cotangent (a node name, or None) per argument; `want[i]` says whether argument i needs one. A

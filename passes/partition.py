@@ -46,6 +46,7 @@ class Partition:
     scan: tuple  # nodes of the scan kernel: the chain and the state-free values it recomputes
     carried: tuple  # scan values the out kernel loads (the state entering the chunk, v_new, ...)
     out: tuple  # nodes of the out kernel
+    provided: tuple = ()  # values another program's kernels stored (the forward's, for a backward): loaded
 
     def __str__(self) -> str:
         name = self.chunk.name
@@ -56,6 +57,8 @@ class Partition:
         lines.append(f"  kernel {name}_scan (sequential over chunks): {' '.join(self.scan)}")
         lines.append(f"    through memory: {' '.join(self.carried)}")
         lines.append(f"  kernel {name}_out (parallel over chunks): {' '.join(self.out)}")
+        if self.provided:
+            lines.append(f"  from the forward's memory: {' '.join(self.provided)}")
         return "\n".join(lines)
 
 
@@ -88,7 +91,12 @@ def _combined(ir: ChunkIR, free, prepared: set) -> set:
     return out
 
 
-def partition(ir: ChunkIR) -> Partition:
+def partition(ir: ChunkIR, keep=(), provided=()) -> Partition:
+    """`keep`: state-free values to store per token although no later kernel reads them (the
+    forward for training keeps its inverses for the backward). `provided`: state-free values
+    already in memory (a backward's recomputed forward values that the forward stored): every
+    kernel loads them and none recomputes them."""
+    provided = set(provided)
     state_in, s_next = ir.state_in, ir.outputs.get("state")
     results = [v for r, v in ir.outputs.items() if r != "state"]  # o (a backward: the gradients)
     if state_in is None or s_next is None or not results:
@@ -98,8 +106,10 @@ def partition(ir: ChunkIR) -> Partition:
         raise PassError("partition", f"the next state {s_next} does not depend on the state")
     chain = (nx.ancestors(ir.graph, s_next) | {s_next}) & dependent
     free = [n.name for n in ir.order() if n.name not in dependent]
-    prepared = _combined(ir, free, {x for x in free if _prepared(ir, x, for_scan=False)})
-    prepared_scan = _combined(ir, free, {x for x in free if _prepared(ir, x, for_scan=True)})
+    if provided - set(free):
+        raise PassError("partition", f"provided values must be state-free: {sorted(provided - set(free))}")
+    prepared = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, for_scan=False)})
+    prepared_scan = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, for_scan=True)})
     for n in ir.order():
         if n.op in PREPARED_OPS and n.name in dependent:
             raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")
@@ -121,16 +131,15 @@ def partition(ir: ChunkIR) -> Partition:
     # the out kernel loads prefix sums and inverses (and what is built on them); it recomputes
     # the rest, including Q Kᵀ, which is parallel work there
     out = ir.closure(out_roots | carried, stop=prepared | carried)
-    used = (scan & prepared_scan) | (out & prepared)
-    prep = set()
-    for x in used:
-        prep |= nx.ancestors(ir.graph, x) | {x}
+    used = (scan & prepared_scan) | (out & prepared) | set(keep)
+    prep = ir.closure(used - provided, stop=provided)
+    loaded = (used | prep) & provided
     order = [n.name for n in ir.order()]
-    crossing = tuple(x for x in order if x in used)
+    crossing = tuple(x for x in order if x in used - provided)
     for x in crossing:
         if ir.node(x).shape in ((), ("K", "V")):
             raise PassError("partition", f"{x} would cross memory with shape {ir.node(x).shape or 'scalar'}; "
                                          "only per-token rows (C, C×C, C×K, C×V) do")
     return Partition(ir, tuple(x for x in order if x in prep), crossing,
                      tuple(x for x in order if x in scan), tuple(x for x in order if x in carried),
-                     tuple(x for x in order if x in out))
+                     tuple(x for x in order if x in out), tuple(x for x in order if x in loaded))

@@ -72,13 +72,39 @@ class Program:
         return self._derive("autodiff", derive_backward)
 
     @property
+    def training_program(self) -> "Program":
+        """The forward's kernels as a training step runs them: the prep also stores its triangular
+        inverses (T_r for the delta rule), which the backward then loads instead of solving them
+        again (the inverse is most of a prep's work). The program itself when it has none."""
+        if "training_program" not in self._derived:
+            keep = tuple(n.name for n in self.chunk.of_op("inv_unit_lower"))
+            prog = self
+            if keep:
+                part = partition(self.chunk, keep=keep)
+                kir = schedule(part)
+                prog = Program(self.path, self.target, self.chunk_size, self.recurrence, self.chunk, kir,
+                               [s for s in self.stages if s[0] not in ("partition", "schedule")]
+                               + [("partition", part), ("schedule", kir)])
+            self._derived["training_program"] = prog
+        return self._derived["training_program"]
+
+    def stored(self) -> tuple:
+        """The values the training forward's kernels leave in memory per token (what a backward
+        may load instead of recomputing)."""
+        part = self.training_program.stage("partition")
+        return tuple(x for x in part.crossing + part.carried if x != self.chunk.state_in)
+
+    @property
     def backward_program(self) -> "Program":
         """The backward chunk program taken through partition and schedule: a Program of its own
-        whose kernels the runtime compiles like the forward's (kernels/backward.py runs them)."""
+        whose kernels the runtime compiles like the forward's (kernels/backward.py runs them).
+        The backward recomputes the forward from its inputs and the states entering each chunk;
+        what the training forward stored (self.stored()) its kernels load instead."""
         if "backward_program" not in self._derived:
             back = self.backward
             try:
-                part = partition(back)
+                provided = [x for x in self.stored() if _same_value(self.chunk, back, x)]
+                part = partition(back, provided=provided)
                 kir = schedule(part)
             except PassError:
                 raise
@@ -103,6 +129,24 @@ class Program:
             except Exception as e:  # noqa: BLE001 - a crash inside a derivation names it
                 raise PassError(name, f"{type(e).__name__}: {e}") from e
         return self._derived[name]
+
+
+def _same_value(fwd: ChunkIR, bwd: ChunkIR, name: str) -> bool:
+    """Whether `bwd` computes `name` as `fwd` does (autodiff copies the forward under its names,
+    the entering state as the saved one; CSE may have merged or dropped some)."""
+    if name not in bwd.graph:
+        return False
+    for x in fwd.closure([name]):
+        a = fwd.node(x)
+        b = bwd.node(x) if x in bwd.graph else None
+        if b is None:
+            return False
+        if a.op == "state_in":
+            if (b.op, b.attr.get("kind")) != ("input", "saved_state"):
+                return False
+        elif (a.op, a.args, a.attrs) != (b.op, b.args, b.attrs):
+            return False
+    return True
 
 
 def passes(chunk_size: int) -> list[Pass]:

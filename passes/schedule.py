@@ -2,9 +2,10 @@
 
 Placement rules (Hopper, TileLang):
   * loaded blocks (q, k, v, T_r) → shared memory in the io dtype (TMA loads inside the pipeline;
-    in the parallel kernels, synchronous loads right before the first reader, so that blocks with
-    disjoint lives share memory, or as an option split-phase TMA loads issued as early as the peak
-    of live shared memory allows: _place_loads); per-token vectors (g, β) → shared float32;
+    in the parallel kernels, split-phase TMA loads issued as early as the peak of live shared
+    memory allows and waited for right before the first reader, so that blocks with disjoint lives
+    share memory: _place_loads; synchronous loads without SPLIT_PHASE_LOADS); per-token vectors
+    (g, β) → shared float32;
   * matmul results → register fragments (float32 accumulators of wgmma);
   * a matmul operand that is computed → a shared io-dtype copy `<name>_s` (wgmma reads shared);
   * vectors over the chunk → shared float32 (the scan inlines them, and the parallel kernels a
@@ -12,7 +13,10 @@ Placement rules (Hopper, TileLang):
     are not stored at all: they are inlined where they are used;
   * a block crossing to a later kernel leaves through shared memory as whole rows: its bf16 wgmma
     copy if it has one, else staged in a shared block of its shape whose work is done, if there is
-    one (else straight from its fragment);
+    one (else straight from its fragment, and right after its last reader if it is not a wgmma's
+    result and wgmmas follow: _store_early);
+  * a parallel kernel runs on one warpgroup (128 threads), or two when its live fragments would
+    not fit in one's registers (FRAGMENT_REGISTERS);
   * `x + A·B` with A·B used once accumulates into x's fragment; an element-wise x whose only
     fragment input dies there is computed in place (the state decays in place, then S += Kᵀ V).
 
@@ -20,6 +24,8 @@ The state stays in a register fragment for the whole sequence; the V dimension i
 BV-wide blocks over CTAs (valid because no matmul contracts over V, which is checked).
 """
 from __future__ import annotations
+
+import os
 
 import networkx as nx
 
@@ -426,11 +432,11 @@ def _store_rows(ir: ChunkIR, b: _Builder, name: str) -> Stmt:
     return Stmt("store", global_name(ir, name), (b.place[name],), (("rows", "n_valid"),))
 
 
-# Split-phase TMA loads in the parallel kernels (_place_loads). Off: on the H200 (session 4, run 3)
-# they gave the right forward, but a wrong d q until the WAR barrier (`sync`) was added, and with
-# that barrier they have not run on a GPU. The next GPU session turns this on, runs
-# tests/test_gpu_kernels.py, and measures (benchmarks/NOTES.md).
-SPLIT_PHASE_LOADS = False
+# Split-phase TMA loads in the parallel kernels (_place_loads): on the H200 (session 5) every kernel
+# matches the emulator with them; the forward's out kernel is 14% faster, its prep 7%, GDN's
+# backward out 15%. QLA_SPLIT_PHASE_LOADS=0 turns them off, e.g. to tell whether a wrong result
+# comes from them (the generated source differs: both variants cache side by side).
+SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 
 
 def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS) -> KernelIR:
@@ -452,32 +458,42 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS) -> Ke
 
 
 # Shared memory a parallel kernel may use (H100/H200 allow 227 KB per CTA; the margin leaves room
-# for TileLang's own scratch). An out kernel that needs more is split by output.
+# for TileLang's own scratch, and for its allocator packing less tightly than _live_shared counts).
+# An out kernel whose live blocks need more at their peak is split by output.
 SMEM_BUDGET = 200 * 1024
+# Registers per thread a parallel kernel's live fragments may fill at 128 threads (of 255; the rest
+# hold addresses and temporaries). A kernel that needs more runs on 256 threads, two warpgroups
+# splitting each wgmma's columns: GDN's backward out kernel (176 KB of live fragments) spilled
+# at 128 threads and took 15.4 ms on 16/64 × 32768, 6.9 ms at 256 (session 5, run B).
+FRAGMENT_REGISTERS = 224
 _DIM_BYTES = {"C": 64, "K": 128, "V": 128, "BV": 64, "1": 1}  # the largest shape class
 _DTYPE_BYTES = {"io": 2, "float32": 4, "tfloat32": 4, "int32": 4}
 
 
+def buffer_bytes(b: Buffer) -> int:
+    """A buffer's size at the largest supported head dims."""
+    n = _DTYPE_BYTES[b.dtype]
+    for d in b.shape:
+        n *= _DIM_BYTES[d]
+    return n
+
+
 def smem_bytes(buffers) -> int:
     """Shared memory of a kernel's buffers at the largest supported head dims (no reuse assumed)."""
-    total = 0
-    for b in buffers:
-        if b.scope == "shared":
-            n = _DTYPE_BYTES[b.dtype]
-            for d in b.shape:
-                n *= _DIM_BYTES[d]
-            total += n
-    return total
+    return sum(buffer_bytes(b) for b in buffers if b.scope == "shared")
 
 
 def _out_kernels(part: Partition, split_phase: bool) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
-    kernel per group of outputs, each recomputing what its outputs need."""
+    kernel per group of outputs, each recomputing what its outputs need. What must fit is the peak
+    of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
+    not overlap share memory (GDN's backward: one kernel for all five gradients, ~145 KB at its
+    peak, where the sum is ~310 KB; split five ways, ~45% of its matmuls ran more than once)."""
     roles = tuple(r for r in part.chunk.outputs if r != "state")
 
     def split(group):
         k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase)
-        if smem_bytes(k.buffers) <= SMEM_BUDGET or len(group) == 1:
+        if max(_live_shared({x.name: x for x in k.buffers}, k.body)) <= SMEM_BUDGET or len(group) == 1:
             return [k]
         half = (len(group) + 1) // 2
         return split(group[:half]) + split(group[half:])
@@ -486,7 +502,7 @@ def _out_kernels(part: Partition, split_phase: bool) -> list:
 
 def _prep_kernel(part: Partition, split_phase: bool) -> Kernel:
     ir = part.chunk
-    b = _build(ir, part.prep, (), tiled=False)
+    b = _build(ir, part.prep, part.provided, tiled=False)
     stores = []
     for x in part.crossing:
         if x in b.io_copy:  # already rounded to io in shared memory for a wgmma: the store reads that
@@ -494,8 +510,11 @@ def _prep_kernel(part: Partition, split_phase: bool) -> Kernel:
             b.place[x] = b.io_copy[x]
         elif x not in b.place:  # an element-wise combination: computed into registers for the store
             b.place[x] = b.fragment(x)
+    early = _store_early(b, part.crossing)
     free = _free_at_end(b, part.crossing)
     for x in part.crossing:
+        if x in early:
+            continue
         staging = next((f for f in free if b.buffers[f].shape == b.buffers[b.place[x]].shape), None)
         if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment" and staging:
             # a wgmma fragment spreads each row over 4 threads in 8-byte pieces: staged in a
@@ -504,16 +523,36 @@ def _prep_kernel(part: Partition, split_phase: bool) -> Kernel:
             b.body.append(Stmt("copy", staging, (b.place[x],)))
             b.place[x] = staging
         stores.append(_store_rows(ir, b, x))
-    params = _input_params(ir, part.prep, ()) + [CHUNK_MAP] + _head_params(ir, part.prep)
+    params = _input_params(ir, part.prep, part.provided) + [CHUNK_MAP] + _head_params(ir, part.prep)
     params += [_crossing_tensor(ir, x, "out") for x in part.crossing]
+    ops = {ir.node(x).op for x in part.prep if x not in part.provided}  # (provided values are loaded)
     work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by Neumann doubling on tf32 wgmma"),
                             ("cumsum", "chunk-local cumulative gates"),
-                            ("matmul", "the matmuls built on the inverse")) if any(
-        ir.node(x).op == op for x in part.prep)]
+                            ("matmul", "the matmuls built on the inverse" if "inv_unit_lower" in ops
+                             else "the per-token matmuls")) if op in ops]
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
                   list(b.buffers.values()), [], _place_loads(b, b.body + stores, split_phase), [],
                   roles=("all 4 warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
+
+
+def _store_early(b: _Builder, crossing) -> set:
+    """Store a crossing fragment that is not a wgmma's result straight from registers right after
+    its last reader when wgmmas still follow: kept for a staged store at the end, it would hold
+    its registers through them (the training prep's T_r, 16/64 × 32768: 2.29 ms kept to the end,
+    1.80 stored early, with split-phase loads).
+    A wgmma's result keeps the staged store at the end: whole-row stores through shared memory
+    beat storing each thread's 8-byte pieces (the forward prep's W stored early: 1.83 → 1.96 ms)."""
+    early = set()
+    for x in crossing:
+        frag = b.place[x]
+        if b.buffers[frag].scope != "fragment" or len(b.buffers[frag].shape) != 2 or b.ir.node(x).op == "matmul":
+            continue
+        last = max(i for i, st in enumerate(b.body) if frag in _reads(st) or st.dst == frag)
+        if any(st.op == "gemm" for st in b.body[last + 1:]):
+            b.body.insert(last + 1, _store_rows(b.ir, b, x))
+            early.add(x)
+    return early
 
 
 def _free_at_end(b: _Builder, keep) -> list:
@@ -526,7 +565,7 @@ def _free_at_end(b: _Builder, keep) -> list:
 
 def _scan_kernel(part: Partition) -> Kernel:
     ir = part.chunk
-    b = _build(ir, part.scan, part.crossing, tiled=True)
+    b = _build(ir, part.scan, part.crossing + part.provided, tiled=True)
     s_node = ir.outputs["state"]
     if b.place.get(s_node) != "state":
         raise PassError("schedule", f"the next state {s_node} is not accumulated in the state fragment")
@@ -541,7 +580,7 @@ def _scan_kernel(part: Partition) -> Kernel:
     uses_state_s = "state_s" in {s for st in b.body + stores for s in st.srcs}
     if uses_state_s:
         b.buf("state_s", ("K", "V"), "io", "shared")
-    params = _input_params(ir, part.scan, part.crossing)
+    params = _input_params(ir, part.scan, part.crossing + part.provided)
     params += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
                Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk"),
                Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
@@ -562,7 +601,7 @@ def _scan_kernel(part: Partition) -> Kernel:
 
 def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -> Kernel:
     ir = part.chunk
-    loaded = set(part.crossing) | set(part.carried)
+    loaded = set(part.crossing) | set(part.carried) | set(part.provided)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
     b = _build(ir, nodes, loaded, tiled=False)
@@ -587,9 +626,11 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
     params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
     what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
-    return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _place_loads(b, b.body + stores, split_phase), [],
-                  roles=(f"all 4 warps: {what} from the entering state and the chunk's own tokens",),
+    body = b.body + stores
+    threads = THREADS if _live_fragments(b.buffers, body) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
+    return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
+                  list(b.buffers.values()), [], _place_loads(b, body, split_phase), [],
+                  roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own tokens",),
                   doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
 
 
@@ -651,7 +692,7 @@ def _earliest_issue(b: _Builder, stmts: list, name: str) -> int:
     TileLang's allocator packs less tightly than this estimate: with the block allowed right up
     to the peak, GDN's backward prep took 8 KB more than it had, one CTA per SM less."""
     size = smem_bytes([b.buffers[name]])
-    live = _live_shared(b, stmts)
+    live = _live_shared(b.buffers, stmts)
     wait = next(i for i, st in enumerate(stmts) if st.op == "wait_load" and st.dst == name)
     peak = max(live, default=0)
     at = wait
@@ -660,16 +701,26 @@ def _earliest_issue(b: _Builder, stmts: list, name: str) -> int:
     return at
 
 
-def _live_shared(b: _Builder, stmts: list) -> list:
-    """Bytes of shared memory live at each statement: every shared buffer from its first touch
-    (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
+def _live(buffers: dict, stmts: list, scope: str) -> list:
+    """The buffers of `scope` live at each statement (from first touch to last)."""
     first, last = {}, {}
     for i, st in enumerate(stmts):
         for x in _reads(st) | {st.dst}:
-            if x in b.buffers and b.buffers[x].scope == "shared":
+            if x in buffers and buffers[x].scope == scope:
                 first.setdefault(x, i)
                 last[x] = i
-    live = [smem_bytes([b.buffers[x] for x in first if first[x] <= i <= last[x]]) for i in range(len(stmts))]
+    return [[buffers[x] for x in first if first[x] <= i <= last[x]] for i in range(len(stmts))]
+
+
+def _live_fragments(buffers: dict, stmts: list) -> int:
+    """Peak bytes of fragments (registers, over all threads) live at once."""
+    return max((sum(buffer_bytes(b) for b in bs) for bs in _live(buffers, stmts, "fragment")), default=0)
+
+
+def _live_shared(buffers: dict, stmts: list) -> list:
+    """Bytes of shared memory live at each statement: every shared buffer from its first touch
+    (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
+    live = [smem_bytes(bs) for bs in _live(buffers, stmts, "shared")]
     scratch = smem_bytes([Buffer("", ("C", "C"), dt, scope) for scope, dt in INVERSE_SCRATCH.values()])
     return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
 

@@ -104,7 +104,8 @@ def test_split_phase_loads_arrive_on_their_barriers():
     prog = qla_compiler.compile_spec("gdn")
     shape = ShapeClass(H=2, HV=8, K=128, V=128, BV=64)
     for p, at_least in ((prog, 6), (prog.backward_program, 10)):
-        src = "\n".join(lower_to_cuda(dataclasses.replace(p, kernels=_split_phase(p)), shape).values())
+        kir = schedule(p.stage("partition"), split_phase_loads=True)
+        src = "\n".join(lower_to_cuda(dataclasses.replace(p, kernels=kir), shape).values())
         assert _split_phase_loads_complete(src) >= at_least
         for kernel in src.split('extern "C" __global__')[1:]:
             for m in re.finditer(r"\w+_bar\[0\]\.arrive_and_expect_tx\(", kernel):
@@ -171,11 +172,60 @@ def test_backward_program_has_a_reverse_scan_and_per_output_kernels():
     gemms = [(s.dst, s.srcs) for s in scan.body if s.op == "gemm"]
     assert [d for d, _ in gemms] == ["d_v_new_S_update", "state", "state", "state"]
     assert gemms[2][1] == ("q_s", "d_QS_s") and gemms[3][1] == ("q_s", "d_QS_lo_s")
-    # one kernel for every gradient would not fit in shared memory: split by output, each
-    # computing only what its outputs need
+    # every gradient from one kernel: they share most of their loads and matmuls, and the blocks
+    # live at once fit in shared memory
     outs = [k for k in prog.kernels.kernels if k.kind == "out"]
-    assert sorted(r for k in outs for r in k.outputs) == sorted(["d_q", "d_k", "d_v", "d_g", "d_beta"])
-    assert all({p.name for p in k.params if p.role == "out"} == set(k.outputs) for k in outs)
+    assert [sorted(k.outputs) for k in outs] == [sorted(["d_q", "d_k", "d_v", "d_g", "d_beta"])]
+    assert {p.name for p in outs[0].params if p.role == "out"} == set(outs[0].outputs)
+
+
+def test_backward_kernels_load_what_the_training_forward_stored():
+    """The training forward's prep also stores T_r; the backward's kernels load it, W, v_new and
+    the cumulative gates instead of recomputing them: no inverse left in the backward. The
+    inference forward stores no T_r."""
+    prog = qla_compiler.compile_spec("gdn")
+    made = {p.name for k in prog.training_program.kernels.kernels for p in k.params if p.role == "out"}
+    assert "T_r_rows" in made
+    assert "T_r_rows" not in {p.name for k in prog.kernels.kernels for p in k.params}
+    bks = prog.backward_program.kernels.kernels
+    reads = {p.name for k in bks for p in k.params if p.role == "in"}
+    assert {"T_r_rows", "W_rows", "v_new_rows", "g_cum"} <= reads & made
+    assert not {p.name for k in bks for p in k.params if p.role == "out"} & made - {"final_state"}
+    assert not [s for k in bks for s in k.body if s.op == "inverse" or (s.op == "cumsum" and not s.attr.get("reverse"))]
+    # the prep's products: QKᵀ, the intra-chunk dv_new, dP, and dP's two products with k and q
+    assert len([s for s in bks[0].body if s.op == "gemm"]) == 5
+    # a spec without an inverse trains with its own forward
+    simple = qla_compiler.compile_spec("simple_gla")
+    assert simple.training_program is simple
+
+
+def test_a_kernel_takes_a_second_warpgroup_only_for_its_registers(capsys):
+    """GDN's backward out kernel keeps ~176 KB of fragments live at once, more than one
+    warpgroup's registers hold (it spilled): it runs on 256 threads; every other kernel on 128."""
+    prog = qla_compiler.compile_spec("gdn")
+    threads = {k.name: k.threads for k in prog.kernels.kernels + prog.backward_program.kernels.kernels}
+    assert threads.pop("gdn_backward_out") == 256 and set(threads.values()) == {128}
+    assert main(["gdn", "--emit", "tilelang", "--backward", "--shape", SHAPE]) == 0
+    assert "with T.Kernel(CH, HV, threads=256)" in capsys.readouterr().out
+
+
+def test_out_kernels_split_by_live_shared_memory(monkeypatch):
+    """Under a smaller shared-memory budget the gradients split into groups, each kernel computing
+    only what its outputs need and staying under the budget at its peak of live blocks (not the
+    sum of its blocks, which reuse each other's memory)."""
+    import qla_compiler.passes.schedule as sched
+
+    part = partition(qla_compiler.compile_spec("gdn").backward)
+    whole = [k for k in schedule(part).kernels if k.kind == "out"][0]
+    assert sched.smem_bytes(whole.buffers) > sched.SMEM_BUDGET  # the sum alone would have split it
+    monkeypatch.setattr(sched, "SMEM_BUDGET", 120 * 1024)
+    outs = [k for k in schedule(part).kernels if k.kind == "out"]
+    assert len(outs) > 1
+    assert sorted(r for k in outs for r in k.outputs) == sorted(whole.outputs)
+    for k in outs:
+        assert {p.name for p in k.params if p.role == "out"} == set(k.outputs)
+        assert max(sched._live_shared({b.name: b for b in k.buffers}, k.body)) <= 120 * 1024 or len(k.outputs) == 1
+        assert len(k.body) < len(whole.body)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -194,17 +244,19 @@ def test_backward_lowers_to_cuda_with_reductions(tmp_path):
     assert "tl::wgmma_ss<" in src and "tl::AllReduce<tl::SumOp" in src
 
 
-def _split_phase(prog):
-    """The program's KernelIR with split-phase loads (schedule's option, off by default)."""
-    return schedule(partition(prog.chunk), split_phase_loads=True)
+def _scheduled(prog, split_phase: bool):
+    """The kernels of the program and of its backward, with or without split-phase loads (the
+    default is schedule.SPLIT_PHASE_LOADS)."""
+    return [schedule(p.stage("partition"), split_phase_loads=split_phase) for p in (prog, prog.backward_program)]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
-    """By default a block's load is synchronous: loaded first, every block would be alive in the
-    whole kernel and none could share memory, and loading early would hide nothing."""
+    """Without split-phase loads a block's load is synchronous: loaded first, every block would be
+    alive in the whole kernel and none could share memory, and loading early would hide nothing."""
     prog = qla_compiler.compile_spec(name)
-    for k in prog.kernels.kernels + prog.backward_program.kernels.kernels:
+    kirs = _scheduled(prog, split_phase=False)
+    for k in kirs[0].kernels + kirs[1].kernels:
         if k.loop:
             continue
         body = k.body
@@ -217,7 +269,7 @@ def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
                 f"{k.name}: {st} is loaded before it is needed"
             assert not any(st.dst in _reads(body[j]) | {body[j].dst} for j in range(i)), \
                 f"{k.name}: {st.dst} used before its load"
-    prep = prog.kernels.kernels[0]
+    prep = kirs[0].kernels[0]
     if name == "gdn":  # v is needed only after the inverse: its block does not exist during it
         order = [(s.op, s.dst) for s in prep.body]
         assert order.index(("load", "v_s")) > next(i for i, (op, _) in enumerate(order) if op == "inverse")
@@ -231,7 +283,7 @@ def test_split_phase_loads_issue_early_and_wait_right_before_the_reader(name):
     has a barrier first (its memory may be an earlier block's). Vectors (through registers) come
     first, after the issues of blocks needed at once."""
     prog = qla_compiler.compile_spec(name)
-    for kir in (_split_phase(prog), _split_phase(prog.backward_program)):
+    for kir in _scheduled(prog, split_phase=True):
         for k in kir.kernels:
             if k.loop:
                 continue
@@ -286,10 +338,12 @@ def test_only_the_backward_chain_splits_its_products(name):
     assert any(b.name.endswith("_lo_s") for b in bwd_scan.buffers)
 
 
-def test_backward_prep_stores_its_wgmma_copies():
-    """W and v_new were rounded to bf16 in shared memory for the prep's own wgmmas: the stores read
-    those (no float32 copy, nor U and W·S0 to recompute v_new from, kept alive to the end)."""
-    prep = qla_compiler.compile_spec("gdn").backward_program.kernels.kernels[0]
+def test_prep_stores_its_wgmma_copies():
+    """DeltaNet's inverse T was rounded to bf16 in shared memory for the prep's own wgmmas (W, U):
+    the training prep stores that copy (no float32 fragment kept alive to the end for it)."""
+    prep = qla_compiler.compile_spec("delta_net").training_program.kernels.kernels[0]
     stores = {s.dst: s.srcs[0] for s in prep.body if s.op == "store"}
-    assert stores["W_rows"] == "W_s" and stores["v_new_rows"] == "v_new_s"
-    assert "v_new_f" not in {b.name for b in prep.buffers}
+    assert stores["T_rows"] == "T_s"
+    copies = [i for i, s in enumerate(prep.body) if s.op == "copy" and s.dst == "T_s"]
+    reads = [i for i, s in enumerate(prep.body) if s.op == "gemm" and s.srcs[0] == "T_s"]
+    assert len(copies) == 1 and len(reads) == 2 and copies[0] < reads[0]
