@@ -11,6 +11,7 @@
     qla-compile specs/gdn.py --emit tilelang -o out/        # the generated TileLang module
     qla-compile specs/gdn.py --emit cuda --shape H=4,HV=16,K=128,V=128,BV=32
     qla-compile specs/gdn.py --emit kernel --backward       # the backward program's kernels
+    qla-compile specs/gdn.py --emit kernel --training       # the forward a training step runs
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
                     help=f"shape class for --emit tilelang/cuda (default: {DEFAULT_SHAPE})")
     ap.add_argument("--backward", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the backward program's kernels")
+    ap.add_argument("--training", action="store_true",
+                    help="with --emit kernel/tilelang/cuda: the forward's kernels as a training step runs "
+                         "them (they also store what the backward loads, e.g. T_r)")
     ap.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass")
     ap.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
     ap.add_argument("--check", action="store_true",
@@ -62,10 +66,13 @@ def main(argv=None) -> int:
             print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
         try:
-            if args.backward:
-                if args.emit not in ("kernel", "tilelang", "cuda"):
-                    raise ValueError("--backward goes with --emit kernel, tilelang or cuda")
-                prog = prog.backward_program
+            if args.backward and args.training:
+                raise ValueError("--backward and --training: choose one")
+            for flag, variant in (("backward", "backward_program"), ("training", "training_program")):
+                if getattr(args, flag):
+                    if args.emit not in ("kernel", "tilelang", "cuda"):
+                        raise ValueError(f"--{flag} goes with --emit kernel, tilelang or cuda")
+                    prog = getattr(prog, variant)
             text = _emit(args.emit, prog, args.shape)
         except (PassError, ValueError) as e:
             print(f"qla-compile: error: {e}", file=sys.stderr)
@@ -78,7 +85,8 @@ def main(argv=None) -> int:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         ext = {"tilelang": "py", "cuda": "cu"}.get(args.emit, "txt")
-        name = f"{prog.recurrence.name}{'.backward' if args.backward else ''}.{args.emit or 'summary'}.{ext}"
+        variant = ".backward" if args.backward else ".training" if args.training else ""
+        name = f"{prog.recurrence.name}{variant}.{args.emit or 'summary'}.{ext}"
         (out / name).write_text(text + "\n")
         print(f"wrote {out / name}", file=sys.stderr)
     return 0

@@ -60,3 +60,14 @@ def test_backward_flag_goes_with_kernel_outputs(capsys):
     assert "kernel gdn_backward_scan" in out and "last to first" in out
     assert main(["gdn", "--emit", "chunk", "--backward"]) == 1
     assert "--backward goes with --emit kernel, tilelang or cuda" in capsys.readouterr().err
+
+
+def test_training_flag_shows_the_forward_that_stores_T_r(capsys, tmp_path):
+    assert main(["gdn", "--emit", "kernel", "--training", "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "out T_r_rows" in out and "kernel gdn_scan" in out
+    assert (tmp_path / "gdn.training.kernel.txt").read_text().startswith("kernel_program gdn")
+    assert main(["gdn", "--emit", "kernel"]) == 0
+    assert "T_r_rows" not in capsys.readouterr().out
+    assert main(["gdn", "--emit", "kernel", "--training", "--backward"]) == 1
+    assert "choose one" in capsys.readouterr().err

@@ -199,6 +199,19 @@ def test_backward_kernels_load_what_the_training_forward_stored():
     assert simple.training_program is simple
 
 
+def test_provided_values_are_loaded_and_must_be_state_free():
+    """partition's `provided`: a value another program stored is loaded, not recomputed, and
+    only a state-free value can be (one that depends on the carried state cannot exist ahead)."""
+    from qla_compiler.errors import PassError
+
+    back = qla_compiler.compile_spec("gdn").backward
+    plain, given = partition(back), partition(back, provided=["T_r"])
+    assert "T_r" in plain.crossing and "T_r" not in given.crossing and given.provided == ("T_r",)
+    assert "A_r" in plain.prep and "A_r" not in given.prep  # what the inverse is of: not built
+    with pytest.raises(PassError, match="state-free"):
+        partition(back, provided=["d_v_new"])
+
+
 def test_a_kernel_takes_a_second_warpgroup_only_for_its_registers(capsys):
     """GDN's backward out kernel keeps ~176 KB of fragments live at once, more than one
     warpgroup's registers hold (it spilled): it runs on 256 threads; every other kernel on 128."""
