@@ -27,13 +27,17 @@ from qla_compiler.passes.lower_tilelang import ShapeClass
 H200_SMS = 132
 
 
-def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages=None):
-    """The shape classes one call compiles: what kernels/forward.py picks for these sizes."""
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages=None, bv=None):
+    """The shape classes one call compiles: what kernels/forward.py picks for these sizes (`bv`:
+    the V-block qla-bench --block-v forces instead)."""
     stages = stages or SCAN_STAGES
+
+    def v_block(width, n):
+        return min(bv, width) if bv else block_v(width, HV, n, sms)
     if not cp:
-        return [(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=block_v(K, HV, n_seqs, sms), io=io, stages=stages))]
+        return [(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=v_block(K, n_seqs), io=io, stages=stages))]
     n = n_seqs * cp  # segments are scanned as sequences, once on [0 | v] (width K + V), once on v
-    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=block_v(w, HV, n, sms), io=io, stages=stages))
+    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=v_block(w, n), io=io, stages=stages))
             for w in (2 * K, K)]
 
 
@@ -59,13 +63,13 @@ def for_gpu_tests():
     return out
 
 
-def for_bench(cp=None, rows=ROWS, stages=None, backward=False):
+def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):
     out = []
     for row in rows:
         H, HV, lens = parse_row(row)
-        items = classes("gdn", H, HV, 128, len(lens), stages=stages)
+        items = classes("gdn", H, HV, 128, len(lens), stages=stages, bv=bv)
         if cp:
-            items += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages)
+            items += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv)
         out += _with_backward(items) if backward else items  # qla-bench --backward: both programs
     return out
 
@@ -106,7 +110,7 @@ def pack_used(cache: Path, since: float, out: str) -> None:
 def parse(item):
     spec, heads, K, io, BV = item.split(":")
     H, HV = map(int, heads.split("/"))
-    return spec, ShapeClass(H=H, HV=HV, K=int(K), V=int(K), BV=int(BV), io=io)
+    return spec, ShapeClass(H=H, HV=HV, K=int(K), V=int(K), BV=int(BV), io=io, stages=SCAN_STAGES)
 
 
 def main(argv):
@@ -118,6 +122,7 @@ def main(argv):
     ap.add_argument("--rows", nargs="*", default=ROWS, help="with --bench: only these rows")
     ap.add_argument("--scan-stages", type=int, help="with --bench: for qla-bench --scan-stages N")
     ap.add_argument("--backward", action="store_true", help="with --bench: for qla-bench --backward")
+    ap.add_argument("--block-v", type=int, metavar="BV", help="with --bench: for qla-bench --block-v BV")
     ap.add_argument("--tar", metavar="PATH", help="then pack the cache entries this run used into PATH")
     ap.add_argument("--shard", metavar="I/N", help="compile only every N-th class from the I-th (0-based): "
                                                     "N processes share the machine's cores; then one run with --tar")
@@ -126,7 +131,7 @@ def main(argv):
     if args.tar:
         forget_reads(cache)
     todo = [parse(i) for i in args.items] + (for_gpu_tests() if args.tests else []) \
-        + (for_bench(args.cp, args.rows, args.scan_stages, args.backward) if args.bench else [])
+        + (for_bench(args.cp, args.rows, args.scan_stages, args.backward, args.block_v) if args.bench else [])
     todo = list(dict.fromkeys(todo))
     if args.shard:
         i, n = map(int, args.shard.split("/"))

@@ -191,11 +191,15 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's SCAN_STAGES)")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
+    ap.add_argument("--block-v", type=int, choices=(16, 32, 64),
+                    help="the scan's V-block, for every row (default: kernels/forward.py's block_v choice)")
     args = ap.parse_args(argv)
-    if args.scan_stages:
-        from qla_compiler.kernels import forward
+    from qla_compiler.kernels import forward
 
+    if args.scan_stages:
         forward.SCAN_STAGES = args.scan_stages
+    if args.block_v:
+        forward.choose_block_v = lambda V, HV, N, device: min(args.block_v, V)
     run(args.rows, args.plot, args.cp, args.only, args.backward)
     return 0
 

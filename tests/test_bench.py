@@ -56,3 +56,17 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
         op.program.backward_program.kernels.kernels):]]
     for n in ("q", "k", "v", "g", "beta", "initial_state"):
         assert seen[n].grad is not None and torch.isfinite(seen[n].grad).all(), n
+
+
+def test_block_v_option_forces_the_scans_v_block(monkeypatch):
+    import pytest
+
+    import qla_compiler.bench as bench
+    from qla_compiler.kernels import forward as fwd
+
+    monkeypatch.setattr(fwd, "choose_block_v", fwd.choose_block_v)  # restored after the test
+    monkeypatch.setattr(bench, "run", lambda *a, **k: [])
+    assert bench.main(["--block-v", "16", "--rows", "2/8:1x8192"]) == 0
+    assert fwd.choose_block_v(128, 8, 1, None) == 16
+    with pytest.raises(SystemExit):  # the V-blocks the lowering builds: 16, 32, 64
+        bench.main(["--block-v", "8"])
