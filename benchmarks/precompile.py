@@ -41,7 +41,7 @@ def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages
             for w in (2 * K, K)]
 
 
-def _with_backward(items) -> list:
+def _with_training(items) -> list:
     """The classes, each also for its spec's training forward and backward program (training runs
     both at one class)."""
     return items + [(f"{spec}.{part}", shape) for part in ("training", "backward") for spec, shape in items]
@@ -51,15 +51,15 @@ def for_gpu_tests():
     """The classes tests/test_gpu_*.py use (keep in step with those files)."""
     out = []
     for n in (8, 2, 1, 3):  # test_gpu_forward's GDN cases, and test_gpu_backward's (the same classes)
-        out += _with_backward(classes("gdn", 2, 8, 128, n))
-    out += _with_backward(classes("gdn", 1, 2, 64, 3, io="float16"))  # fp16, K = V = 64
+        out += _with_training(classes("gdn", 2, 8, 128, n))
+    out += _with_training(classes("gdn", 1, 2, 64, 3, io="float16"))  # fp16, K = V = 64
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
-        out += _with_backward(classes(spec, 2, 2, 128, 3))
+        out += _with_training(classes(spec, 2, 2, 128, 3))
     for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
         for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
-            out += _with_backward([(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32))])
+            out += _with_training([(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32))])
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
-        out += _with_backward(classes("gdn", 2, 8, 128, 3, cp=s))
+        out += _with_training(classes("gdn", 2, 8, 128, 3, cp=s))
     return out
 
 
@@ -70,7 +70,7 @@ def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):
         items = classes("gdn", H, HV, 128, len(lens), stages=stages, bv=bv)
         if cp:
             items += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv)
-        out += _with_backward(items) if backward else items  # qla-bench --backward: both programs
+        out += _with_training(items) if backward else items  # qla-bench --backward: both programs
     return out
 
 

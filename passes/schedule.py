@@ -641,15 +641,15 @@ def _zero_pad(b: _Builder, only_partial: bool) -> list:
             for s in b.loads if s.op == "load"]
 
 
-def _place_loads(b: _Builder, body: list, split_phase: bool = False) -> list:
+def _place_loads(b: _Builder, body: list, split_phase: bool) -> list:
     """The parallel kernels' statements, with their loads placed by shared-memory liveness.
 
-    By default each block is loaded through registers right before its first reader, its padding
-    rows zeroed on the way, so that blocks whose lives do not overlap share shared memory (the
-    loads are synchronous: issuing them all first would hide no latency and keep every block
-    alive through the whole kernel).
+    Without `split_phase` each block is loaded through registers right before its first reader,
+    its padding rows zeroed on the way, so that blocks whose lives do not overlap share shared
+    memory (the loads are synchronous: issuing them all first would hide no latency and keep every
+    block alive through the whole kernel).
 
-    With `split_phase` (see SPLIT_PHASE_LOADS) vectors are loaded first, and a block (the chunk's
+    With `split_phase` (the default, SPLIT_PHASE_LOADS) vectors are loaded first, and a block (the chunk's
     rows of a per-token tensor, or the state entering the chunk) is a TMA copy in two phases:
     issued as early as it fits under the kernel's peak of live shared memory, waited for right
     before its first reader, so its latency overlaps the work in between. A partial chunk's rows
