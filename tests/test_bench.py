@@ -66,7 +66,7 @@ def test_block_v_option_forces_the_scans_v_block(monkeypatch):
 
     monkeypatch.setattr(fwd, "choose_block_v", fwd.choose_block_v)  # restored after the test
     monkeypatch.setattr(bench, "run", lambda *a, **k: [])
-    assert bench.main(["--block-v", "16", "--rows", "2/8:1x8192"]) == 0
-    assert fwd.choose_block_v(128, 8, 1, None) == 16
+    assert bench.main(["--block-v", "64", "--rows", "2/8:1x8192"]) == 0
+    assert fwd.choose_block_v(128, 8, 1, None) == 64  # block_v alone picks 16 there
     with pytest.raises(SystemExit):  # the V-blocks the lowering builds: 16, 32, 64
         bench.main(["--block-v", "8"])

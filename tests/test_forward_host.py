@@ -75,3 +75,11 @@ def test_sequence_layout_is_reused_while_cu_seqlens_is_unchanged():
     n = len(layout.entries)
     del own
     assert len(layout.entries) == n - 1
+
+
+def test_block_v_widest_that_fills_the_sms_else_narrowest():
+    # H200 (132 SMs), one sequence: 64 heads fill the SMs at 64 wide, 32 at 32; 16 and fewer
+    # heads run at 16, the narrowest the lowering builds (more CTAs for a latency-bound scan)
+    assert [fwd.block_v(128, hv, 1, 132) for hv in (64, 32, 16, 8)] == [64, 32, 16, 16]
+    assert fwd.block_v(128, 8, 8, 132) == 64  # eight sequences give the CTAs
+    assert fwd.block_v(64, 4, 1, 132) == 16
