@@ -28,7 +28,8 @@ def reads_from_forward(program) -> set:
 
 
 def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Tensor, d_final, segments=None):
-    """Gradients of every input (name -> tensor shaped like the input, float32) and of the
+    """Gradients of every input (name -> tensor shaped like the input: float32, a value's in the io
+    dtype, which its out kernel writes directly since no group sum follows) and of the
     initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state.
     With `segments` the reverse scan runs context-parallel, as the forward's can."""
     bprog = program.backward_program

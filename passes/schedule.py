@@ -609,11 +609,15 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -
     for role in roles:
         x = ir.outputs[role]
         shape = ir.node(x).shape
-        if role == "o":  # the op's output, in the io dtype, staged in shared memory for whole-row stores
-            o_buf = b.buf("o_s", ("C", "V"), "io", "shared")
-            stores += [Stmt("ewise", o_buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
-                       Stmt("store", "o", (o_buf,), (("rows", "n_valid"),))]
-            outs.append(Tensor("o", ("1", "T", "HV", "V"), "io", "out"))
+        of = ir.node(role[2:]) if role.startswith("d_") and role[2:] in ir.graph else None
+        if role == "o" or (of is not None and of.attr.get("kind") == "value"):
+            # the op's output, or a value's gradient (one per value head, nothing for the host to
+            # sum: it leaves in the io dtype the op returns), staged in shared memory for whole-row stores
+            buf = b.buf(f"{role}_s", ("C", "V"), "io", "shared")
+            stores += [Stmt("ewise", buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
+                       Stmt("store", role, (buf,), (("rows", "n_valid"),))]
+            outs.append(Tensor(role, ("1", "T", "HV", "V"), "io", "out",
+                               "per token, per value head" if role != "o" else ""))
         elif shape == ("C",):  # a gradient per token (gates, scalars), float32
             if x not in b.place or b.buffers[b.place[x]].scope != "shared":
                 dst = b.buf(f"{x}_s", ("C",), "float32", "shared")

@@ -177,6 +177,11 @@ def test_backward_program_has_a_reverse_scan_and_per_output_kernels():
     outs = [k for k in prog.kernels.kernels if k.kind == "out"]
     assert [sorted(k.outputs) for k in outs] == [sorted(["d_q", "d_k", "d_v", "d_g", "d_beta"])]
     assert {p.name for p in outs[0].params if p.role == "out"} == set(outs[0].outputs)
+    # d_v has no group to sum over: written in the io dtype the op returns (no cast on the host),
+    # as whole rows staged in shared memory; the keys' gradients stay float32 for the group sum
+    dtypes = {p.name: p.dtype for p in outs[0].params if p.role == "out"}
+    assert dtypes["d_v"] == "io" and dtypes["d_k"] == dtypes["d_q"] == "float32"
+    assert [s.srcs for s in outs[0].body if s.op == "store" and s.dst == "d_v"] == [("d_v_s",)]
 
 
 def test_backward_kernels_load_what_the_training_forward_stored():
