@@ -68,8 +68,19 @@ class Program:
 
     @property
     def backward(self) -> ChunkIR:
-        """The chunk program's VJP (passes/autodiff.py), derived on first use."""
-        return self._derive("autodiff", derive_backward)
+        """The chunk program's VJP (passes/autodiff.py), derived on first use, of the program as it
+        was before the first forward-only rewrite (see `differentiated`)."""
+        return self._derive("autodiff", derive_backward, self.differentiated)
+
+    @property
+    def differentiated(self) -> ChunkIR:
+        """The chunk program the backward is the VJP of: the final one, or the one just before the
+        first rewrite marked forward_only (a rewrite that shapes only the forward's kernels; both
+        programs compute the same values, the rewrites' proofs say so)."""
+        names = [n for n, _ in self.stages]
+        first = next((p.name for p in CHUNK_PASSES if getattr(p, "forward_only", False) and p.name in names),
+                     None)
+        return self.stages[names.index(first) - 1][1] if first else self.chunk
 
     @property
     def training_program(self) -> "Program":
@@ -120,10 +131,10 @@ class Program:
         """The chunk program's state update as S ↦ M S + H (passes/affine.py), derived on first use."""
         return self._derive("affine", derive_affine)
 
-    def _derive(self, name: str, fn) -> ChunkIR:
+    def _derive(self, name: str, fn, source: ChunkIR | None = None) -> ChunkIR:
         if name not in self._derived:
             try:
-                self._derived[name] = fn(self.chunk)
+                self._derived[name] = fn(self.chunk if source is None else source)
             except (SpecError, PassError):
                 raise
             except Exception as e:  # noqa: BLE001 - a crash inside a derivation names it

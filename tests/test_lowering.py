@@ -47,7 +47,9 @@ def test_gdn_scan_keeps_only_the_state_chain():
     assert "T_r = inverse A_r_s" in text
     # two matmuls per chunk on the sequential path, the state decays then accumulates in place
     gemms = [str(s) for s in scan.body if s.op == "gemm"]
-    assert gemms == ["WS = W_s · state_s   (wgmma)", "state += k_decayed_sᵀ · v_new_s   (wgmma)"]
+    # the decay to the chunk's end scales the C×BV value side (decay_value_side), not C×K keys
+    assert gemms == ["WS = W_s · state_s   (wgmma)", "state += k_sᵀ · v_new_decayed_s   (wgmma)"]
+    assert scan.buffer("v_new_decayed_s").shape == ("C", "BV") and "k_decayed_s" not in str(scan)
     assert scan.buffer("state").scope == "fragment"
     assert {p.name for p in scan.params if p.role == "out"} == {"S0_chunks", "v_new_rows", "final_state"}
     # the output is parallel over chunks again, from the stored entering states

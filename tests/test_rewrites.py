@@ -66,7 +66,8 @@ PROVED = [r for r in REWRITES if r.proof is not None]
 
 def test_the_rewrites_with_proofs_are_the_algebraic_ones():
     names = {r.name for r in PROVED}
-    assert {"fold_constant_gates", "gate_out_of_inverse", "fold_wy", "factor_scalar", "exp2"} <= names
+    assert {"fold_constant_gates", "gate_out_of_inverse", "fold_wy", "factor_scalar", "exp2",
+            "decay_value_side"} <= names
     names = pass_names()
     assert names[:3] == ["frontend", "classify", "chunk"]
     assert names[3:3 + len(CHUNK_PASSES)] == [p.name for p in CHUNK_PASSES]
@@ -106,6 +107,13 @@ def _wrong_fold_wy():
     return T * B1 - (T * B2) * S, T * B1 - B2 * (T * S)
 
 
+def _wrong_decay_value_side():
+    # the decay on the value side's columns instead of its rows: (DK)ᵀX ≠ Kᵀ(XD)
+    d = sp.diag(*sp.symbols("d0:2"))
+    K, X = sp.Matrix(2, 2, sp.symbols("k0:4")), sp.Matrix(2, 2, sp.symbols("x0:4"))
+    return (d * K).T * X, K.T * (X * d)
+
+
 def _wrong_exp2():
     x = sp.Symbol("x", real=True)
     return sp.exp(x), 2 ** (x * sp.log(2))  # multiplied by ln 2 instead of log₂e
@@ -114,7 +122,8 @@ def _wrong_exp2():
 @pytest.mark.parametrize("name, wrong", [("gate_out_of_inverse", _wrong_gate_inverse),
                                          ("factor_scalar", _wrong_factor_scalar),
                                          ("fold_wy", _wrong_fold_wy),
-                                         ("exp2", _wrong_exp2)])
+                                         ("exp2", _wrong_exp2),
+                                         ("decay_value_side", _wrong_decay_value_side)])
 def test_a_wrong_identity_is_not_proved(name, wrong):
     """Negative control: the same check on a deliberately wrong identity fails."""
     r = next(r for r in REWRITES if r.name == name)
@@ -382,3 +391,17 @@ def test_stop_after_unknown_pass(capsys):
 def test_check_flag(capsys):
     assert main([GDN, "--check"]) == 0
     assert "chunk program (C=64)" in capsys.readouterr().out
+
+
+def test_decay_value_side_shapes_the_forward_and_the_backward_differentiates_before_it():
+    """The state update scales the value side (C×BV per scan CTA) in the forward; the VJP is taken
+    of the program before the forward-only rewrite, where the decay's gradient is a row sum over K."""
+    prog = qla_compiler.compile_spec("gdn")
+    update = next(n for n in prog.chunk.of_op("matmul") if n.attr.get("ta") and n.shape == ("K", "V"))
+    keys, values = (prog.chunk.node(a) for a in update.args)
+    assert keys.op == "input" and values.op == "scale_rows" and values.args[1] == "v_new"
+    assert prog.differentiated is prog.stage("cse") and "decay_value_side" in prog.chunk.history
+    assert "k_decayed" in prog.backward.graph and "v_new_decayed" not in prog.backward.graph
+    # a spec with a scalar gate takes it too (its update is free of the state: the prep scales v)
+    gla = qla_compiler.compile_spec("simple_gla").chunk
+    assert "v_decayed" in gla.graph and "k_decayed" not in gla.graph
