@@ -41,6 +41,8 @@ from .rewrites import CHUNK_PASSES
 from .verify_exponents import verify_exponents
 
 TARGETS = ("sm90", "cpu")
+# the rewrites that shape kernels, by name (Program.differentiated, Program._shaped)
+_SHAPING = {p.name: p for p in CHUNK_PASSES if getattr(p, "shapes_kernels", False)}
 
 
 @dataclass(frozen=True)
@@ -68,19 +70,24 @@ class Program:
 
     @property
     def backward(self) -> ChunkIR:
-        """The chunk program's VJP (passes/autodiff.py), derived on first use, of the program as it
-        was before the first forward-only rewrite (see `differentiated`)."""
-        return self._derive("autodiff", derive_backward, self.differentiated)
+        """The chunk program's VJP (passes/autodiff.py), derived on first use: of the program as it
+        was before the kernel-shaping rewrites (`differentiated`), which then run on the VJP too."""
+        return self._derive("autodiff", lambda _: self._shaped(derive_backward(self.differentiated)))
 
     @property
     def differentiated(self) -> ChunkIR:
-        """The chunk program the backward is the VJP of: the final one, or the one just before the
-        first rewrite marked forward_only (a rewrite that shapes only the forward's kernels; both
-        programs compute the same values, the rewrites' proofs say so)."""
+        """The chunk program the backward is the VJP of: the one just before the first rewrite that
+        shapes kernels (passes/rewrite.py), or the final one. Both compute the same values."""
         names = [n for n, _ in self.stages]
-        first = next((p.name for p in CHUNK_PASSES if getattr(p, "forward_only", False) and p.name in names),
-                     None)
+        first = next((n for n in names if n in _SHAPING), None)
         return self.stages[names.index(first) - 1][1] if first else self.chunk
+
+    def _shaped(self, ir: ChunkIR) -> ChunkIR:
+        """`ir` through the kernel-shaping rewrites this program ran, each checked as the pipeline's."""
+        for name in (n for n, _ in self.stages if n in _SHAPING):
+            ir = verify_exponents(_SHAPING[name].run(ir))
+            ir.verify()
+        return ir
 
     @property
     def training_program(self) -> "Program":
@@ -131,10 +138,10 @@ class Program:
         """The chunk program's state update as S ↦ M S + H (passes/affine.py), derived on first use."""
         return self._derive("affine", derive_affine)
 
-    def _derive(self, name: str, fn, source: ChunkIR | None = None) -> ChunkIR:
+    def _derive(self, name: str, fn) -> ChunkIR:
         if name not in self._derived:
             try:
-                self._derived[name] = fn(self.chunk if source is None else source)
+                self._derived[name] = fn(self.chunk)
             except (SpecError, PassError):
                 raise
             except Exception as e:  # noqa: BLE001 - a crash inside a derivation names it

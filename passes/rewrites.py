@@ -7,8 +7,8 @@
     factor_scalar        β out of the scan: (T diag(β)) (V − diag(Γ) K S₀)
     exp2                 γ·log₂e once, exp2 everywhere
     cse                  merge identical nodes
-    decay_value_side     (diag(d)K)ᵀ X = Kᵀ (diag(d) X): the scan scales C×BV, not C×K (forward
-                         only: the backward is the VJP of the program before it)
+    decay_value_side     (diag(d)K)ᵀ X = Kᵀ (diag(d) X): the scans scale C×BV, not C×K (it shapes
+                         kernels: the backward is the VJP of the program before it, then shaped too)
     verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
 """
 from .rewrite import Rewrite

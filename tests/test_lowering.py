@@ -169,10 +169,11 @@ def test_backward_program_has_a_reverse_scan_and_per_output_kernels():
     assert kinds[:2] == ["prep", "scan"] and set(kinds[2:]) == {"out"}
     scan = prog.kernels.kernels[1]
     assert scan.reverse and "last to first" in str(scan)
-    # the chain: dv_new = (loaded) + K_decayed·dS, dS ← Γ_C dS − Wᵀ dv_new + Qᵀ(Γ ⊙ dO), the last
-    # product split in two (Γ ⊙ dO = hi + lo, both bf16): q is exact, so the split keeps 16 bits
+    # the chain: dv_new = (loaded) + diag(decay)·(K·dS), dS ← Γ_C dS − Wᵀ dv_new + Qᵀ(Γ ⊙ dO), the
+    # last product split in two (Γ ⊙ dO = hi + lo, both bf16): q is exact, so the split keeps 16 bits
     gemms = [(s.dst, s.srcs) for s in scan.body if s.op == "gemm"]
-    assert [d for d, _ in gemms] == ["d_v_new_S_update", "state", "state", "state"]
+    assert [d for d, _ in gemms] == ["d_v_new_S_update_undecayed", "state", "state", "state"]
+    assert gemms[0][1] == ("k_s", "state_s")  # the decay scales the C×BV product (decay_value_side)
     assert gemms[2][1] == ("q_s", "d_QS_s") and gemms[3][1] == ("q_s", "d_QS_lo_s")
     # every gradient from one kernel: they share most of their loads and matmuls, and the blocks
     # live at once fit in shared memory

@@ -111,7 +111,7 @@ def _wrong_decay_value_side():
     # the decay on the value side's columns instead of its rows: (DK)ᵀX ≠ Kᵀ(XD)
     d = sp.diag(*sp.symbols("d0:2"))
     K, X = sp.Matrix(2, 2, sp.symbols("k0:4")), sp.Matrix(2, 2, sp.symbols("x0:4"))
-    return (d * K).T * X, K.T * (X * d)
+    return sp.diag((d * K).T * X, d * K), sp.diag(K.T * (X * d), d * K)
 
 
 def _wrong_exp2():
@@ -393,15 +393,21 @@ def test_check_flag(capsys):
     assert "chunk program (C=64)" in capsys.readouterr().out
 
 
-def test_decay_value_side_shapes_the_forward_and_the_backward_differentiates_before_it():
-    """The state update scales the value side (C×BV per scan CTA) in the forward; the VJP is taken
-    of the program before the forward-only rewrite, where the decay's gradient is a row sum over K."""
+def test_decay_value_side_shapes_both_scans_and_the_backward_differentiates_before_it():
+    """The decay to the chunk's end scales the V-blocked operand (C×BV per scan CTA) in the forward's
+    state update and in the backward's d V_new; the VJP is of the program before the rewrite, where
+    the decay's gradient is a row sum over K, and the rewrite then runs on the VJP."""
     prog = qla_compiler.compile_spec("gdn")
     update = next(n for n in prog.chunk.of_op("matmul") if n.attr.get("ta") and n.shape == ("K", "V"))
     keys, values = (prog.chunk.node(a) for a in update.args)
     assert keys.op == "input" and values.op == "scale_rows" and values.args[1] == "v_new"
-    assert prog.differentiated is prog.stage("cse") and "decay_value_side" in prog.chunk.history
-    assert "k_decayed" in prog.backward.graph and "v_new_decayed" not in prog.backward.graph
-    # a spec with a scalar gate takes it too (its update is free of the state: the prep scales v)
+    assert prog.differentiated is prog.stage("cse") and "k_decayed" in prog.differentiated.graph
+    back = prog.backward
+    assert "k_decayed" not in back.graph and "d_k_decayed" in back.graph  # the row sum stays over K
+    d_v_new = back.node("d_v_new.S_update")
+    assert d_v_new.op == "scale_rows" and back.node(d_v_new.args[1]).args == ("k", "d_S_next")
+    # the replacement takes the replaced node's place: the rest of the program keeps its order
+    assert [n.name for n in back.order()].index("d_v_new.S_update") < [n.name for n in back.order()].index("d_v_new")
+    # a spec with a scalar gate takes it too
     gla = qla_compiler.compile_spec("simple_gla").chunk
     assert "v_decayed" in gla.graph and "k_decayed" not in gla.graph
