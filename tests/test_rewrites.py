@@ -411,3 +411,19 @@ def test_decay_value_side_shapes_both_scans_and_the_backward_differentiates_befo
     # a spec with a scalar gate takes it too
     gla = qla_compiler.compile_spec("simple_gla").chunk
     assert "v_decayed" in gla.graph and "k_decayed" not in gla.graph
+
+
+def test_take_place_keeps_the_programs_order():
+    """decay_value_side's replacements take the replaced nodes' places (ChunkIR.take_place): the
+    shaped VJP lists every node it shares with the plain one in the same order, so no kernel
+    statement outside the rewrite moves. A node that still has users cannot be replaced."""
+    from qla_compiler.passes.autodiff import derive_backward
+
+    prog = qla_compiler.compile_spec("gdn")
+    plain, shaped = derive_backward(prog.differentiated), prog.backward
+    assert "d_v_new.S_update_undecayed" in shaped.graph
+    common = [n.name for n in plain.order() if n.name in shaped.graph]
+    assert common == [n.name for n in shaped.order() if n.name in plain.graph]
+    ir = prog.differentiated.copy()
+    with pytest.raises(ValueError, match="still has users"):
+        ir.take_place("S_update", ["k_decayed"])
