@@ -45,8 +45,9 @@ def block_v(V: int, HV: int, N: int, sms: int) -> int:
 
     The scan is one CTA per (sequence, value head, V-block) and its per-chunk time is mostly
     latency, so more CTAs beat wider tiles while the grid is short of the SMs. On the H200, 2/8
-    and 4/16 heads with one sequence ran 15-20% faster at 16 than 32 (forward and backward scans);
-    8/32 (256 CTAs at 16, two waves) tied forward and lost 50% backward, and this rule keeps 32.
+    and 4/16 heads with one sequence ran their scans 17-26% faster at 16 than at 32 (forward and
+    backward); 8/32 (256 CTAs at 16, two waves) tied forward and lost 50% backward: this rule
+    keeps 32 there.
 
     >>> block_v(128, 16, 1, 132), block_v(128, 32, 1, 132), block_v(128, 64, 1, 132)
     (16, 32, 64)

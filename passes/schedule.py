@@ -610,13 +610,15 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -
         x = ir.outputs[role]
         shape = ir.node(x).shape
         of = ir.node(role[2:]) if role.startswith("d_") and role[2:] in ir.graph else None
-        if role == "o" or (of is not None and of.attr.get("kind") == "value"):
-            # the op's output, or a value's gradient (one per value head, nothing for the host to
-            # sum: it leaves in the io dtype the op returns), staged in shared memory for whole-row stores
-            buf = b.buf(f"{role}_s", ("C", "V"), "io", "shared")
+        if role == "o" or (of is not None and of.attr.get("kind") in ("value", "key")):
+            # the op's output, or a value's or key's gradient per value head, in the io dtype the op
+            # returns (a key's the host sums over its group, in float32, as FLA sums its bf16
+            # per-value-head d q, d k: half the bytes written and read of float32 partials), staged
+            # in shared memory for whole-row stores
+            buf = b.buf(f"{role}_s", shape, "io", "shared")
             stores += [Stmt("ewise", buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
                        Stmt("store", role, (buf,), (("rows", "n_valid"),))]
-            outs.append(Tensor(role, ("1", "T", "HV", "V"), "io", "out",
+            outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "io", "out",
                                "per token, per value head" if role != "o" else ""))
         elif shape == ("C",):  # a gradient per token (gates, scalars), float32
             if x not in b.place or b.buffers[b.place[x]].scope != "shared":
