@@ -627,7 +627,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -
                 b.place[x] = dst
             stores.append(Stmt("store_vec", role, (b.place[x],), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV"), "float32", "out", "per token"))
-        else:  # a gradient block per token (keys per value head: the host sums each group)
+        else:  # a gradient block of another kind of input, per token and value head, float32
             stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
     params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
