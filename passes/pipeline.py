@@ -83,10 +83,17 @@ class Program:
         return self.stages[names.index(first) - 1][1] if first else self.chunk
 
     def _shaped(self, ir: ChunkIR) -> ChunkIR:
-        """`ir` through the kernel-shaping rewrites this program ran, each checked as the pipeline's."""
+        """`ir` through the kernel-shaping rewrites this program ran, each checked as the pipeline's
+        (a failure names the rewrite)."""
         for name in (n for n, _ in self.stages if n in _SHAPING):
-            ir = verify_exponents(_SHAPING[name].run(ir))
-            ir.verify()
+            try:
+                ir = _SHAPING[name].run(ir)
+                ir.verify()
+                verify_exponents(ir)
+            except PassError as e:
+                raise PassError(name, f"on the backward program: {e}") from e
+            except Exception as e:  # noqa: BLE001 - a crash inside the rewrite names it
+                raise PassError(name, f"on the backward program: {type(e).__name__}: {e}") from e
         return ir
 
     @property

@@ -427,3 +427,18 @@ def test_take_place_keeps_the_programs_order():
     ir = prog.differentiated.copy()
     with pytest.raises(ValueError, match="still has users"):
         ir.take_place("S_update", ["k_decayed"])
+
+
+def test_a_shaping_rewrite_that_fails_on_the_backward_is_named(monkeypatch):
+    """The kernel-shaping rewrites also run on the VJP (Program.backward, through pipeline._SHAPING;
+    the forward's runs through CHUNK_PASSES): a failure there names the rewrite, not autodiff."""
+    from qla_compiler.errors import PassError
+
+    def crash(ir):
+        raise KeyError("no such node")
+
+    broken = dataclasses.replace(pipeline._SHAPING["decay_value_side"], apply=crash)
+    monkeypatch.setitem(pipeline._SHAPING, "decay_value_side", broken)
+    prog = qla_compiler.compile_spec("gdn")
+    with pytest.raises(PassError, match="pass 'decay_value_side': on the backward program: KeyError"):
+        prog.backward
