@@ -12,9 +12,10 @@ first called with concrete shapes (or for `qla-compile --emit tilelang` with a d
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
-every ChunkIR pass, naming the first pass that breaks agreement. `Program.backward` (the chunk
-program's VJP, passes/autodiff.py) and `Program.affine` (its state update as an affine map, for
-context parallelism, passes/affine.py) are derived from the final chunk program on first use.
+every ChunkIR pass, naming the first pass that breaks agreement. `Program.affine` (the state
+update as an affine map, for context parallelism, passes/affine.py) is derived from the final
+chunk program on first use; `Program.backward` (the VJP, passes/autodiff.py) from the program
+before the kernel-shaping rewrites, which then run on the VJP too (`Program.differentiated`).
 
     >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
     >>> [name for name, _ in prog.stages]
