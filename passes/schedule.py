@@ -588,8 +588,9 @@ def _scan_kernel(part: Partition) -> Kernel:
     params += [_crossing_tensor(ir, x, "out") for x in part.carried]
     params += [Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
     prologue = [Stmt("load_state", "state", ("initial_state",))]
-    body = b.loads + _zero_pad(b, only_partial=True) + b.copies \
-        + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body + stores
+    body = _issue_stores_early(b.loads + _zero_pad(b, only_partial=True) + b.copies
+                               + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body,
+                               stores)
     return Kernel(
         f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,
         list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
@@ -597,6 +598,25 @@ def _scan_kernel(part: Partition) -> Kernel:
         roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
                "consumer warpgroup: the state chain; the state in registers"),
         doc="sequential over chunks: the state chain only", kind="scan", nodes=part.scan)
+
+
+def _issue_stores_early(body: list, stores: list) -> list:
+    """The scan's stores, each issued as soon as its block is final: the entering state's right
+    after its copy, a block only a store reads right after what it is computed from. The next
+    chunk waits for all of this chunk's stores to have read their blocks (SCAN_STORE_WAIT, at the
+    top of its body) before rewriting any; issued at the chunk's end, the last store was still
+    reading then. Nothing in a chunk writes a block after its store, so the one wait still covers
+    every store."""
+    out = list(body)
+    for st in stores:
+        src = st.srcs[0]
+        writers = [i for i, s in enumerate(out) if s.dst == src]
+        if len(writers) == 1 and out[writers[0]].op == "ewise" and not any(src in _reads(s) for s in out):
+            w = out.pop(writers[0])
+            deps = _reads(w)
+            out.insert(max((i for i, s in enumerate(out) if s.dst in deps), default=-1) + 1, w)
+        out.insert(max((i for i, s in enumerate(out) if s.dst == src), default=len(out) - 1) + 1, st)
+    return out
 
 
 def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -> Kernel:

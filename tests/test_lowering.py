@@ -57,6 +57,21 @@ def test_gdn_scan_keeps_only_the_state_chain():
     assert "QS += P_s · v_new_s   (wgmma)" in text
 
 
+def test_scan_issues_each_store_as_soon_as_its_block_is_final():
+    """The next chunk waits once for all of this chunk's stores to have read their blocks: issued
+    early (the entering state right after its copy, v_new before the state update), they are done
+    by then; nothing in the chunk writes a block after its store."""
+    for prog in (qla_compiler.compile_spec("gdn"), qla_compiler.compile_spec("gdn").backward_program):
+        scan = next(k for k in prog.kernels.kernels if k.kind == "scan")
+        ops = [(st.op, st.dst) for st in scan.body]
+        copy = ops.index(("copy", "state_s"))
+        assert scan.body[copy + 1].op == "store_chunk_state"
+        for i, st in enumerate(scan.body):
+            if st.op in ("store", "store_chunk_state"):
+                assert not any(later.dst == st.srcs[0] for later in scan.body[i + 1:]), st
+                assert any(later.op == "gemm" for later in scan.body[i + 1:]), st  # not at the end
+
+
 def test_partition_prints_what_crosses_memory():
     text = str(qla_compiler.compile_spec("gdn").stage("partition"))
     assert "kernel gdn_prep (parallel over chunks)" in text and "through memory: g_cum W U" in text
