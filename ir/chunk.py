@@ -144,6 +144,25 @@ class ChunkIR:
                                                un.shape, un.attrs)
         self.outputs = {r: (new if v == old else v) for r, v in self.outputs.items()}
 
+    def take_place(self, old: str, created: list[str]) -> None:
+        """Once `old` has no users (replace_uses(old, created[-1])): drop it, give created[-1] its
+        name, and put the created nodes where it was in insertion order. That order breaks ties in
+        `order()`, which the print and the kernels' statements follow, so the rest of the program
+        keeps its order (a node added or renamed otherwise goes last)."""
+        if list(self.graph.successors(old)):
+            raise ValueError(f"take_place: {old} still has users")
+        order = list(self.graph)
+        at = order.index(old)
+        self.graph.remove_node(old)
+        self.rename(created[-1], old)
+        placed = [*created[:-1], old]
+        order = [n for n in order if n not in placed and n not in created]
+        order[at:at] = placed
+        graph = nx.DiGraph()
+        graph.add_nodes_from((n, self.graph.nodes[n]) for n in order)
+        graph.add_edges_from(self.graph.edges(data=True))
+        self.graph = graph
+
     def tidy_names(self) -> None:
         """A rewrite names a replacement `x'`; once the old `x` is gone it takes the name back."""
         for name in [n for n in self.graph if n.endswith("'")]:

@@ -28,8 +28,8 @@ def reads_from_forward(program) -> set:
 
 
 def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Tensor, d_final, segments=None):
-    """Gradients of every input (name -> tensor shaped like the input: float32, a value's in the io
-    dtype, which its out kernel writes directly since no group sum follows) and of the
+    """Gradients of every input (name -> tensor shaped like the input: a key's or a value's in the io
+    dtype, the out kernel's, a key's summed over its group; gates and scalars float32) and of the
     initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state.
     With `segments` the reverse scan runs context-parallel, as the forward's can."""
     bprog = program.backward_program
@@ -44,8 +44,8 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     grads = {}
     for name, kind in kinds.items():
         g = t[f"d_{name}"]
-        if kind == "key":  # per value head: the query/key head's gradient sums its group
-            g = g.view(1, total, dims.H, dims.HV // dims.H, dims.K).sum(3)
+        if kind == "key" and dims.HV != dims.H:  # per value head: the query/key head's sums its group
+            g = g.view(1, total, dims.H, dims.HV // dims.H, dims.K).sum(3)  # accumulates in float32
         grads[name] = g.reshape(dims.B, dims.T, *g.shape[2:])
     return grads, d_h0
 

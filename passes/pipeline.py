@@ -12,9 +12,10 @@ first called with concrete shapes (or for `qla-compile --emit tilelang` with a d
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
-every ChunkIR pass, naming the first pass that breaks agreement. `Program.backward` (the chunk
-program's VJP, passes/autodiff.py) and `Program.affine` (its state update as an affine map, for
-context parallelism, passes/affine.py) are derived from the final chunk program on first use.
+every ChunkIR pass, naming the first pass that breaks agreement. `Program.affine` (the state
+update as an affine map, for context parallelism, passes/affine.py) is derived from the final
+chunk program on first use; `Program.backward` (the VJP, passes/autodiff.py) from the program
+before the kernel-shaping rewrites, which then run on the VJP too (`Program.differentiated`).
 
     >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
     >>> [name for name, _ in prog.stages]
@@ -41,6 +42,8 @@ from .rewrites import CHUNK_PASSES
 from .verify_exponents import verify_exponents
 
 TARGETS = ("sm90", "cpu")
+# the rewrites that shape kernels, by name (Program.differentiated, Program._shaped)
+_SHAPING = {p.name: p for p in CHUNK_PASSES if getattr(p, "shapes_kernels", False)}
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,31 @@ class Program:
 
     @property
     def backward(self) -> ChunkIR:
-        """The chunk program's VJP (passes/autodiff.py), derived on first use."""
-        return self._derive("autodiff", derive_backward)
+        """The chunk program's VJP (passes/autodiff.py), derived on first use: of the program as it
+        was before the kernel-shaping rewrites (`differentiated`), which then run on the VJP too."""
+        return self._derive("autodiff", lambda _: self._shaped(derive_backward(self.differentiated)))
+
+    @property
+    def differentiated(self) -> ChunkIR:
+        """The chunk program the backward is the VJP of: the one just before the first rewrite that
+        shapes kernels (passes/rewrite.py), or the final one. Both compute the same values."""
+        names = [n for n, _ in self.stages]
+        first = next((n for n in names if n in _SHAPING), None)
+        return self.stages[names.index(first) - 1][1] if first else self.chunk
+
+    def _shaped(self, ir: ChunkIR) -> ChunkIR:
+        """`ir` through the kernel-shaping rewrites this program ran, each checked as the pipeline's
+        (a failure names the rewrite)."""
+        for name in (n for n, _ in self.stages if n in _SHAPING):
+            try:
+                ir = _SHAPING[name].run(ir)
+                ir.verify()
+                verify_exponents(ir)
+            except PassError as e:
+                raise PassError(name, f"on the backward program: {e}") from e
+            except Exception as e:  # noqa: BLE001 - a crash inside the rewrite names it
+                raise PassError(name, f"on the backward program: {type(e).__name__}: {e}") from e
+        return ir
 
     @property
     def training_program(self) -> "Program":

@@ -24,6 +24,9 @@ class Rewrite:
     identity: str
     apply: Callable[[ChunkIR], None]  # edits a copy in place
     proof: Callable[[], tuple] | None = None
+    # a choice of form for the kernels rather than algebra to differentiate through: the backward is
+    # the VJP of the program before the first such pass, and these passes then run on the VJP too
+    shapes_kernels: bool = False
 
     @property
     def doc(self) -> str:

@@ -7,18 +7,21 @@
     factor_scalar        β out of the scan: (T diag(β)) (V − diag(Γ) K S₀)
     exp2                 γ·log₂e once, exp2 everywhere
     cse                  merge identical nodes
+    decay_value_side     (diag(d)K)ᵀ X = Kᵀ (diag(d) X): the scans scale C×BV, not C×K (it shapes
+                         kernels: the backward is the VJP of the program before it, then shaped too)
     verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
 """
 from .rewrite import Rewrite
 from .rewrite_const_gates import FOLD_CONSTANT_GATES
 from .rewrite_cse import CSE
+from .rewrite_decay_side import DECAY_VALUE_SIDE
 from .rewrite_exp2 import EXP2
 from .rewrite_factor_scalar import FACTOR_SCALAR
 from .rewrite_gate_inverse import GATE_OUT_OF_INVERSE
 from .rewrite_wy import FOLD_WY
 from .verify_exponents import verify_exponents
 
-REWRITES: list[Rewrite] = [FOLD_CONSTANT_GATES, GATE_OUT_OF_INVERSE, FOLD_WY, FACTOR_SCALAR, EXP2, CSE]
+REWRITES: list[Rewrite] = [FOLD_CONSTANT_GATES, GATE_OUT_OF_INVERSE, FOLD_WY, FACTOR_SCALAR, EXP2, CSE, DECAY_VALUE_SIDE]
 
 
 class _Verify:

@@ -588,8 +588,9 @@ def _scan_kernel(part: Partition) -> Kernel:
     params += [_crossing_tensor(ir, x, "out") for x in part.carried]
     params += [Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
     prologue = [Stmt("load_state", "state", ("initial_state",))]
-    body = b.loads + _zero_pad(b, only_partial=True) + b.copies \
-        + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body + stores
+    body = _issue_stores_early(b.loads + _zero_pad(b, only_partial=True) + b.copies
+                               + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body,
+                               stores)
     return Kernel(
         f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,
         list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
@@ -597,6 +598,25 @@ def _scan_kernel(part: Partition) -> Kernel:
         roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
                "consumer warpgroup: the state chain; the state in registers"),
         doc="sequential over chunks: the state chain only", kind="scan", nodes=part.scan)
+
+
+def _issue_stores_early(body: list, stores: list) -> list:
+    """The scan's stores, each issued as soon as its block is final: the entering state's right
+    after its copy, a block only a store reads right after what it is computed from. The next
+    chunk waits for all of this chunk's stores to have read their blocks (SCAN_STORE_WAIT, at the
+    top of its body) before rewriting any; issued at the chunk's end, the last store was still
+    reading then. Nothing in a chunk writes a block after its store, so the one wait still covers
+    every store."""
+    out = list(body)
+    for st in stores:
+        src = st.srcs[0]
+        writers = [i for i, s in enumerate(out) if s.dst == src]
+        if len(writers) == 1 and out[writers[0]].op == "ewise" and not any(src in _reads(s) for s in out):
+            w = out.pop(writers[0])
+            deps = _reads(w)
+            out.insert(max((i for i, s in enumerate(out) if s.dst in deps), default=-1) + 1, w)
+        out.insert(max((i for i, s in enumerate(out) if s.dst == src), default=len(out) - 1) + 1, st)
+    return out
 
 
 def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -> Kernel:
@@ -610,13 +630,15 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -
         x = ir.outputs[role]
         shape = ir.node(x).shape
         of = ir.node(role[2:]) if role.startswith("d_") and role[2:] in ir.graph else None
-        if role == "o" or (of is not None and of.attr.get("kind") == "value"):
-            # the op's output, or a value's gradient (one per value head, nothing for the host to
-            # sum: it leaves in the io dtype the op returns), staged in shared memory for whole-row stores
-            buf = b.buf(f"{role}_s", ("C", "V"), "io", "shared")
+        if role == "o" or (of is not None and of.attr.get("kind") in ("value", "key")):
+            # the op's output, or a value's or key's gradient per value head, in the io dtype the op
+            # returns (a key's the host sums over its group, in float32, as FLA sums its bf16
+            # per-value-head d q, d k: half the bytes written and read of float32 partials), staged
+            # in shared memory for whole-row stores
+            buf = b.buf(f"{role}_s", shape, "io", "shared")
             stores += [Stmt("ewise", buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
                        Stmt("store", role, (buf,), (("rows", "n_valid"),))]
-            outs.append(Tensor(role, ("1", "T", "HV", "V"), "io", "out",
+            outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "io", "out",
                                "per token, per value head" if role != "o" else ""))
         elif shape == ("C",):  # a gradient per token (gates, scalars), float32
             if x not in b.place or b.buffers[b.place[x]].scope != "shared":
@@ -625,7 +647,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -
                 b.place[x] = dst
             stores.append(Stmt("store_vec", role, (b.place[x],), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV"), "float32", "out", "per token"))
-        else:  # a gradient block per token (keys per value head: the host sums each group)
+        else:  # a gradient block of another kind of input, per token and value head, float32
             stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
     params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs

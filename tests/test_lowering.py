@@ -47,12 +47,29 @@ def test_gdn_scan_keeps_only_the_state_chain():
     assert "T_r = inverse A_r_s" in text
     # two matmuls per chunk on the sequential path, the state decays then accumulates in place
     gemms = [str(s) for s in scan.body if s.op == "gemm"]
-    assert gemms == ["WS = W_s · state_s   (wgmma)", "state += k_decayed_sᵀ · v_new_s   (wgmma)"]
+    # the decay to the chunk's end scales the C×BV value side (decay_value_side), not C×K keys
+    assert gemms == ["WS = W_s · state_s   (wgmma)", "state += k_sᵀ · v_new_decayed_s   (wgmma)"]
+    assert scan.buffer("v_new_decayed_s").shape == ("C", "BV") and "k_decayed_s" not in str(scan)
     assert scan.buffer("state").scope == "fragment"
     assert {p.name for p in scan.params if p.role == "out"} == {"S0_chunks", "v_new_rows", "final_state"}
     # the output is parallel over chunks again, from the stored entering states
     assert {p.name for p in out.params if p.role == "in"} >= {"S0_chunks", "v_new_rows", "q", "k", "g_cum"}
     assert "QS += P_s · v_new_s   (wgmma)" in text
+
+
+def test_scan_issues_each_store_as_soon_as_its_block_is_final():
+    """The next chunk waits once for all of this chunk's stores to have read their blocks: issued
+    early (the entering state right after its copy, v_new before the state update), they are done
+    by then; nothing in the chunk writes a block after its store."""
+    for prog in (qla_compiler.compile_spec("gdn"), qla_compiler.compile_spec("gdn").backward_program):
+        scan = next(k for k in prog.kernels.kernels if k.kind == "scan")
+        ops = [(st.op, st.dst) for st in scan.body]
+        copy = ops.index(("copy", "state_s"))
+        assert scan.body[copy + 1].op == "store_chunk_state"
+        for i, st in enumerate(scan.body):
+            if st.op in ("store", "store_chunk_state"):
+                assert not any(later.dst == st.srcs[0] for later in scan.body[i + 1:]), st
+                assert any(later.op == "gemm" for later in scan.body[i + 1:]), st  # not at the end
 
 
 def test_partition_prints_what_crosses_memory():
@@ -167,21 +184,24 @@ def test_backward_program_has_a_reverse_scan_and_per_output_kernels():
     assert kinds[:2] == ["prep", "scan"] and set(kinds[2:]) == {"out"}
     scan = prog.kernels.kernels[1]
     assert scan.reverse and "last to first" in str(scan)
-    # the chain: dv_new = (loaded) + K_decayed·dS, dS ← Γ_C dS − Wᵀ dv_new + Qᵀ(Γ ⊙ dO), the last
-    # product split in two (Γ ⊙ dO = hi + lo, both bf16): q is exact, so the split keeps 16 bits
+    # the chain: dv_new = (loaded) + diag(decay)·(K·dS), dS ← Γ_C dS − Wᵀ dv_new + Qᵀ(Γ ⊙ dO), the
+    # last product split in two (Γ ⊙ dO = hi + lo, both bf16): q is exact, so the split keeps 16 bits
     gemms = [(s.dst, s.srcs) for s in scan.body if s.op == "gemm"]
-    assert [d for d, _ in gemms] == ["d_v_new_S_update", "state", "state", "state"]
+    assert [d for d, _ in gemms] == ["d_v_new_S_update_undecayed", "state", "state", "state"]
+    assert gemms[0][1] == ("k_s", "state_s")  # the decay scales the C×BV product (decay_value_side)
     assert gemms[2][1] == ("q_s", "d_QS_s") and gemms[3][1] == ("q_s", "d_QS_lo_s")
     # every gradient from one kernel: they share most of their loads and matmuls, and the blocks
     # live at once fit in shared memory
     outs = [k for k in prog.kernels.kernels if k.kind == "out"]
     assert [sorted(k.outputs) for k in outs] == [sorted(["d_q", "d_k", "d_v", "d_g", "d_beta"])]
     assert {p.name for p in outs[0].params if p.role == "out"} == set(outs[0].outputs)
-    # d_v has no group to sum over: written in the io dtype the op returns (no cast on the host),
-    # as whole rows staged in shared memory; the keys' gradients stay float32 for the group sum
+    # the block gradients leave in the io dtype the op returns, as whole rows staged in shared
+    # memory (no float32 tensor, no cast on the host; the keys' per-value-head ones are summed
+    # over their group in float32 there, as FLA sums its bf16 d q, d k); per-token ones float32
     dtypes = {p.name: p.dtype for p in outs[0].params if p.role == "out"}
-    assert dtypes["d_v"] == "io" and dtypes["d_k"] == dtypes["d_q"] == "float32"
-    assert [s.srcs for s in outs[0].body if s.op == "store" and s.dst == "d_v"] == [("d_v_s",)]
+    assert dtypes["d_v"] == dtypes["d_k"] == dtypes["d_q"] == "io" and dtypes["d_g"] == "float32"
+    assert [s.srcs for s in outs[0].body if s.op == "store" and s.dst in ("d_q", "d_k", "d_v")] == [
+        ("d_q_s",), ("d_k_s",), ("d_v_s",)]
 
 
 def test_backward_kernels_load_what_the_training_forward_stored():

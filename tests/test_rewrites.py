@@ -66,7 +66,8 @@ PROVED = [r for r in REWRITES if r.proof is not None]
 
 def test_the_rewrites_with_proofs_are_the_algebraic_ones():
     names = {r.name for r in PROVED}
-    assert {"fold_constant_gates", "gate_out_of_inverse", "fold_wy", "factor_scalar", "exp2"} <= names
+    assert {"fold_constant_gates", "gate_out_of_inverse", "fold_wy", "factor_scalar", "exp2",
+            "decay_value_side"} <= names
     names = pass_names()
     assert names[:3] == ["frontend", "classify", "chunk"]
     assert names[3:3 + len(CHUNK_PASSES)] == [p.name for p in CHUNK_PASSES]
@@ -106,6 +107,13 @@ def _wrong_fold_wy():
     return T * B1 - (T * B2) * S, T * B1 - B2 * (T * S)
 
 
+def _wrong_decay_value_side():
+    # the decay on the value side's columns instead of its rows: (DK)ᵀX ≠ Kᵀ(XD)
+    d = sp.diag(*sp.symbols("d0:2"))
+    K, X = sp.Matrix(2, 2, sp.symbols("k0:4")), sp.Matrix(2, 2, sp.symbols("x0:4"))
+    return sp.diag((d * K).T * X, d * K), sp.diag(K.T * (X * d), d * K)
+
+
 def _wrong_exp2():
     x = sp.Symbol("x", real=True)
     return sp.exp(x), 2 ** (x * sp.log(2))  # multiplied by ln 2 instead of log₂e
@@ -114,7 +122,8 @@ def _wrong_exp2():
 @pytest.mark.parametrize("name, wrong", [("gate_out_of_inverse", _wrong_gate_inverse),
                                          ("factor_scalar", _wrong_factor_scalar),
                                          ("fold_wy", _wrong_fold_wy),
-                                         ("exp2", _wrong_exp2)])
+                                         ("exp2", _wrong_exp2),
+                                         ("decay_value_side", _wrong_decay_value_side)])
 def test_a_wrong_identity_is_not_proved(name, wrong):
     """Negative control: the same check on a deliberately wrong identity fails."""
     r = next(r for r in REWRITES if r.name == name)
@@ -382,3 +391,54 @@ def test_stop_after_unknown_pass(capsys):
 def test_check_flag(capsys):
     assert main([GDN, "--check"]) == 0
     assert "chunk program (C=64)" in capsys.readouterr().out
+
+
+def test_decay_value_side_shapes_both_scans_and_the_backward_differentiates_before_it():
+    """The decay to the chunk's end scales the V-blocked operand (C×BV per scan CTA) in the forward's
+    state update and in the backward's d V_new; the VJP is of the program before the rewrite, where
+    the decay's gradient is a row sum over K, and the rewrite then runs on the VJP."""
+    prog = qla_compiler.compile_spec("gdn")
+    update = next(n for n in prog.chunk.of_op("matmul") if n.attr.get("ta") and n.shape == ("K", "V"))
+    keys, values = (prog.chunk.node(a) for a in update.args)
+    assert keys.op == "input" and values.op == "scale_rows" and values.args[1] == "v_new"
+    assert prog.differentiated is prog.stage("cse") and "k_decayed" in prog.differentiated.graph
+    back = prog.backward
+    assert "k_decayed" not in back.graph and "d_k_decayed" in back.graph  # the row sum stays over K
+    d_v_new = back.node("d_v_new.S_update")
+    assert d_v_new.op == "scale_rows" and back.node(d_v_new.args[1]).args == ("k", "d_S_next")
+    # the replacement takes the replaced node's place: the rest of the program keeps its order
+    assert [n.name for n in back.order()].index("d_v_new.S_update") < [n.name for n in back.order()].index("d_v_new")
+    # a spec with a scalar gate takes it too
+    gla = qla_compiler.compile_spec("simple_gla").chunk
+    assert "v_decayed" in gla.graph and "k_decayed" not in gla.graph
+
+
+def test_take_place_keeps_the_programs_order():
+    """decay_value_side's replacements take the replaced nodes' places (ChunkIR.take_place): the
+    shaped VJP lists every node it shares with the plain one in the same order, so no kernel
+    statement outside the rewrite moves. A node that still has users cannot be replaced."""
+    from qla_compiler.passes.autodiff import derive_backward
+
+    prog = qla_compiler.compile_spec("gdn")
+    plain, shaped = derive_backward(prog.differentiated), prog.backward
+    assert "d_v_new.S_update_undecayed" in shaped.graph
+    common = [n.name for n in plain.order() if n.name in shaped.graph]
+    assert common == [n.name for n in shaped.order() if n.name in plain.graph]
+    ir = prog.differentiated.copy()
+    with pytest.raises(ValueError, match="still has users"):
+        ir.take_place("S_update", ["k_decayed"])
+
+
+def test_a_shaping_rewrite_that_fails_on_the_backward_is_named(monkeypatch):
+    """The kernel-shaping rewrites also run on the VJP (Program.backward, through pipeline._SHAPING;
+    the forward's runs through CHUNK_PASSES): a failure there names the rewrite, not autodiff."""
+    from qla_compiler.errors import PassError
+
+    def crash(ir):
+        raise KeyError("no such node")
+
+    broken = dataclasses.replace(pipeline._SHAPING["decay_value_side"], apply=crash)
+    monkeypatch.setitem(pipeline._SHAPING, "decay_value_side", broken)
+    prog = qla_compiler.compile_spec("gdn")
+    with pytest.raises(PassError, match="pass 'decay_value_side': on the backward program: KeyError"):
+        prog.backward
