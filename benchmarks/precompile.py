@@ -28,23 +28,25 @@ H200_SMS = 132
 
 
 def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages=None, bv=None):
-    """The shape classes one call compiles: what kernels/forward.py picks for these sizes (`bv`:
-    the V-block qla-bench --block-v forces instead)."""
+    """The shape classes one call compiles, each as (spec, class, the call's class without context
+    parallelism, which picks the program's variant: Program.for_shape): what kernels/forward.py
+    picks for these sizes (`bv`: the V-block qla-bench --block-v forces instead)."""
     stages = stages or SCAN_STAGES
 
     def v_block(width, n):
         return min(bv, width) if bv else block_v(width, HV, n, sms)
+    plain = ShapeClass(H=H, HV=HV, K=K, V=K, BV=v_block(K, n_seqs), io=io, stages=stages)
     if not cp:
-        return [(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=v_block(K, n_seqs), io=io, stages=stages))]
+        return [(spec, plain, plain)]
     n = n_seqs * cp  # segments are scanned as sequences, once on [0 | v] (width K + V), once on v
-    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=v_block(w, n), io=io, stages=stages))
+    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=v_block(w, n), io=io, stages=stages), plain)
             for w in (2 * K, K)]
 
 
 def _with_training(items) -> list:
     """The classes, each also for its spec's training forward and backward program (training runs
     both at one class)."""
-    return items + [(f"{spec}.{part}", shape) for part in ("training", "backward") for spec, shape in items]
+    return items + [(f"{spec}.{part}", *rest) for part in ("training", "backward") for spec, *rest in items]
 
 
 def for_gpu_tests():
@@ -57,7 +59,8 @@ def for_gpu_tests():
         out += _with_training(classes(spec, 2, 2, 128, 3))
     for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
         for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
-            out += _with_training([(spec, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32))])
+            shape = ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)  # the whole program, as the test runs it
+            out += _with_training([(spec, shape, None)])
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
         out += _with_training(classes("gdn", 2, 8, 128, 3, cp=s))
     return out
@@ -110,7 +113,8 @@ def pack_used(cache: Path, since: float, out: str) -> None:
 def parse(item):
     spec, heads, K, io, BV = item.split(":")
     H, HV = map(int, heads.split("/"))
-    return spec, ShapeClass(H=H, HV=HV, K=int(K), V=int(K), BV=int(BV), io=io, stages=SCAN_STAGES)
+    shape = ShapeClass(H=H, HV=HV, K=int(K), V=int(K), BV=int(BV), io=io, stages=SCAN_STAGES)
+    return spec, shape, shape
 
 
 def main(argv):
@@ -136,10 +140,11 @@ def main(argv):
     if args.shard:
         i, n = map(int, args.shard.split("/"))
         todo = todo[i::n]
-    for spec, shape in todo:
+    for spec, shape, runs_as in todo:
         t = time.time()
         name, _, variant = spec.partition(".")  # "gdn.backward": the backward program's kernels
         program = qla_compiler.compile_spec(name)
+        program = program.for_shape(runs_as) if runs_as else program
         program = {"": program, "training": program.training_program,
                    "backward": program.backward_program}[variant]
         kernels = load_kernels(program, shape)

@@ -60,18 +60,20 @@ class KernelStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op, dims, scale, segments, cu_seqlens, h0, *inputs):
-        from .forward import forward
+        from .forward import forward, program_for
 
         named = dict(zip(op.input_names, inputs))
-        o, final, kept = forward(op.program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
+        v = named[op.value_name]
+        program = program_for(op.program, dims, v.dtype, v.device)
+        o, final, kept = forward(program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
                                  segments, keep=True)
         # hold on only to what the backward kernels read (U, for one, is not),
         # through save_for_backward: an in-place write to an input before backward() is an error
         # there, not a silently wrong gradient, and saved-tensor hooks (offloading) apply
-        reads = reads_from_forward(op.program)
+        reads = reads_from_forward(program)
         ctx.kept_names = [n for n in kept if n in reads]
         ctx.save_for_backward(*[kept[n] for n in ctx.kept_names])
-        ctx.op, ctx.dims, ctx.scale, ctx.segments = op, dims, scale, segments
+        ctx.op, ctx.program, ctx.dims, ctx.scale, ctx.segments = op, program, dims, scale, segments
         ctx.dtypes = [x.dtype for x in inputs]
         return o, final
 
@@ -80,7 +82,7 @@ class KernelStep(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         op = ctx.op
         kept = dict(zip(ctx.kept_names, ctx.saved_tensors))
-        grads, d_h0 = backward(op.program, kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final, ctx.segments)
+        grads, d_h0 = backward(ctx.program, kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final, ctx.segments)
         d_inputs = [grads[n].to(dt) if need else None
                     for n, dt, need in zip(op.input_names, ctx.dtypes, ctx.needs_input_grad[6:])]
         return None, None, None, None, None, (d_h0 if ctx.needs_input_grad[5] else None), *d_inputs

@@ -134,13 +134,14 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     every global tensor by name (what kernels/backward.py needs: the packed inputs, the chunk map,
     the state entering every chunk, the prep's results), from the kernels of the training program
     (which also store the triangular inverses for the backward)."""
-    if keep:
-        program = program.training_program
-    C = program.chunk_size
     check_head_dims(dims.K, dims.V)
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
     device = inputs[v_name].device
+    program = program_for(program, dims, io, device)
+    if keep:
+        program = program.training_program
+    C = program.chunk_size
     total = dims.B * dims.T
     packed = {}
     for n, x in inputs.items():
@@ -156,6 +157,13 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
     o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+
+
+def program_for(program, dims, io, device):
+    """The variant of `program` this call runs (Program.for_shape: the kernel-shaping rewrites that
+    pay at its V-block), chosen once per call from its shape without context parallelism, so the
+    backward runs the same variant as the forward it follows."""
+    return program.for_shape(shape_class(dims, dims.V, dims.N, None, io, device))
 
 
 def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments=None):

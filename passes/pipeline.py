@@ -87,15 +87,54 @@ class Program:
         """`ir` through the kernel-shaping rewrites this program ran, each checked as the pipeline's
         (a failure names the rewrite)."""
         for name in (n for n, _ in self.stages if n in _SHAPING):
-            try:
-                ir = _SHAPING[name].run(ir)
-                ir.verify()
-                verify_exponents(ir)
-            except PassError as e:
-                raise PassError(name, f"on the backward program: {e}") from e
-            except Exception as e:  # noqa: BLE001 - a crash inside the rewrite names it
-                raise PassError(name, f"on the backward program: {type(e).__name__}: {e}") from e
+            ir = _run_pass(_SHAPING[name], ir, "on the backward program: ")
         return ir
+
+    def for_shape(self, shape) -> "Program":
+        """The program a shape class runs: this one without the kernel-shaping rewrites that do not
+        pay at that shape (`Rewrite.pays`; e.g. the decay on the value side only where the V-block
+        is narrow). Derived once per set of rewrites left out; the program itself when none is.
+
+            >>> prog = run_pipeline("specs/gdn.py")                                  # doctest: +SKIP
+            >>> "decay_value_side" in [n for n, _ in prog.for_shape(ShapeClass(2, 8, 128, 128, BV=64)).stages]
+            False
+        """
+        skip = tuple(n for n, _ in self.stages if n in _SHAPING and not _SHAPING[n].pays(shape))
+        return self.without(*skip) if skip else self
+
+    def without(self, *names: str) -> "Program":
+        """This program with the named kernel-shaping rewrites left out: the passes after the first
+        of them run again from the chunk program before it. The backward and training programs
+        derive from the result as from any program."""
+        if not names:
+            return self
+        unknown = [n for n in names if n not in _SHAPING]
+        if unknown:
+            raise ValueError(f"without: {unknown[0]!r} is not a kernel-shaping rewrite "
+                             f"(those are: {', '.join(_SHAPING) or 'none'})")
+        key = ("without", frozenset(names))
+        if key not in self._derived:
+            done = [n for n, _ in self.stages]
+            at = min(done.index(n) for n in names if n in done) if any(n in done for n in names) else len(done)
+            prog = Program(self.path, self.target, self.chunk_size, self.recurrence,
+                           stages=list(self.stages[:at]))
+            ir = self.stages[at - 1][1]
+            for p in passes(self.chunk_size):
+                if p.name in done[:at] or p.name in names or p.name not in done:
+                    continue
+                ir = _run_pass(p, ir)
+                prog._keep(p.name, ir)
+            self._derived[key] = prog
+        return self._derived[key]
+
+    def _keep(self, name: str, ir) -> None:
+        self.stages.append((name, ir))
+        if isinstance(ir, RecurrenceIR):
+            self.recurrence = ir
+        elif isinstance(ir, KernelIR):
+            self.kernels = ir
+        elif isinstance(ir, ChunkIR):
+            self.chunk = ir
 
     @property
     def training_program(self) -> "Program":
@@ -175,6 +214,28 @@ def _same_value(fwd: ChunkIR, bwd: ChunkIR, name: str) -> bool:
     return True
 
 
+def _run_pass(p, ir, where: str = ""):
+    """One pass, its result verified (a ChunkIR's structure and exponents); a failure names the
+    pass (`where` says on what, when not the forward program)."""
+    try:
+        ir = p.run(ir)
+        if isinstance(ir, ChunkIR):
+            ir.verify()
+            try:
+                verify_exponents(ir)
+            except PassError as e:  # name the pass that introduced the bad exponential
+                raise PassError(p.name, str(e)) from e
+        return ir
+    except SpecError:
+        raise
+    except PassError as e:
+        if not where:
+            raise
+        raise PassError(p.name, f"{where}{e}") from e
+    except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
+        raise PassError(p.name, f"{where}{type(e).__name__}: {e}") from e
+
+
 def passes(chunk_size: int) -> list[Pass]:
     front = [
         Pass("frontend", load_spec, "spec file → RecurrenceIR"),
@@ -205,30 +266,13 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
     ir = path
     checker = None
     for p in passes(chunk_size):
-        try:
-            ir = p.run(ir)
-            if isinstance(ir, ChunkIR):
-                ir.verify()
-                try:
-                    verify_exponents(ir)
-                except PassError as e:  # name the pass that introduced the bad exponential
-                    raise PassError(p.name, str(e)) from e
-        except (SpecError, PassError):
-            raise
-        except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
-            raise PassError(p.name, f"{type(e).__name__}: {e}") from e
-        prog.stages.append((p.name, ir))
-        if isinstance(ir, RecurrenceIR):
-            prog.recurrence = ir
-        elif isinstance(ir, KernelIR):
-            prog.kernels = ir
-        elif isinstance(ir, ChunkIR):
-            prog.chunk = ir
-            if check:
-                from .check import Checker  # the numerical check needs torch; plain compiles do not
+        ir = _run_pass(p, ir)
+        prog._keep(p.name, ir)
+        if isinstance(ir, ChunkIR) and check:
+            from .check import Checker  # the numerical check needs torch; plain compiles do not
 
-                checker = checker or Checker(prog.recurrence)
-                checker.check(p.name, ir)
+            checker = checker or Checker(prog.recurrence)
+            checker.check(p.name, ir)
         if print_after is not None:
             print_after(p.name, ir)
         if p.name == stop_after:

@@ -27,6 +27,9 @@ class Rewrite:
     # a choice of form for the kernels rather than algebra to differentiate through: the backward is
     # the VJP of the program before the first such pass, and these passes then run on the VJP too
     shapes_kernels: bool = False
+    # for a kernel-shaping rewrite: whether its form is the faster at a shape class (BV, K, ...);
+    # where not, the runtime runs the program without it (Program.for_shape)
+    pays: Callable[[object], bool] = lambda shape: True
 
     @property
     def doc(self) -> str:

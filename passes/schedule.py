@@ -601,20 +601,16 @@ def _scan_kernel(part: Partition) -> Kernel:
 
 
 def _issue_stores_early(body: list, stores: list) -> list:
-    """The scan's stores, each issued as soon as its block is final: the entering state's right
-    after its copy, a block only a store reads right after what it is computed from. The next
-    chunk waits for all of this chunk's stores to have read their blocks (SCAN_STORE_WAIT, at the
-    top of its body) before rewriting any; issued at the chunk's end, the last store was still
-    reading then. Nothing in a chunk writes a block after its store, so the one wait still covers
-    every store."""
+    """The scan's stores, each issued as soon as its block is final (the entering state's right
+    after its copy) instead of at the chunk's end. The next chunk waits for all of this chunk's
+    stores to have read their blocks (SCAN_STORE_WAIT, at the top of its body) before rewriting
+    any; issued at the chunk's end, the last store was still reading then. Nothing in a chunk
+    writes a block after its store, so the one wait still covers every store. A block only its
+    store reads keeps its place after the chain's matmuls: computed earlier, it and its store's
+    barrier would sit on the chain."""
     out = list(body)
     for st in stores:
         src = st.srcs[0]
-        writers = [i for i, s in enumerate(out) if s.dst == src]
-        if len(writers) == 1 and out[writers[0]].op == "ewise" and not any(src in _reads(s) for s in out):
-            w = out.pop(writers[0])
-            deps = _reads(w)
-            out.insert(max((i for i, s in enumerate(out) if s.dst in deps), default=-1) + 1, w)
         out.insert(max((i for i, s in enumerate(out) if s.dst == src), default=len(out) - 1) + 1, st)
     return out
 

@@ -23,7 +23,7 @@ from .compiler import compile_spec
 from .errors import PassError, SpecError
 
 EMITS = ("recurrence", "chunk", "backward", "affine", "kernel", "tilelang", "cuda")
-DEFAULT_SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16"  # Qwen3-Next's GDN layer under TP8
+DEFAULT_SHAPE = "H=2,HV=8,K=128,V=128,BV=16,io=bfloat16"  # Qwen3-Next's GDN layer under TP8, one sequence
 
 
 def main(argv=None) -> int:
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", metavar="DIR", help="also write what is printed into DIR")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--shape", default=DEFAULT_SHAPE,
-                    help=f"shape class for --emit tilelang/cuda (default: {DEFAULT_SHAPE})")
+                    help=f"shape class for --emit kernel/tilelang/cuda (default: {DEFAULT_SHAPE})")
     ap.add_argument("--backward", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the backward program's kernels")
     ap.add_argument("--training", action="store_true",
@@ -68,6 +68,8 @@ def main(argv=None) -> int:
         try:
             if args.backward and args.training:
                 raise ValueError("--backward and --training: choose one")
+            if args.emit in ("kernel", "tilelang", "cuda"):  # the kernels this shape class runs
+                prog = prog.for_shape(parse_shape(args.shape))
             for flag, variant in (("backward", "backward_program"), ("training", "training_program")):
                 if getattr(args, flag):
                     if args.emit not in ("kernel", "tilelang", "cuda"):

@@ -58,18 +58,26 @@ def test_gdn_scan_keeps_only_the_state_chain():
 
 
 def test_scan_issues_each_store_as_soon_as_its_block_is_final():
-    """The next chunk waits once for all of this chunk's stores to have read their blocks: issued
-    early (the entering state right after its copy, v_new before the state update), they are done
-    by then; nothing in the chunk writes a block after its store."""
-    for prog in (qla_compiler.compile_spec("gdn"), qla_compiler.compile_spec("gdn").backward_program):
+    """The next chunk waits once for all of this chunk's stores to have read their blocks: each is
+    issued right after its block is final (the entering state right after its copy), and nothing
+    in the chunk writes a block after its store. A block only its store reads stays after the
+    chain's matmuls (decay_value_side's v_new); one a matmul reads is stored before it."""
+    gdn = qla_compiler.compile_spec("gdn")
+    key_side = gdn.for_shape(ShapeClass(H=2, HV=8, K=128, V=128, BV=64))
+    for prog in (gdn, gdn.backward_program, key_side, key_side.backward_program):
         scan = next(k for k in prog.kernels.kernels if k.kind == "scan")
         ops = [(st.op, st.dst) for st in scan.body]
         copy = ops.index(("copy", "state_s"))
         assert scan.body[copy + 1].op == "store_chunk_state"
         for i, st in enumerate(scan.body):
             if st.op in ("store", "store_chunk_state"):
-                assert not any(later.dst == st.srcs[0] for later in scan.body[i + 1:]), st
-                assert any(later.op == "gemm" for later in scan.body[i + 1:]), st  # not at the end
+                src = st.srcs[0]
+                assert max(j for j, s in enumerate(scan.body) if s.dst == src) == i - 1, st
+                read_later = any(src in s.srcs for s in scan.body[i + 1:])
+                assert read_later or not any(s.op == "gemm" for s in scan.body[i + 1:]), st
+    scan = next(k for k in key_side.kernels.kernels if k.kind == "scan")
+    v_new_store = next(i for i, st in enumerate(scan.body) if st.dst == "v_new_rows")
+    assert any(st.op == "gemm" and "v_new_s" in st.srcs for st in scan.body[v_new_store:])
 
 
 def test_partition_prints_what_crosses_memory():

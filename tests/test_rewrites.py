@@ -442,3 +442,41 @@ def test_a_shaping_rewrite_that_fails_on_the_backward_is_named(monkeypatch):
     prog = qla_compiler.compile_spec("gdn")
     with pytest.raises(PassError, match="pass 'decay_value_side': on the backward program: KeyError"):
         prog.backward
+
+
+def test_for_shape_keeps_the_value_side_decay_only_where_the_v_block_is_narrow():
+    """decay_value_side pays where BV < K/2 (its `pays`): the runtime's program for other shape
+    classes is the pipeline without it (Program.without), derived once; both forms compute the same
+    outputs and gradients."""
+    from qla_compiler.passes.lower_tilelang import ShapeClass
+
+    prog = qla_compiler.compile_spec("gdn")
+    narrow, wide = (ShapeClass(H=2, HV=8, K=128, V=128, BV=bv) for bv in (32, 64))
+    assert prog.for_shape(narrow) is prog
+    key_side = prog.for_shape(wide)
+    assert key_side is prog.for_shape(wide) is prog.without("decay_value_side")
+    assert key_side.for_shape(wide) is key_side  # nothing left to take out
+    assert [n for n, _ in key_side.stages] == [n for n in pass_names() if n != "decay_value_side"]
+    assert "k_decayed" in key_side.chunk.graph and "v_new_decayed" not in key_side.chunk.graph
+    assert "k_decayed" in key_side.backward_program.chunk.graph
+    assert "d_v_new.S_update_undecayed" not in key_side.backward.graph
+    assert str(key_side.differentiated) == str(prog.differentiated)  # one VJP for both forms
+    assert prog.for_shape(ShapeClass(H=1, HV=2, K=64, V=64, BV=32)) is key_side  # 32 is half of 64
+    with pytest.raises(ValueError, match="'cse' is not a kernel-shaping rewrite"):
+        prog.without("cse")
+
+    op, op_key = CompiledOp(prog), CompiledOp(key_side)
+    args = random_inputs(op, T=150, H=1, HV=2, K=16, V=16, cu_seqlens=[0, 1, 70, 150], initial_state=True,
+                         dtype=torch.float64, seed=7)
+    o, s = op(**args)
+    o_k, s_k = op_key(**args)
+    assert rel_err(o_k, o) <= 1e-12 and rel_err(s_k, s) <= 1e-12
+
+
+def test_emit_kernel_shows_the_form_the_shape_class_runs(capsys):
+    assert main(["gdn", "--emit", "kernel", "--shape", "H=2,HV=8,K=128,V=128,BV=16"]) == 0
+    narrow = capsys.readouterr().out
+    assert main(["gdn", "--emit", "kernel", "--shape", "H=2,HV=8,K=128,V=128,BV=64"]) == 0
+    wide = capsys.readouterr().out
+    assert "v_new_decayed_s" in narrow and "k_decayed_s" not in narrow
+    assert "k_decayed_s" in wide and "v_new_decayed_s" not in wide
