@@ -143,14 +143,9 @@ class Program:
         again (the inverse is most of a prep's work). The program itself when it has none."""
         if "training_program" not in self._derived:
             keep = tuple(n.name for n in self.chunk.of_op("inv_unit_lower"))
-            prog = self
-            if keep:
-                part = partition(self.chunk, keep=keep)
-                kir = schedule(part)
-                prog = Program(self.path, self.target, self.chunk_size, self.recurrence, self.chunk, kir,
-                               [s for s in self.stages if s[0] not in ("partition", "schedule")]
-                               + [("partition", part), ("schedule", kir)])
-            self._derived["training_program"] = prog
+            before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
+            self._derived["training_program"] = \
+                self._scheduled(self.chunk, before, "training program: ", keep=keep) if keep else self
         return self._derived["training_program"]
 
     def stored(self) -> tuple:
@@ -167,18 +162,21 @@ class Program:
         what the training forward stored (self.stored()) its kernels load instead."""
         if "backward_program" not in self._derived:
             back = self.backward
-            try:
-                provided = [x for x in self.stored() if _same_value(self.chunk, back, x)]
-                part = partition(back, provided=provided)
-                kir = schedule(part)
-            except PassError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a crash names the pass
-                raise PassError("schedule", f"backward: {type(e).__name__}: {e}") from e
-            self._derived["backward_program"] = Program(
-                self.path, self.target, self.chunk_size, self.recurrence, back, kir,
-                [("autodiff", back), ("partition", part), ("schedule", kir)])
+            provided = [x for x in self.stored() if _same_value(self.chunk, back, x)]
+            self._derived["backward_program"] = \
+                self._scheduled(back, [("autodiff", back)], "backward program: ", provided=provided)
         return self._derived["backward_program"]
+
+    def _scheduled(self, chunk: ChunkIR, before: list, where: str, **split) -> "Program":
+        """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
+        schedule: a Program whose stages are `before` and those two. A failure names the pass."""
+        prog = Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before))
+        ir = chunk
+        for p in (Pass("partition", lambda c: partition(c, **split), "split into kernels"),
+                  Pass("schedule", schedule, "place buffers, order statements")):
+            ir = _run_pass(p, ir, where)
+            prog._keep(p.name, ir)
+        return prog
 
     @property
     def affine(self) -> ChunkIR:

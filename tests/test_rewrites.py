@@ -480,3 +480,20 @@ def test_emit_kernel_shows_the_form_the_shape_class_runs(capsys):
     wide = capsys.readouterr().out
     assert "v_new_decayed_s" in narrow and "k_decayed_s" not in narrow
     assert "k_decayed_s" in wide and "v_new_decayed_s" not in wide
+
+
+def test_a_crash_scheduling_the_backward_names_the_pass(monkeypatch):
+    """The training and backward programs go through partition and schedule like the forward: a
+    crash there names the pass and the program."""
+    real = pipeline.schedule
+
+    def schedule(part):
+        if part.chunk.reverse:
+            raise IndexError("no such statement")
+        return real(part)
+
+    monkeypatch.setattr(pipeline, "schedule", schedule)
+    prog = qla_compiler.compile_spec("gdn")
+    assert prog.training_program.kernels is not None
+    with pytest.raises(PassError, match="pass 'schedule': backward program: IndexError: no such statement"):
+        prog.backward_program
