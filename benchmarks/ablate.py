@@ -20,22 +20,30 @@ from qla_compiler.passes.lower_tilelang import ShapeClass
 
 H200_SMS = 132
 
+# the decay to the chunk's end, on whichever side decay_value_side left it (k_decayed_s or v_new_decayed_s)
+_DECAY = r"^(\w+_decayed_s\[i, j\] = T\.cast\(\()T\.exp2\(\(\(g_cum_c\[n_valid - 1\] \* [\d.]+\) - \(g_cum_c\[i\] \* [\d.]+\)\)\) \* "
 VARIANTS = {
     "gdn_prep": {
         "no inverse (I − A only)": [(r"^INVERSE_SQUARINGS = \d+$", "INVERSE_SQUARINGS = 0")],
         "no cumulative sum loop": [(r"for j in T\.serial\(C\):", "for j in T.serial(1):")],
+        "no K·Kᵀ product": [(r"^T\.gemm\(k_s, k_s, KKt,.*\)$", "T.clear(KKt)")],
         "no W, U products": [(r"T\.gemm\(T_s, (\w+), (W|U),.*\)$", r"T.clear(\2)")],
         "no W, U stores": [(r"T\.copy\(\w+, (W|U)_rows\[.*\]\)$", "pass"),
                            (r"(W|U)_rows\[0, t0 \+ i, i_hv, j\] = .*$", "pass")],
     },
     "gdn_scan": {
-        "no W·S product": [(r"T\.gemm\(W_s, state_s, WS,.*\)$", "T.clear(WS)")],
-        "no state update": [(r"T\.gemm\(k_decayed_s, v_new_s, state,.*\)$", "pass")],
-        "no per-chunk state store": [(r"T\.copy\(state_s, S0_chunks\[.*\]\)$", "pass")],
+        "no W·S product": [(r"^T\.gemm\(W_s, state_s, WS,.*\)$", "T.clear(WS)")],
+        "no state update": [(r"^T\.gemm\((k_decayed_s|k_s), (v_new_s|v_new_decayed_s), state,.*\)$", "pass")],
+        "no decay in the update": [(_DECAY, r"\1")],
+        "no state decay": [(r"^state\[i, j\] = \(T\.exp2\(.*\) \* state\[i, j\]\)$", "pass")],
+        "no per-chunk state store": [(r"^T\.tma_copy\(state_s, S0_chunks\[.*\]\)$", "pass")],
+        "no v_new store": [(r"^T\.tma_copy\(v_new_s, v_new_rows\[.*\]\)$", "pass")],
+        "no wait for the stores": [(r"^T\.tma_store_wait\(\)  # the previous chunk's", "pass  #")],
     },
     "gdn_out": {
         "no Q·S0": [(r"T\.gemm\(q_s, S0_s, QS,.*\)$", "T.clear(QS)")],
-        "no state load": [(r"T\.copy\(S0_chunks\[.*\], S0_s\)$", "pass")],
+        "no state load": [(r"^T\.tma_copy\(S0_chunks\[.*\], S0_s, .*\)$", "pass"),
+                          (r"^T\.mbarrier_wait_parity\(S0_s_bar\[0\], 0\)$", "pass")],
     },
 }
 
@@ -98,9 +106,10 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile every variant (no GPU needed)")
     args = ap.parse_args(argv)
     rows = args.row or ["16/64:1x32768", "2/8:1x32768"]
-    program = qla_compiler.compile_spec("gdn")
+    gdn = qla_compiler.compile_spec("gdn")
     for row in rows:
         shape = shape_for(row)
+        program = gdn.for_shape(shape)  # the variant this row runs (Program.for_shape)
         compiled = {name: compile_variants(program, shape, name, v) for name, v in VARIANTS.items()}
         if args.compile_only:
             continue
@@ -113,9 +122,9 @@ def main(argv=None) -> int:
         a = make_inputs(*parse_row(row))
         inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
                                           a["cu_seqlens"], False)
-        _, _, kept = forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+        _, _, kept = forward(program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
                              op._head_logs(dims.HV), keep=True)
-        kept.update(chunk_offsets=chunk_offsets(kept["cu_seqlens"], op.program.chunk_size),
+        kept.update(chunk_offsets=chunk_offsets(kept["cu_seqlens"], program.chunk_size),
                     initial_state=a["initial_state"].float().contiguous(), final_state=torch.empty_like(a["initial_state"]))
         print(f"# {row}: each kernel alone, µs per launch (CUDA events, 20 launches)")
         for k in program.kernels.kernels:
