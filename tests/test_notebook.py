@@ -77,7 +77,7 @@ def test_notebook_runs_top_to_bottom(kernel_env):
     # 8. kernels: the partition, the KernelIR, the generated TileLang (not lowered to CUDA)
     assert "kernel gdn_prep (parallel over chunks)" in text and "through memory: g_cum W U" in text
     assert all(f"kernel gdn_{k}" in rich for k in ("prep", "scan", "out")) and "fragment state" in rich
-    assert "Shape class: H=2 HV=8 K=128 V=128 BV=64" in text
+    assert "Shape class: H=2 HV=8 K=128 V=128 BV=16" in text and "v_new_decayed_s" in text
     assert "def gdn_scan(" in text and "T.alloc_fragment((K, BV)" in text
     assert "chunk_program gdn_affine" in rich and "out M=" in rich  # context parallelism
     assert all(f"context_parallel={s}:" in text for s in (1, 2, 4, 8))
