@@ -16,6 +16,8 @@ every ChunkIR pass, naming the first pass that breaks agreement. `Program.affine
 update as an affine map, for context parallelism, passes/affine.py) is derived from the final
 chunk program on first use; `Program.backward` (the VJP, passes/autodiff.py) from the program
 before the kernel-shaping rewrites, which then run on the VJP too (`Program.differentiated`).
+A kernel-shaping rewrite may pay only at some shape classes (`Rewrite.pays`): `Program.for_shape`
+is the program a class runs, without the ones that do not (the runtime asks it once per call).
 
     >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
     >>> [name for name, _ in prog.stages]
@@ -42,7 +44,7 @@ from .rewrites import CHUNK_PASSES
 from .verify_exponents import verify_exponents
 
 TARGETS = ("sm90", "cpu")
-# the rewrites that shape kernels, by name (Program.differentiated, Program._shaped)
+# the rewrites that shape kernels, by name (Program.differentiated, _shaped, for_shape, without)
 _SHAPING = {p.name: p for p in CHUNK_PASSES if getattr(p, "shapes_kernels", False)}
 
 
