@@ -117,7 +117,7 @@ class Program:
         key = ("without", frozenset(names))
         if key not in self._derived:
             done = [n for n, _ in self.stages]
-            at = min(done.index(n) for n in names if n in done) if any(n in done for n in names) else len(done)
+            at = min((done.index(n) for n in names if n in done), default=len(done))
             prog = Program(self.path, self.target, self.chunk_size, self.recurrence,
                            stages=list(self.stages[:at]))
             ir = self.stages[at - 1][1]

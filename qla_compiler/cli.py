@@ -68,14 +68,16 @@ def main(argv=None) -> int:
         try:
             if args.backward and args.training:
                 raise ValueError("--backward and --training: choose one")
+            shape = None
             if args.emit in ("kernel", "tilelang", "cuda"):  # the kernels this shape class runs
-                prog = prog.for_shape(parse_shape(args.shape))
+                shape = parse_shape(args.shape)
+                prog = prog.for_shape(shape)
             for flag, variant in (("backward", "backward_program"), ("training", "training_program")):
                 if getattr(args, flag):
                     if args.emit not in ("kernel", "tilelang", "cuda"):
                         raise ValueError(f"--{flag} goes with --emit kernel, tilelang or cuda")
                     prog = getattr(prog, variant)
-            text = _emit(args.emit, prog, args.shape)
+            text = _emit(args.emit, prog, shape)
         except (PassError, ValueError) as e:
             print(f"qla-compile: error: {e}", file=sys.stderr)
             return 1
@@ -124,7 +126,7 @@ def parse_shape(text: str):
     return shape
 
 
-def _emit(what: str, prog, shape_text: str) -> str:
+def _emit(what: str, prog, shape) -> str:
     if what == "chunk":
         return str(prog.chunk)
     if what in ("backward", "affine"):
@@ -133,7 +135,6 @@ def _emit(what: str, prog, shape_text: str) -> str:
         return str(prog.kernels)
     from .kernels.runtime import lower_to_cuda, module_source  # imports TileLang
 
-    shape = parse_shape(shape_text)
     if what == "tilelang":
         return module_source(prog, shape)
     return "\n\n".join(f"// ===== kernel {name} =====\n{src}" for name, src in lower_to_cuda(prog, shape).items())
