@@ -1,13 +1,17 @@
 """Where a generated kernel's time goes: the kernel as generated against copies of it with one
 piece of work taken out, each timed alone on the same tensors (those of a real forward call).
+With --trials, copies with a schedule changed instead (threads, pipeline stages, V-block): what a
+change to the generator would buy, measured before it is made.
 
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/ablate.py --compile-only   # on the CPU, first
     python benchmarks/ablate.py --row 16/64:1x32768                          # on the GPU
+    python benchmarks/ablate.py --trials --row 16/64:1x32768
 
 A variant is a list of (regex, replacement) edits of the generated module's lines; an edit that
 matches nothing is an error (the generator moved on: update the variant), so the table never
 silently times the unmodified kernel twice. The variants' results are wrong on purpose: only their
-times mean something.
+times mean something. A trial's results must not change: each is checked against the generated
+kernel's outputs on the same inputs.
 """
 import argparse
 import re
@@ -16,7 +20,6 @@ import sys
 import qla_compiler
 from qla_compiler.bench import make_inputs, parse_row
 from qla_compiler.kernels.runtime import TARGET, BACKEND, import_module, module_source, write_source
-from qla_compiler.passes.lower_tilelang import ShapeClass
 
 H200_SMS = 132
 
@@ -25,7 +28,7 @@ _DECAY = r"^(\w+_decayed_s\[i, j\] = T\.cast\(\()T\.exp2\(\(\(g_cum_c\[n_valid -
 VARIANTS = {
     "gdn_prep": {
         "no inverse (I − A only)": [(r"^INVERSE_SQUARINGS = \d+$", "INVERSE_SQUARINGS = 0")],
-        "no cumulative sum loop": [(r"for j in T\.serial\(C\):", "for j in T.serial(1):")],
+        "no cumulative sum loop": [(r"^for j in T\.unroll\(C\):.*$", "for j in T.serial(1):")],
         "no K·Kᵀ product": [(r"^T\.gemm\(k_s, k_s, KKt,.*\)$", "T.clear(KKt)")],
         "no W, U products": [(r"T\.gemm\(T_s, (\w+), (W|U),.*\)$", r"T.clear(\2)")],
         "no W, U stores": [(r"T\.copy\(\w+, (W|U)_rows\[.*\]\)$", "pass"),
@@ -48,6 +51,25 @@ VARIANTS = {
 }
 
 
+# label -> (ShapeClass fields to change, edits): schedules the generator could choose instead; a
+# trial that changes nothing at a row's class is left out there
+TRIALS = {
+    "gdn_prep": {
+        "cumulative sum not unrolled": ({}, [(r"^for j in T\.unroll\(C\):.*$", "for j in T.serial(C):")]),
+    },
+    "gdn_scan": {
+        "one consumer warpgroup": ({"scan_warpgroups": 1}, []),
+        "two consumer warpgroups": ({"scan_warpgroups": 2}, []),
+        "2 stages": ({"stages": 2}, []),
+        "3 stages": ({"stages": 3}, []),
+        "4 stages": ({"stages": 4}, []),
+        "half the V-block, one warpgroup": ({"BV": "half", "scan_warpgroups": 1}, []),
+        "half the V-block, one warpgroup, 3 stages": ({"BV": "half", "scan_warpgroups": 1, "stages": 3}, []),
+        "half the V-block, two warpgroups": ({"BV": "half", "scan_warpgroups": 2}, []),
+    },
+}
+
+
 def edited(source: str, edits) -> str:
     lines = source.splitlines()
     for pattern, repl in edits:
@@ -62,17 +84,34 @@ def edited(source: str, edits) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compile_variants(program, shape, kernel_name, variants):
+def trial_shape(shape, changes):
+    """The shape class a trial compiles for: `changes` applied ("half" halves the V-block)."""
+    import dataclasses
+
+    changes = {f: (getattr(shape, f) // 2 if c == "half" else c) for f, c in changes.items()}
+    return dataclasses.replace(shape, **changes)
+
+
+def compile_variants(gdn, shape, kernel_name, variants):
+    """{label: compiled kernel} for the kernel as generated and each variant; a variant is a list
+    of edits, or (shape changes, edits) for a trial (compiled from the program variant its shape
+    runs, Program.for_shape)."""
     import logging
 
     import tilelang
 
     logging.getLogger("tilelang").setLevel(logging.ERROR)  # one progress line per variant instead
 
-    base = module_source(program, shape)
     out = {}
-    for label, edits in [("as generated", [])] + list(variants.items()):
-        path = write_source(f"{kernel_name}_ablate", edited(base, edits))
+    for label, variant in [("as generated", [])] + list(variants.items()):
+        changes, edits = variant if isinstance(variant, tuple) else ({}, variant)
+        try:
+            s = trial_shape(shape, changes)
+        except ValueError:  # not a class the lowering builds (ShapeClass says why)
+            continue
+        if s.BV < 16 or (changes and not edits and s == shape):
+            continue  # narrower than the runtime's V-blocks, or the class as generated
+        path = write_source(f"{kernel_name}_ablate", edited(module_source(gdn.for_shape(s), s), edits))
         fn = getattr(import_module(path), kernel_name)
         out[label] = tilelang.compile(fn, target=TARGET, execution_backend=BACKEND)
         print(f"compiled {kernel_name}: {label}", file=sys.stderr, flush=True)
@@ -80,10 +119,10 @@ def compile_variants(program, shape, kernel_name, variants):
 
 
 def shape_for(row):
-    from qla_compiler.kernels.forward import SCAN_STAGES, block_v
+    from qla_compiler.kernels.forward import scan_class
 
     H, HV, lens = parse_row(row)
-    return ShapeClass(H=H, HV=HV, K=128, V=128, BV=block_v(128, HV, len(lens), H200_SMS), stages=SCAN_STAGES)
+    return scan_class(H, HV, 128, 128, len(lens), "bfloat16", H200_SMS)
 
 
 def time_us(kernel, args, reps=20) -> float:
@@ -104,13 +143,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--row", action="append", help="h_qk/h_v:NxL (repeatable; default 16/64:1x32768, 2/8:1x32768)")
     ap.add_argument("--compile-only", action="store_true", help="compile every variant (no GPU needed)")
+    ap.add_argument("--trials", action="store_true", help="time the schedule trials instead of the ablations")
     args = ap.parse_args(argv)
+    table = TRIALS if args.trials else VARIANTS
     rows = args.row or ["16/64:1x32768", "2/8:1x32768"]
     gdn = qla_compiler.compile_spec("gdn")
     for row in rows:
         shape = shape_for(row)
         program = gdn.for_shape(shape)  # the variant this row runs (Program.for_shape)
-        compiled = {name: compile_variants(program, shape, name, v) for name, v in VARIANTS.items()}
+        compiled = {name: compile_variants(gdn, shape, name, v) for name, v in table.items()}
         if args.compile_only:
             continue
         import torch
@@ -127,15 +168,28 @@ def main(argv=None) -> int:
         kept.update(chunk_offsets=chunk_offsets(kept["cu_seqlens"], program.chunk_size),
                     initial_state=a["initial_state"].float().contiguous(), final_state=torch.empty_like(a["initial_state"]))
         print(f"# {row}: each kernel alone, µs per launch (CUDA events, 20 launches)")
-        for k in program.kernels.kernels:
+        for k in (k for k in program.kernels.kernels if k.name in compiled):
             ks = compiled[k.name]
             params = [kept[p.name] for p in k.params]
+            outs = [i for i, p in enumerate(k.params) if p.role == "out"]
+            if args.trials:  # a slot no kernel writes (past the last chunk) stays NaN and is not compared
+                for i in outs:
+                    params[i].fill_(float("nan"))
             base = time_us(ks["as generated"], params)
+            reference = [params[i].float().clone() for i in outs] if args.trials else None
             print(f"{k.name:>10}  as generated {base:9.1f}")
             for label, kern in ks.items():
                 if label != "as generated":
+                    if reference is not None:  # what the trial itself writes is compared, not leftovers
+                        for i in outs:
+                            params[i].fill_(float("nan"))
                     t = time_us(kern, params)
-                    print(f"{'':>10}  {label:<28} {t:9.1f}  ({t - base:+.1f})")
+                    note = ""
+                    if reference is not None:  # same math, other schedule: the outputs must not move
+                        err = max(((params[i].float() - r)[r == r].norm() / r[r == r].norm().clamp_min(1e-30)).item()
+                                  for i, r in zip(outs, reference))
+                        note = f"  outputs {'agree' if err < 1e-2 else 'DIFFER'} ({err:.1e})"
+                    print(f"{'':>10}  {label:<34} {t:9.1f}  ({t - base:+.1f}){note}")
     return 0
 
 

@@ -12,6 +12,7 @@ or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64 (gdn.ba
 backward program's kernels, gdn.training:... for the forward a training step runs).
 """
 import argparse
+import dataclasses
 import os
 import sys
 import tarfile
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import qla_compiler
 from qla_compiler.bench import ROWS, parse_row
-from qla_compiler.kernels.forward import SCAN_STAGES, block_v
+from qla_compiler.kernels import forward
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
 
@@ -31,16 +32,14 @@ def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages
     """The shape classes one call compiles, each as (spec, class, the call's class without context
     parallelism, which picks the program's variant: Program.for_shape): what kernels/forward.py
     picks for these sizes (`bv`: the V-block qla-bench --block-v forces instead)."""
-    stages = stages or SCAN_STAGES
-
-    def v_block(width, n):
-        return min(bv, width) if bv else block_v(width, HV, n, sms)
-    plain = ShapeClass(H=H, HV=HV, K=K, V=K, BV=v_block(K, n_seqs), io=io, stages=stages)
+    def launch(width, n):
+        shape = forward.scan_class(H, HV, K, width, n, io, sms, BV=min(bv, width) if bv else None)
+        return dataclasses.replace(shape, stages=stages) if stages else shape
+    plain = launch(K, n_seqs)
     if not cp:
         return [(spec, plain, plain)]
     n = n_seqs * cp  # segments are scanned as sequences, once on [0 | v] (width K + V), once on v
-    return [(spec, ShapeClass(H=H, HV=HV, K=K, V=w, BV=v_block(w, n), io=io, stages=stages), plain)
-            for w in (2 * K, K)]
+    return [(spec, launch(w, n), plain) for w in (2 * K, K)]
 
 
 def _with_training(items) -> list:
@@ -61,6 +60,8 @@ def for_gpu_tests():
         for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
             shape = ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)  # the whole program, as the test runs it
             out += _with_training([(spec, shape, None)])
+            wide = dataclasses.replace(shape, scan_warpgroups=2)  # the forward scan on two warpgroups
+            out += [(spec, wide, None), (f"{spec}.training", wide, None)]
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
         out += _with_training(classes("gdn", 2, 8, 128, 3, cp=s))
     return out
@@ -113,7 +114,7 @@ def pack_used(cache: Path, since: float, out: str) -> None:
 def parse(item):
     spec, heads, K, io, BV = item.split(":")
     H, HV = map(int, heads.split("/"))
-    shape = ShapeClass(H=H, HV=HV, K=int(K), V=int(K), BV=int(BV), io=io, stages=SCAN_STAGES)
+    shape = forward.scan_class(H, HV, int(K), int(K), 1, io, H200_SMS, BV=int(BV))  # as for one sequence
     return spec, shape, shape
 
 

@@ -120,7 +120,7 @@ class Stmt:
 class Kernel:
     name: str
     grid: tuple  # ((axis, extent), ...)
-    threads: int
+    threads: int | str  # a number, or the shape-class constant that sets it (SCAN_THREADS)
     params: list
     buffers: list
     prologue: list
@@ -128,6 +128,7 @@ class Kernel:
     epilogue: list
     loop: str | None = None  # "chunks of the sequence" for the scan
     reverse: bool = False  # the loop runs from the last chunk to the first (a backward scan)
+    max_stages: int = 0  # a scan: the most buffers per load its shared memory holds (0: no loop)
     roles: tuple = ()  # warpgroup roles, as lowered
     doc: str = ""
     kind: str = ""  # "prep" | "scan" | "out": its place in the partition
@@ -149,7 +150,8 @@ class Kernel:
             lines.append(f"  role     {r}")
         lines += [f"  {s}" for s in self.prologue]
         if self.loop:
-            lines.append(f"  for chunk in {self.loop} (pipelined: STAGES buffers per load, from the shape class):")
+            lines.append(f"  for chunk in {self.loop} (pipelined: STAGES buffers per load, from the shape class, "
+                         f"at most {self.max_stages}):")
             lines += [f"    {s}" for s in self.body]
         else:
             lines += [f"  {s}" for s in self.body]

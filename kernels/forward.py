@@ -18,8 +18,21 @@ from qla_compiler.passes.lower_tilelang import HEAD_DIMS, ShapeClass
 from .runtime import load_kernels
 
 IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# buffers for the scan's loads: 2 lets the producer fetch chunk i + 1 while the consumer works on i
-SCAN_STAGES = 2
+
+
+def scan_stages(BV: int) -> int:
+    """Buffers per load of the scan's pipeline: the producer fetches up to stages − 1 chunks ahead
+    (a scan whose shared memory holds fewer takes fewer: Kernel.max_stages).
+
+    The narrower a V-block, the less work a chunk holds against the same loads (k and W do not
+    narrow), so the loads must run further ahead. Forward scans on the H200 (session 8): at BV =
+    16 and 32, 4 stages were 5-10% faster than 3 (2/8, 4/16, 8/32 heads); at 64, 3 were 7-16%
+    faster than 2 (16/64) and 1% faster than 4.
+
+    >>> scan_stages(16), scan_stages(32), scan_stages(64)
+    (4, 4, 3)
+    """
+    return 4 if BV <= 32 else 3
 
 
 def check_head_dims(K: int, V: int) -> None:
@@ -35,9 +48,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device) -> int:
+    """The SMs of the GPU a CUDA device names (the launch rules below depend on it)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def choose_block_v(V: int, HV: int, N: int, device) -> int:
     """The V-block for this GPU (see block_v)."""
-    return block_v(V, HV, N, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+    return block_v(V, HV, N, sm_count(device))
 
 
 def block_v(V: int, HV: int, N: int, sms: int) -> int:
@@ -56,6 +74,38 @@ def block_v(V: int, HV: int, N: int, sms: int) -> int:
         if bv <= V and (V // bv) * HV * N >= 0.7 * sms:
             return bv
     return 16
+
+
+def scan_warpgroups(K: int, V: int, BV: int, HV: int, N: int, sms: int) -> int:
+    """Consumer warpgroups of the forward scan: two where each of its CTAs has an SM to itself
+    anyway, one elsewhere.
+
+    A chunk of the scan is a chain of short dependent steps; with one warp per scheduler most
+    issue slots go idle, and a second warpgroup halves each warp's share of every step. It only
+    pays where it takes no co-resident CTA's place: where one warpgroup's state fragment (K·BV
+    floats over 128 threads) already fills more than half the SM's registers (K·BV ≥ 128·64), or
+    where the grid has no more CTAs than SMs. On the H200 (session 8, at 3 stages): 16/64 heads
+    at BV = 64 −16%, 8/32 at BV = 32 (128 CTAs) −12%; 16/64 at BV = 32 (512 CTAs, two per SM at
+    one warpgroup) +65%. Below BV = 32 it is not lowered (each warpgroup would hold 8 columns).
+
+    >>> scan_warpgroups(128, 128, 64, 64, 1, 132), scan_warpgroups(128, 128, 32, 32, 1, 132)
+    (2, 2)
+    >>> scan_warpgroups(128, 128, 32, 64, 1, 132), scan_warpgroups(128, 128, 16, 8, 1, 132)
+    (1, 1)
+    """
+    if BV < 32:
+        return 1
+    return 2 if K * BV >= 128 * 64 or (V // BV) * HV * N <= sms else 1
+
+
+def scan_class(H: int, HV: int, K: int, width: int, n_seqs: int, io: str, sms: int, scale=None,
+               BV: int | None = None) -> ShapeClass:
+    """The shape class a launch compiles for, on a GPU with `sms` SMs: the head counts and dims, the
+    value width (context parallelism widens it), the scan's V-block (block_v, unless given) and
+    warpgroups (scan_warpgroups) for this many sequences, its pipeline stages (scan_stages)."""
+    BV = BV or block_v(width, HV, n_seqs, sms)
+    return ShapeClass(H=H, HV=HV, K=K, V=width, io=io, scale=scale, BV=BV, stages=scan_stages(BV),
+                      scan_warpgroups=scan_warpgroups(K, width, BV, HV, n_seqs, sms))
 
 
 @functools.lru_cache(maxsize=64)
@@ -213,10 +263,9 @@ def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:
 
 
 def shape_class(dims, width: int, n_seqs: int, scale: float, io, device) -> ShapeClass:
-    """What a launch compiles for: the head counts and dims, the value width (context
-    parallelism widens it), the V-block for this many sequences on this GPU."""
-    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=width, io=IO_DTYPES[io], scale=scale,
-                      BV=choose_block_v(width, dims.HV, n_seqs, device), stages=SCAN_STAGES)
+    """What a launch compiles for on this GPU (scan_class)."""
+    return scan_class(dims.H, dims.HV, dims.K, width, n_seqs, IO_DTYPES[io], sm_count(device), scale,
+                      BV=choose_block_v(width, dims.HV, n_seqs, device))
 
 
 def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int) -> None:

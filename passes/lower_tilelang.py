@@ -40,6 +40,15 @@ class ShapeClass:
     io: str = "bfloat16"
     scale: float | None = None
     stages: int = 1
+    # consumer warpgroups of the forward scan (its kernel's threads: SCAN_THREADS = 128 × this); the
+    # runtime chooses (kernels/forward.scan_warpgroups)
+    scan_warpgroups: int = 1
+
+    def __post_init__(self):
+        if self.scan_warpgroups not in (1, 2) or (self.scan_warpgroups == 2 and self.BV < 32):
+            raise ValueError(f"scan_warpgroups={self.scan_warpgroups} at BV={self.BV}: one warpgroup, or two "
+                             "where BV ≥ 32 (they split the columns of W·S; 8 each is not a wgmma layout "
+                             "TileLang lowers)")
 
     @property
     def G(self) -> int:
@@ -126,7 +135,7 @@ class _Render:
             keep = "j >= i" if a.get("reverse") else "j <= i"  # the suffix sum for a reverse cumsum
             return ["for i in T.Parallel(C):",
                     f"    {s.dst}_acc[i] = 0.0",
-                    "for j in T.serial(C):",
+                    "for j in T.unroll(C):  # unrolled: the C loads issue back to back, only the adds chain",
                     "    for i in T.Parallel(C):",
                     f"        {s.dst}_acc[i] += T.if_then_else({keep}, {s.srcs[0]}[j], 0.0)",
                     f"T.copy({s.dst}_acc, {s.dst})"]
@@ -213,7 +222,7 @@ def _param(p) -> str:
     return f"{name}: T.Tensor(({dims}{',' if len(p.shape) == 1 else ''}), {_dtype(p.dtype)})"
 
 
-def lower_kernel(kernel: Kernel) -> list[str]:
+def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
     r = _Render(kernel)
     scan = kernel.loop is not None
     store_waits = scan and r.bulk_stores()
@@ -246,11 +255,13 @@ def lower_kernel(kernel: Kernel) -> list[str]:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
     ind = "        "
     if scan:
+        stages, why = "STAGES", ""
+        if shape.stages > kernel.max_stages:
+            stages, why = kernel.max_stages, f"  # the most its shared memory holds (STAGES = {shape.stages})"
+        loop = "i_r" if kernel.reverse else "i_c"
+        out.append(f"        for {loop} in T.Pipelined(T.ceildiv(seq_len, C), num_stages={stages}):{why}")
         if kernel.reverse:  # a backward scan: from the sequence's last chunk to its first
-            out += ["        for i_r in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):",
-                    "            i_c = T.ceildiv(seq_len, C) - 1 - i_r"]
-        else:
-            out += ["        for i_c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=STAGES):"]
+            out.append("            i_c = T.ceildiv(seq_len, C) - 1 - i_r")
         out += ["            t0 = bos + i_c * C",
                 "            n_valid = T.min(C, seq_len - i_c * C)"]
         if any(s.op in ("store_chunk_state", "load_chunk_state") for s in kernel.body):
@@ -297,6 +308,7 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         f'IO = "{shape.io}"',
         f"SCALE = {shape.scale_value!r}",
         f"STAGES = {shape.stages}",
+        f"SCAN_THREADS = {128 * shape.scan_warpgroups}  # the forward scan's consumer threads",
         f"INVERSE_SQUARINGS = {squarings(kir.chunk_size)}",
         'Tok = T.dynamic("T")  # tokens of the packed batch',
         'N = T.dynamic("N")  # sequences',
@@ -304,5 +316,5 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         'CH = T.dynamic("CH")  # chunk slots',
     ]
     for k in kir.kernels:
-        lines += ["", ""] + lower_kernel(k)
+        lines += ["", ""] + lower_kernel(k, shape)
     return "\n".join(lines) + "\n"

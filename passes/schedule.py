@@ -39,8 +39,8 @@ from .partition import Partition
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
-RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "N", "NP1", "CH", "Tok",
-            "i", "j", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
+RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "N", "NP1", "CH",
+            "Tok", "i", "j", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
 THREADS = 128
 
 
@@ -591,12 +591,26 @@ def _scan_kernel(part: Partition) -> Kernel:
     body = _issue_stores_early(b.loads + _zero_pad(b, only_partial=True) + b.copies
                                + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body,
                                stores)
+    # each load of the loop gets a buffer per stage, and the rest of shared memory is fixed
+    per_stage = smem_bytes([b.buffers[st.dst] for st in b.loads])
+    fixed = smem_bytes(b.buffers.values()) - per_stage
+    max_stages = (SMEM_BUDGET - fixed) // per_stage
+    if max_stages < 1:
+        raise PassError("schedule", f"{ir.name}_scan: its blocks need {(fixed + per_stage) // 1024} KB of "
+                                    f"shared memory, over the {SMEM_BUDGET // 1024} KB budget")
+    # The forward scan's consumer is one warpgroup or two, as the shape class says (SCAN_THREADS):
+    # its chunk is a chain of short dependent steps, and alone on an SM one warp per scheduler
+    # leaves most issue slots idle (ncu: 79% of cycles with no eligible warp). The backward scan
+    # keeps one: at two (128 registers a thread) it spilled at BV = 64; not timed.
+    threads = THREADS if ir.reverse else "SCAN_THREADS"
+    consumers = "consumer warpgroup" if ir.reverse else "consumer warpgroups (SCAN_THREADS / 128)"
     return Kernel(
-        f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), THREADS, params,
+        f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), threads, params,
         list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
         loop="chunks of the sequence" + (", last to first" if ir.reverse else ""), reverse=ir.reverse,
+        max_stages=max_stages,
         roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
-               "consumer warpgroup: the state chain; the state in registers"),
+               f"{consumers}: the state chain; the state in registers"),
         doc="sequential over chunks: the state chain only", kind="scan", nodes=part.scan)
 
 

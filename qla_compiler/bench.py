@@ -189,7 +189,7 @@ def main(argv=None) -> int:
                     help="also time qla with context parallelism, each sequence in SEGMENTS segments")
     ap.add_argument("--only", nargs="*", metavar="LIB", help="time only these (qla, qla-cpS); default: all")
     ap.add_argument("--scan-stages", type=int, metavar="N",
-                    help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's SCAN_STAGES)")
+                    help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
     ap.add_argument("--block-v", type=int, choices=(16, 32, 64),
                     help="the scan's V-block, for every row (default: kernels/forward.py's block_v choice)")
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     from qla_compiler.kernels import forward
 
     if args.scan_stages:
-        forward.SCAN_STAGES = args.scan_stages
+        forward.scan_stages = lambda BV: args.scan_stages
     if args.block_v:
         forward.choose_block_v = lambda V, HV, N, device: min(args.block_v, V)
     run(args.rows, args.plot, args.cp, args.only, args.backward)

@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     return 0
 
 
+FIELDS = ("H", "HV", "K", "V", "BV", "io", "stages", "scan_warpgroups")
+
+
 def parse_shape(text: str):
     """'H=2,HV=8,K=128,V=128,BV=64,io=bfloat16' -> ShapeClass."""
     from .passes.lower_tilelang import ShapeClass
@@ -105,8 +108,8 @@ def parse_shape(text: str):
     fields = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        if key not in ("H", "HV", "K", "V", "BV", "io", "stages"):
-            raise ValueError(f"--shape: unknown field {key!r} (fields: H, HV, K, V, BV, io, stages)")
+        if key not in FIELDS:
+            raise ValueError(f"--shape: unknown field {key!r} (fields: {', '.join(FIELDS)})")
         try:
             fields[key] = value if key == "io" else int(value)
         except ValueError:
@@ -114,7 +117,10 @@ def parse_shape(text: str):
     missing = [f for f in ("H", "HV", "K", "V") if f not in fields]
     if missing:
         raise ValueError(f"--shape: missing {', '.join(missing)} (e.g. {DEFAULT_SHAPE})")
-    shape = ShapeClass(**fields)
+    try:
+        shape = ShapeClass(**fields)
+    except ValueError as e:
+        raise ValueError(f"--shape: {e}") from None
     if shape.H < 1 or shape.HV % shape.H:
         raise ValueError(f"--shape: HV={shape.HV} is not a multiple of H={shape.H}")
     for d in ("K", "V"):

@@ -32,15 +32,18 @@ def _written(name, ref, seen):
 
 
 @pytest.mark.parametrize("H, HV, K", CLASSES)
-@pytest.mark.parametrize("direction", ["forward", "training", "backward"])
+@pytest.mark.parametrize("direction, warpgroups", [("forward", 1), ("forward", 2), ("training", 1),
+                                                   ("training", 2), ("backward", 1)])
 @pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "linear_attn"])
-def test_kernel_matches_emulator(spec, direction, H, HV, K):
+def test_kernel_matches_emulator(spec, direction, warpgroups, H, HV, K):
+    """`warpgroups`: the forward scan's consumer warpgroups (the backward scan always has one)."""
     op = qla_compiler.compile(spec)
     seen, scale = _emulated(op, H, HV, K)
     # the emulated step ran the training forward; the inference forward's kernels write a subset
     program = {"forward": op.program, "training": op.program.training_program,
                "backward": op.program.backward_program}[direction]
-    kernels = load_kernels(program, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32, scale=scale))
+    kernels = load_kernels(program, ShapeClass(H=H, HV=HV, K=K, V=K, BV=32, scale=scale,
+                                               scan_warpgroups=warpgroups))
     for k in program.kernels.kernels:
         got = {n: x.cuda() for n, x in seen[k.name].items()}
         for p in k.params:

@@ -19,7 +19,7 @@ from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import _reads, schedule
 from qla_compiler.specs import NAMES
 
-SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16"
+SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_emit_cuda_uses_wgmma(cuda_sources, name):
 def test_gdn_scan_uses_tma_and_warp_specialisation(cuda_sources):
     scan = cuda_sources["gdn"].split("kernel gdn_scan")[1]
     assert "tl::tma_load(" in scan
-    assert re.search(r"__launch_bounds__\(256, 1\)", scan)  # producer + consumer warpgroups
+    assert re.search(r"__launch_bounds__\(512, 1\)", scan)  # producer + two consumer warpgroups
     assert "mbarrier" in scan
 
 
@@ -247,12 +247,31 @@ def test_provided_values_are_loaded_and_must_be_state_free():
 
 def test_a_kernel_takes_a_second_warpgroup_only_for_its_registers(capsys):
     """GDN's backward out kernel keeps ~176 KB of fragments live at once, more than one
-    warpgroup's registers hold (it spilled): it runs on 256 threads; every other kernel on 128."""
+    warpgroup's registers hold (it spilled): it runs on 256 threads. The forward scan's consumer
+    warpgroups come from the shape class (SCAN_THREADS); every other kernel runs on 128."""
     prog = qla_compiler.compile_spec("gdn")
     threads = {k.name: k.threads for k in prog.kernels.kernels + prog.backward_program.kernels.kernels}
-    assert threads.pop("gdn_backward_out") == 256 and set(threads.values()) == {128}
+    assert threads.pop("gdn_backward_out") == 256 and threads.pop("gdn_scan") == "SCAN_THREADS"
+    assert set(threads.values()) == {128}
     assert main(["gdn", "--emit", "tilelang", "--backward", "--shape", SHAPE]) == 0
     assert "with T.Kernel(CH, HV, threads=256)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_forward_scan_takes_its_consumer_warpgroups_from_the_shape_class(warpgroups):
+    prog = qla_compiler.compile_spec("gdn")
+    src = lower(prog.kernels, ShapeClass(H=2, HV=8, K=128, V=128, BV=32, scan_warpgroups=warpgroups))
+    assert f"SCAN_THREADS = {128 * warpgroups}" in src
+    assert "with T.Kernel(V // BV, HV, N, threads=SCAN_THREADS)" in src
+    back = lower(prog.backward_program.kernels, ShapeClass(H=2, HV=8, K=128, V=128, BV=32, scan_warpgroups=2))
+    assert "with T.Kernel(V // BV, HV, N, threads=128)" in back  # the backward scan keeps one
+
+
+def test_two_scan_warpgroups_need_a_v_block_of_32():
+    with pytest.raises(ValueError, match="scan_warpgroups=2 at BV=16: one warpgroup, or two where BV ≥ 32"):
+        ShapeClass(H=2, HV=8, K=128, V=128, BV=16, scan_warpgroups=2)
+    with pytest.raises(ValueError, match="--shape: scan_warpgroups=3 at BV=64"):
+        parse_shape("H=2,HV=8,K=128,V=128,BV=64,scan_warpgroups=3")
 
 
 def test_out_kernels_split_by_live_shared_memory(monkeypatch):
@@ -393,3 +412,16 @@ def test_prep_stores_its_wgmma_copies():
     copies = [i for i, s in enumerate(prep.body) if s.op == "copy" and s.dst == "T_s"]
     reads = [i for i, s in enumerate(prep.body) if s.op == "gemm" and s.srcs[0] == "T_s"]
     assert len(copies) == 1 and len(reads) == 2 and copies[0] < reads[0]
+
+
+def test_a_scan_takes_no_more_stages_than_its_shared_memory_holds():
+    """A pipeline stage is one more buffer per load. At 3 stages GDN's backward scan would need
+    257 KB at BV = 64 (its launch failed on the H200): it lowers with 2; the forward's takes 3."""
+    prog = qla_compiler.compile_spec("gdn")
+    shape = ShapeClass(H=2, HV=8, K=128, V=128, BV=64, stages=3, scan_warpgroups=2)
+    forward_scan = next(k for k in prog.for_shape(shape).kernels.kernels if k.loop)
+    backward_scan = next(k for k in prog.for_shape(shape).backward_program.kernels.kernels if k.loop)
+    assert backward_scan.max_stages == 2 and forward_scan.max_stages >= 3
+    assert "num_stages=STAGES)" in lower(prog.for_shape(shape).kernels, shape)
+    back = lower(prog.for_shape(shape).backward_program.kernels, shape)
+    assert "T.Pipelined(T.ceildiv(seq_len, C), num_stages=2):  # the most its shared memory holds" in back
