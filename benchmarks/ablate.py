@@ -21,8 +21,6 @@ import qla_compiler
 from qla_compiler.bench import make_inputs, parse_row
 from qla_compiler.kernels.runtime import TARGET, BACKEND, import_module, module_source, write_source
 
-H200_SMS = 132
-
 # the decay to the chunk's end, on whichever side decay_value_side left it (k_decayed_s or v_new_decayed_s)
 _DECAY = r"^(\w+_decayed_s\[i, j\] = T\.cast\(\()T\.exp2\(\(\(g_cum_c\[n_valid - 1\] \* [\d.]+\) - \(g_cum_c\[i\] \* [\d.]+\)\)\) \* "
 VARIANTS = {
@@ -119,7 +117,7 @@ def compile_variants(gdn, shape, kernel_name, variants):
 
 
 def shape_for(row):
-    from qla_compiler.kernels.forward import scan_class
+    from qla_compiler.kernels.forward import H200_SMS, scan_class
 
     H, HV, lens = parse_row(row)
     return scan_class(H, HV, 128, 128, len(lens), "bfloat16", H200_SMS)

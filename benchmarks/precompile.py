@@ -25,10 +25,8 @@ from qla_compiler.kernels import forward
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
 
-H200_SMS = 132
 
-
-def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=H200_SMS, stages=None, bv=None):
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=forward.H200_SMS, stages=None, bv=None):
     """The shape classes one call compiles, each as (spec, class, the call's class without context
     parallelism, which picks the program's variant: Program.for_shape): what kernels/forward.py
     picks for these sizes (`bv`: the V-block qla-bench --block-v forces instead)."""
@@ -114,7 +112,7 @@ def pack_used(cache: Path, since: float, out: str) -> None:
 def parse(item):
     spec, heads, K, io, BV = item.split(":")
     H, HV = map(int, heads.split("/"))
-    shape = forward.scan_class(H, HV, int(K), int(K), 1, io, H200_SMS, BV=int(BV))  # as for one sequence
+    shape = forward.scan_class(H, HV, int(K), int(K), 1, io, forward.H200_SMS, BV=int(BV))  # as for one sequence
     return spec, shape, shape
 
 

@@ -18,6 +18,9 @@ from qla_compiler.passes.lower_tilelang import HEAD_DIMS, ShapeClass
 from .runtime import load_kernels
 
 IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# an H200's SMs: what the tools that choose classes without a GPU assume (qla-compile --shape,
+# benchmarks/precompile.py, benchmarks/ablate.py)
+H200_SMS = 132
 
 
 def scan_stages(BV: int) -> int:

@@ -9,7 +9,9 @@ Splits the step into S_t = A_t S_{t−1} + B_t by sympy and recognises
 which is the family MATH.md chunks (linear attention, Mamba2/simple GLA, RetNet, DeltaNet, GDN).
 Anything else is refused with the structure that was found.
 
-    >>> ir = classify(load_spec("specs/gdn.py"))                       # doctest: +SKIP
+    >>> from qla_compiler.compiler import resolve_spec
+    >>> from qla_compiler.passes.frontend import load_spec
+    >>> ir = classify(load_spec(resolve_spec("gdn")))
     >>> ir.structure.transition()
     'exp(g)·(I − beta·k·kᵀ)'
 """

@@ -19,7 +19,8 @@ before the kernel-shaping rewrites, which then run on the VJP too (`Program.diff
 A kernel-shaping rewrite may pay only at some shape classes (`Rewrite.pays`): `Program.for_shape`
 is the program a class runs, without the ones that do not (the runtime asks it once per call).
 
-    >>> prog = run_pipeline("specs/gdn.py", stop_after="chunk")          # doctest: +SKIP
+    >>> from qla_compiler.compiler import resolve_spec
+    >>> prog = run_pipeline(resolve_spec("gdn"), stop_after="chunk")
     >>> [name for name, _ in prog.stages]
     ['frontend', 'classify', 'chunk']
 """
@@ -97,7 +98,9 @@ class Program:
         pay at that shape (`Rewrite.pays`; e.g. the decay on the value side only where the V-block
         is narrow). Derived once per set of rewrites left out; the program itself when none is.
 
-            >>> prog = run_pipeline("specs/gdn.py")                                  # doctest: +SKIP
+            >>> import qla_compiler
+            >>> from qla_compiler.passes.lower_tilelang import ShapeClass
+            >>> prog = qla_compiler.compile_spec("gdn")
             >>> "decay_value_side" in [n for n, _ in prog.for_shape(ShapeClass(2, 8, 128, 128, BV=64)).stages]
             False
         """

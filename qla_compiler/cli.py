@@ -23,7 +23,7 @@ from .compiler import compile_spec
 from .errors import PassError, SpecError
 
 EMITS = ("recurrence", "chunk", "backward", "affine", "kernel", "tilelang", "cuda")
-DEFAULT_SHAPE = "H=2,HV=8,K=128,V=128,BV=16,io=bfloat16"  # Qwen3-Next's GDN layer under TP8, one sequence
+DEFAULT_SHAPE = "H=2,HV=8,K=128,V=128,io=bfloat16"  # Qwen3-Next's GDN layer under TP8
 
 
 def main(argv=None) -> int:
@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", metavar="DIR", help="also write what is printed into DIR")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--shape", default=DEFAULT_SHAPE,
-                    help=f"shape class for --emit kernel/tilelang/cuda (default: {DEFAULT_SHAPE})")
+                    help=f"shape class for --emit kernel/tilelang/cuda (default: {DEFAULT_SHAPE}); "
+                         "the fields not given (BV, stages, scan_warpgroups) are what the runtime picks "
+                         "for one sequence on an H200")
     ap.add_argument("--backward", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the backward program's kernels")
     ap.add_argument("--training", action="store_true",
@@ -100,9 +102,15 @@ FIELDS = ("H", "HV", "K", "V", "BV", "io", "stages", "scan_warpgroups")
 
 
 def parse_shape(text: str):
-    """'H=2,HV=8,K=128,V=128,BV=64,io=bfloat16' -> ShapeClass."""
-    from .passes.lower_tilelang import ShapeClass
+    """'H=2,HV=8,K=128,V=128,BV=64,io=bfloat16' -> ShapeClass; the launch fields not given are the
+    runtime's choice for one sequence on an H200 (kernels/forward.scan_class).
 
+        >>> parse_shape("H=2,HV=8,K=128,V=128").BV, parse_shape("H=16,HV=64,K=128,V=128").scan_warpgroups
+        (16, 2)
+    """
+    import dataclasses
+
+    from .kernels.forward import H200_SMS, scan_class
     from .passes.lower_tilelang import HEAD_DIMS
 
     fields = {}
@@ -117,19 +125,21 @@ def parse_shape(text: str):
     missing = [f for f in ("H", "HV", "K", "V") if f not in fields]
     if missing:
         raise ValueError(f"--shape: missing {', '.join(missing)} (e.g. {DEFAULT_SHAPE})")
+    H, HV, K, V = (fields[f] for f in ("H", "HV", "K", "V"))
+    if H < 1 or HV % H:
+        raise ValueError(f"--shape: HV={HV} is not a multiple of H={H}")
+    for d, n in (("K", K), ("V", V)):
+        if n not in HEAD_DIMS:
+            raise ValueError(f"--shape: {d}={n} is not supported by the sm90 kernels "
+                             f"({', '.join(map(str, HEAD_DIMS))})")
+    BV = fields.get("BV")
+    if BV is not None and (BV not in (16, 32, 64) or V % BV):
+        raise ValueError(f"--shape: BV={BV} must be 16, 32 or 64 and divide V={V}")
+    shape = scan_class(H, HV, K, V, 1, fields.get("io", "bfloat16"), H200_SMS, BV=BV)
     try:
-        shape = ShapeClass(**fields)
+        return dataclasses.replace(shape, **{f: fields[f] for f in ("stages", "scan_warpgroups") if f in fields})
     except ValueError as e:
         raise ValueError(f"--shape: {e}") from None
-    if shape.H < 1 or shape.HV % shape.H:
-        raise ValueError(f"--shape: HV={shape.HV} is not a multiple of H={shape.H}")
-    for d in ("K", "V"):
-        if getattr(shape, d) not in HEAD_DIMS:
-            raise ValueError(f"--shape: {d}={getattr(shape, d)} is not supported by the sm90 kernels "
-                             f"({', '.join(map(str, HEAD_DIMS))})")
-    if shape.BV not in (16, 32, 64) or shape.V % shape.BV:
-        raise ValueError(f"--shape: BV={shape.BV} must be 16, 32 or 64 and divide V={shape.V}")
-    return shape
 
 
 def _emit(what: str, prog, shape) -> str:
