@@ -87,9 +87,10 @@ def scan_warpgroups(K: int, V: int, BV: int, HV: int, N: int, sms: int) -> int:
     issue slots go idle, and a second warpgroup halves each warp's share of every step. It only
     pays where it takes no co-resident CTA's place: where one warpgroup's state fragment (K·BV
     floats over 128 threads) already fills more than half the SM's registers (K·BV ≥ 128·64), or
-    where the grid has no more CTAs than SMs. On the H200 (session 8, at 3 stages): 16/64 heads
-    at BV = 64 −16%, 8/32 at BV = 32 (128 CTAs) −12%; 16/64 at BV = 32 (512 CTAs, two per SM at
-    one warpgroup) +65%. Below BV = 32 it is not lowered (each warpgroup would hold 8 columns).
+    where the grid has no more CTAs than SMs. On the H200 (session 8, forward scan, same stages):
+    16/64 heads at BV = 64 −12%, 8/32 at BV = 32 (128 CTAs) −9%; 16/64 at BV = 32 (512 CTAs, two
+    per SM at one warpgroup) +65%. Below BV = 32 it is not lowered (each warpgroup would hold 8
+    columns).
 
     >>> scan_warpgroups(128, 128, 64, 64, 1, 132), scan_warpgroups(128, 128, 32, 32, 1, 132)
     (2, 2)
