@@ -9,7 +9,8 @@ benchmark will need can be compiled here (a few seconds each) and the GPU's minu
 read, so stale kernels from earlier sources do not eat into the 64 MiB the device tool carries.
 
 or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64 (gdn.backward:... for the
-backward program's kernels, gdn.training:... for the forward a training step runs).
+backward program's kernels, gdn.training:... for the forward a training step runs); their stages
+and scan warpgroups are the runtime's for one sequence.
 """
 import argparse
 import dataclasses

@@ -85,12 +85,12 @@ def scan_warpgroups(K: int, V: int, BV: int, HV: int, N: int, sms: int) -> int:
 
     A chunk of the scan is a chain of short dependent steps; with one warp per scheduler most
     issue slots go idle, and a second warpgroup halves each warp's share of every step. It only
-    pays where it takes no co-resident CTA's place: where one warpgroup's state fragment (K·BV
-    floats over 128 threads) already fills more than half the SM's registers (K·BV ≥ 128·64), or
-    where the grid has no more CTAs than SMs. On the H200 (session 8, forward scan, same stages):
-    16/64 heads at BV = 64 −12%, 8/32 at BV = 32 (128 CTAs) −9%; 16/64 at BV = 32 (512 CTAs, two
-    per SM at one warpgroup) +65%. Below BV = 32 it is not lowered (each warpgroup would hold 8
-    columns).
+    pays where it takes no co-resident CTA's place: where a one-warpgroup CTA is alone on its SM
+    anyway (at K·BV ≥ 128·64 the state fragment alone is 64 registers a thread, and the kernel's
+    163 registers on 256 threads, producer included, leave no room for a second CTA), or where
+    the grid has no more CTAs than SMs. On the H200 (session 8, forward scan, same stages): 16/64
+    heads at BV = 64 −12%, 8/32 at BV = 32 (128 CTAs) −9%; 16/64 at BV = 32 (256 CTAs, two per SM
+    at one warpgroup) +65%. Below BV = 32 it is not lowered (each warpgroup would hold 8 columns).
 
     >>> scan_warpgroups(128, 128, 64, 64, 1, 132), scan_warpgroups(128, 128, 32, 32, 1, 132)
     (2, 2)

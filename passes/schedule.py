@@ -609,7 +609,8 @@ def _scan_kernel(part: Partition) -> Kernel:
         list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
         loop="chunks of the sequence" + (", last to first" if ir.reverse else ""), reverse=ir.reverse,
         max_stages=max_stages,
-        roles=("producer warpgroup: TMA loads of the next chunk (TileLang's automatic warp specialisation)",
+        roles=("producer: TMA loads of the next chunks, on as many threads as the consumer (TileLang's "
+               "automatic warp specialisation)",
                f"{consumers}: the state chain; the state in registers"),
         doc="sequential over chunks: the state chain only", kind="scan", nodes=part.scan)
 

@@ -180,7 +180,7 @@ def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=Non
                          scale)
     with mock.patch.object(fwd, "load_kernels", emu), \
             mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: block_v), \
-            mock.patch.object(fwd, "sm_count", lambda device: 132):  # (an H200's; no GPU here)
+            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):  # (no GPU here)
         o, final, kept = fwd.forward(op.program, inputs, op.kinds, dims, scale, args.get("initial_state"),
                                      args.get("cu_seqlens"), op._head_logs(dims.HV), segments, keep=True)
         gen = torch.Generator().manual_seed(seed)

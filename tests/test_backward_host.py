@@ -54,7 +54,7 @@ def test_kernel_step_carries_gradients_through_autograd(ops):
     emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
     with mock.patch.object(fwd, "load_kernels", emu), \
             mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: 32), \
-            mock.patch.object(fwd, "sm_count", lambda device: 132):
+            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):
         o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], leaves["initial_state"],
                                     *[inputs[n] for n in op.input_names])
         gen = torch.Generator().manual_seed(2)
@@ -85,7 +85,7 @@ def test_kernel_step_refuses_an_input_written_in_place_before_backward(ops):
     emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
     with mock.patch.object(fwd, "load_kernels", emu), \
             mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: 32), \
-            mock.patch.object(fwd, "sm_count", lambda device: 132):
+            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):
         o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], args["initial_state"],
                                     *[inputs[n] for n in op.input_names])
         with torch.no_grad():

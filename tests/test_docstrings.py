@@ -10,7 +10,7 @@ PACKAGES = ["qla_compiler", "qla_compiler.ir", "qla_compiler.passes", "qla_compi
 
 
 def _modules() -> list:
-    names = []
+    names = ["qla_compiler.specs"]  # (its modules are spec files: they run only inside the frontend)
     for pkg in PACKAGES:
         names.append(pkg)
         names += [m.name for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + ".")

@@ -17,7 +17,7 @@ def fake(monkeypatch):
     def install(op, cu, scale):
         f = KernelEmulator(op, cu, scale)
         monkeypatch.setattr(fwd, "load_kernels", f)
-        monkeypatch.setattr(fwd, "sm_count", lambda device: 132)  # launch rules as on an H200
+        monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)  # launch rules as on an H200
         return f
     return install
 
