@@ -309,15 +309,14 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         f'IO = "{shape.io}"',
         f"SCALE = {shape.scale_value!r}",
         f"STAGES = {shape.stages}",
+        *([f"SCAN_THREADS = {128 * shape.scan_warpgroups}  # the forward scan's consumer threads"]
+          if any(k.threads == "SCAN_THREADS" for k in kir.kernels) else []),
         f"INVERSE_SQUARINGS = {squarings(kir.chunk_size)}",
         'Tok = T.dynamic("T")  # tokens of the packed batch',
         'N = T.dynamic("N")  # sequences',
         'NP1 = T.dynamic("NP1")  # len(cu_seqlens)',
         'CH = T.dynamic("CH")  # chunk slots',
     ]
-    if any(k.threads == "SCAN_THREADS" for k in kir.kernels):
-        lines.insert(lines.index(f"STAGES = {shape.stages}") + 1,
-                     f"SCAN_THREADS = {128 * shape.scan_warpgroups}  # the forward scan's consumer threads")
     for k in kir.kernels:
         lines += ["", ""] + lower_kernel(k, shape)
     return "\n".join(lines) + "\n"
