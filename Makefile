@@ -15,11 +15,21 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
+# The summary and the chunk program on the screen; the kernels and the TileLang module (hundreds
+# of lines) into $(OUT), with the commands that print them.
+OUT ?= qla-out
 demo: setup
-	$(BIN)/qla-compile specs/gdn.py --target sm90
-	$(BIN)/qla-compile specs/gdn.py --target sm90 --emit chunk
-	$(BIN)/qla-compile specs/gdn.py --target sm90 --emit kernel
-	$(BIN)/qla-compile specs/gdn.py --target sm90 --emit tilelang -o qla-out
+	@$(BIN)/qla-compile specs/gdn.py --target sm90
+	@echo
+	@$(BIN)/qla-compile specs/gdn.py --target sm90 --emit chunk
+	@echo
+	@echo "The kernels and the generated TileLang module:"
+	@$(BIN)/qla-compile specs/gdn.py --target sm90 --emit kernel -o $(OUT) >/dev/null
+	@$(BIN)/qla-compile specs/gdn.py --target sm90 --emit tilelang -o $(OUT) >/dev/null
+	@echo "Print them with  cat $(OUT)/gdn.kernel.txt  and  cat $(OUT)/gdn.tilelang.py,"
+	@echo "or  $(BIN)/qla-compile specs/gdn.py --emit kernel   (or --emit tilelang, --emit cuda)."
+	@echo "Every pass's changes:  $(BIN)/qla-compile specs/gdn.py --print-after-all"
 
+# one thread per process: on CI's two cores torch's default threads thrash
 test: setup
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

@@ -21,20 +21,20 @@ import time
 from pathlib import Path
 
 import qla_compiler
-from qla_compiler.bench import ROWS, parse_row
+from qla_compiler.bench import ROWS, parse_dims, parse_row
 from qla_compiler.kernels import forward
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
 
 
-def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=forward.H200_SMS, stages=None, bv=None):
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=forward.H200_SMS, stages=None, bv=None, V=None):
     """The shape classes one call compiles, each as (spec, class, the call's class without context
     parallelism, which picks the program's variant: Program.for_shape): what kernels/forward.py
     picks for these sizes (`bv`: the V-block qla-bench --block-v forces instead)."""
     def launch(width, n):
         shape = forward.scan_class(H, HV, K, width, n, io, sms, BV=min(bv, width) if bv else None)
         return dataclasses.replace(shape, stages=stages) if stages else shape
-    plain = launch(K, n_seqs)
+    plain = launch(V or K, n_seqs)
     if not cp:
         return [(spec, plain, plain)]
     n = n_seqs * cp  # segments are scanned as sequences, once on [0 | v] (width K + V), once on v
@@ -55,12 +55,15 @@ def for_gpu_tests():
     out += _with_training(classes("gdn", 1, 2, 64, 3, io="float16"))  # fp16, K = V = 64
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
         out += _with_training(classes(spec, 2, 2, 128, 3))
-    for H, HV, K in ((2, 8, 128), (2, 2, 128), (1, 2, 64)):  # test_gpu_kernels: BV = 32
-        for spec in ("gdn", "delta_net", "simple_gla", "linear_attn"):
-            shape = ShapeClass(H=H, HV=HV, K=K, V=K, BV=32)  # the whole program, as the test runs it
-            out += _with_training([(spec, shape, None)])
-            wide = dataclasses.replace(shape, scan_warpgroups=2)  # the forward scan on two warpgroups
-            out += [(spec, wide, None), (f"{spec}.training", wide, None)]
+    # test_gpu_kernels' CASES, BV = 32: every spec at three classes, the delta rule's also in padded tiles
+    kernel_cases = [(spec, *c) for spec in ("gdn", "delta_net", "simple_gla", "linear_attn")
+                    for c in ((2, 8, 128, 128), (2, 2, 128, 128), (1, 2, 64, 64))]
+    kernel_cases += [(spec, *c) for spec in ("gdn", "delta_net") for c in ((2, 4, 100, 60), (1, 2, 16, 48))]
+    for spec, H, HV, K, V in kernel_cases:
+        shape = ShapeClass(H=H, HV=HV, K=K, V=V, BV=32)  # the whole program, as the test runs it
+        out += _with_training([(spec, shape, None)])
+        wide = dataclasses.replace(shape, scan_warpgroups=2)  # the forward scan on two warpgroups
+        out += [(spec, wide, None), (f"{spec}.training", wide, None)]
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
         out += _with_training(classes("gdn", 2, 8, 128, 3, cp=s))
     return out
@@ -70,7 +73,8 @@ def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):
     out = []
     for row in rows:
         H, HV, lens = parse_row(row)
-        items = classes("gdn", H, HV, 128, len(lens), stages=stages, bv=bv)
+        K, V = parse_dims(row)
+        items = classes("gdn", H, HV, K, len(lens), stages=stages, bv=bv, V=V)
         if cp:
             items += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv)
         out += _with_training(items) if backward else items  # qla-bench --backward: both programs
@@ -149,8 +153,8 @@ def main(argv):
                    "backward": program.backward_program}[variant]
         kernels = load_kernels(program, shape)
         for k in program.kernels.kernels:
-            # a value width other than K is context parallelism's widened scan: only the scan runs at it
-            if k.loop or shape.V == shape.K:
+            # a value width other than the call's is context parallelism's widened scan: only the scan runs at it
+            if k.loop or runs_as is None or shape.V == runs_as.V:
                 kernels[k.name]
         print(f"{spec} {shape}: {time.time() - t:.1f}s", flush=True)
     if args.tar:

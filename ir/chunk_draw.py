@@ -3,12 +3,15 @@
 Leaves (inputs, params, head constants) are grey, the work that is parallel over chunks blue,
 the sequential scan orange and the outputs green; the dashed red arrow is the scan's
 loop-carried edge, from the state leaving the chunk back to the state entering the next one.
+Given what a pass changed (a ChunkDiff, ir/chunk_diff.py), it draws the program after the pass
+with the nodes the pass added or rewrote outlined, and names the ones it removed.
 
     >>> from qla_compiler import compile_spec
     >>> from qla_compiler.ir.chunk_draw import draw, to_svg
     >>> prog = compile_spec("gdn")                          # doctest: +SKIP
     >>> draw(prog.chunk).savefig("gdn_chunk.png")          # doctest: +SKIP
     >>> svg = to_svg(prog.chunk)         # what _repr_html_ embeds   # doctest: +SKIP
+    >>> draw(prog.diff("exp2"))          # exp2's new and rewritten nodes outlined   # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from .display import canvas, svg
 LEAF_OPS = {"input", "param", "head_log", "const", "valid", "positions"}
 COLOURS = {"leaf": "#e6e6e6", "parallel": "#cfe2f3", "scan": "#fbd9b4", "output": "#cdeac0"}
 LOOP_COLOUR = "#d62728"
+# the outline of a node a pass touched (ChunkDiff.touched), apart from every fill and the loop edge
+TOUCHED = {"added": ("#6a3d9a", "added by the pass"), "rewritten": ("#e7298a", "rewritten by the pass"),
+           "renamed": ("#e7298a", "renamed by the pass"), "merged": ("#e7298a", "another node merged into it")}
 FONT = 8.5  # points; all geometry below is in inches so the drawing never depends on dpi
 ROW = 0.85  # vertical distance between layers
 BOX_H = 0.42
@@ -92,28 +98,34 @@ def _layout(chunk_ir, col, lane):
 
 
 def draw(chunk_ir, ax=None):
-    """Draw `chunk_ir` onto `ax` (a new figure sized to the graph if None); returns the figure."""
+    """Draw `chunk_ir` onto `ax` (a new figure sized to the graph if None); returns the figure.
+    `chunk_ir` may be a ChunkDiff: its program after the pass, with what the pass touched marked."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
     from matplotlib.path import Path
 
+    touched, removed = {}, ()
+    if hasattr(chunk_ir, "touched"):  # a ChunkDiff
+        touched, removed, chunk_ir = chunk_ir.touched(), chunk_ir.removed, chunk_ir.after
     g, scan = chunk_ir.graph, chunk_ir.scan_nodes()
     labels = {n.name: f"{n.name}\n{n.op} {_shape(n.shape)}" for n in chunk_ir.order()}
     chars = max(len(s) for lab in labels.values() for s in lab.split("\n"))
     box_w = chars * FONT * 0.62 / 72 + 0.2  # ~0.6 em per character of DejaVu Sans
     xy, routes = _layout(chunk_ir, col=box_w + 0.3, lane=0.22)
     xs, ys = [p[0] for p in xy.values()], [p[1] for p in xy.values()]
-    margin, loop_room, top, bottom = 0.3, 1.3, 0.6, 0.75  # title above, legend below
+    margin, loop_room, top, bottom = 0.3, 1.3, 0.6 + 0.3 * bool(removed), 0.75  # title above, legend below
     x0, x1 = min(xs) - box_w / 2 - margin, max(xs) + box_w / 2 + loop_room
     y0, y1 = min(ys) - BOX_H / 2 - bottom, BOX_H / 2 + top
     fig, ax = canvas(ax, x0, x1, y0, y1)
 
     for n in labels:
         (x, y), role = xy[n], _role(chunk_ir, n, scan)
+        edge, width = ("#2a6b1f", 1.6) if role == "output" else ("#555555", 0.8)
+        if n in touched:
+            edge, width = TOUCHED[touched[n]][0], 2.8
         ax.add_patch(FancyBboxPatch((x - box_w / 2, y - BOX_H / 2), box_w, BOX_H,
                                     boxstyle="round,pad=0,rounding_size=0.06", fc=COLOURS[role],
-                                    ec="#2a6b1f" if role == "output" else "#555555",
-                                    lw=1.6 if role == "output" else 0.8, zorder=3))
+                                    ec=edge, lw=width, zorder=3))
         ax.text(x, y, labels[n], ha="center", va="center", fontsize=FONT, zorder=4,
                 linespacing=1.15, fontweight="bold" if role == "output" else "normal")
 
@@ -158,17 +170,23 @@ def draw(chunk_ir, ax=None):
         ax.text(xr + 0.06, (ya + yb) / 2, "next chunk", color=LOOP_COLOUR, fontsize=FONT + 0.5,
                 ha="left", va="center", fontweight="bold", zorder=6)
 
-    ax.text((x0 + x1) / 2, y1 - top / 2, f"{chunk_ir.name}   C={chunk_ir.chunk_size}",
+    ax.text((x0 + x1) / 2, y1 - 0.3, f"{chunk_ir.name}   C={chunk_ir.chunk_size}",
             ha="center", va="center", fontsize=FONT + 4, fontweight="bold")
+    if removed:
+        ax.text((x0 + x1) / 2, y1 - 0.62, f"removed by the pass: {', '.join(removed)}", ha="center",
+                va="center", fontsize=FONT + 0.5, color="#444444")
     handles = [Patch(fc=COLOURS[r], ec="#555555", label=lab) for r, lab in (
         ("leaf", "input / param / constant"), ("parallel", "parallel over chunks"),
         ("scan", "scan (sequential)"), ("output", "output"))]
     handles.append(Line2D([], [], color=LOOP_COLOUR, ls="--", lw=1.8, label="loop-carried state"))
+    for colour, label in dict.fromkeys(TOUCHED[k] for k in TOUCHED if k in touched.values()):
+        handles.append(Patch(fc="white", ec=colour, lw=2.8, label=label))
     ax.legend(handles=handles, loc="lower center", ncol=3 if x1 - x0 < 8 else 5, fontsize=FONT,
               frameon=False, bbox_to_anchor=(0.5, 0.0))
     return fig
 
 
 def to_svg(chunk_ir) -> str:
-    """The drawing as an SVG string, text kept as <text> so labels stay searchable."""
+    """The drawing (of a ChunkIR or a ChunkDiff) as an SVG string, text kept as <text> so labels
+    stay searchable."""
     return svg(draw, chunk_ir)

@@ -9,10 +9,24 @@ Facts about ops that passes use are data here too: LINEAR, EXPONENTIALS.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
+else:
+    class _Torch:
+        """torch, imported on first use: building, rewriting and printing chunk programs needs
+        only the shape rules (`qla-compile --emit chunk` starts without torch)."""
+
+        def __getattr__(self, name):
+            import torch as module
+
+            globals()["torch"] = module  # every later use is the module itself
+            return getattr(module, name)
+
+    torch = _Torch()
 
 Shape = tuple  # of dim names: "C", "K", "V"
 
@@ -169,12 +183,17 @@ _op("cumsum", 1, _same, lambda ctx, args, a, s: args[0].cumsum(-1), "chunk-local
 _op("last", 1, _fixed(()), _last, "the value at the chunk's last token")
 _op("masked_diff", 1, lambda s, a: ("C", "C"), _masked_diff,
     "x_i − x_j where j ≤ i (mask=lower) or j < i (mask=strict), −inf elsewhere")
+# the floor on a log-gate (passes/chunk.py's G_FLOOR): g = −inf, a hard reset, would otherwise meet
+# another −inf in a masked difference, (−inf) − (−inf) = NaN
+_op("clamp_min", 1, _same, lambda ctx, args, a, s: args[0].clamp_min(a["min"]), "max(x, min)")
+_op("above", 1, _same, lambda ctx, args, a, s: (args[0] > a["min"]).to(args[0].dtype),
+    "1 where x > min, else 0 (the derivative of clamp_min)")
 _op("exp", 1, _same, lambda ctx, args, a, s: torch.exp(args[0]), "e^x")
 _op("exp2", 1, _same, lambda ctx, args, a, s: torch.exp2(args[0]), "2^x")
 _op("neg", 1, _same, lambda ctx, args, a, s: -args[0], "−x")
-_op("add", 2, _elementwise_shape, _elementwise(torch.add), "x + y")
-_op("sub", 2, _elementwise_shape, _elementwise(torch.sub), "x − y")
-_op("mul", 2, _elementwise_shape, _elementwise(torch.mul), "x ⊙ y (a scalar or vector broadcasts)")
+_op("add", 2, _elementwise_shape, _elementwise(operator.add), "x + y")
+_op("sub", 2, _elementwise_shape, _elementwise(operator.sub), "x − y")
+_op("mul", 2, _elementwise_shape, _elementwise(operator.mul), "x ⊙ y (a scalar or vector broadcasts)")
 _op("scale_rows", 2, lambda s, a: s[1], lambda ctx, args, a, s: args[0].unsqueeze(-1) * args[1],
     "diag(d) X")
 _op("scale_cols", 2, lambda s, a: s[0], lambda ctx, args, a, s: args[0] * args[1].unsqueeze(-2),

@@ -22,15 +22,15 @@ from .display import rich_html
 
 # ---- expressions -----------------------------------------------------------------------------
 # An Expr is a tuple: ("buf", name, idx...) | ("lit", value) | ("param", name) | ("head", name)
-# | (op, a, b) for add, sub, mul | (op, a) for neg, exp, exp2 | ("select_lower"|"select_strict", i, j,
-# then, else) | ("select_valid", i, then, else) | ("min_pos", i). Index entries are expressions over
-# the loop variables i, j and n_valid (the tokens of the chunk).
+# | (op, a, b) for add, sub, mul, max, above (1 where a > b, else 0) | (op, a) for neg, exp, exp2
+# | ("select_lower"|"select_strict", i, j, then, else) | ("select_valid", i, then, else) | ("min_pos", i).
+# Index entries are expressions over the loop variables i, j and n_valid (the tokens of the chunk).
 
 
 # Operator templates, one table per dialect: KernelIR's own print, and TileLang (passes/lower_tilelang)
 PRETTY = {
     "add": "({0} + {1})", "sub": "({0} − {1})", "mul": "({0} · {1})", "neg": "−{0}",
-    "exp": "exp({0})", "exp2": "exp2({0})",
+    "exp": "exp({0})", "exp2": "exp2({0})", "max": "max({0}, {1})", "above": "[{0} > {1} ? 1 : 0]",
     "select_lower": "[{j}≤{i} ? {a} : {b}]", "select_strict": "[{j}<{i} ? {a} : {b}]",
     "select_valid": "[{i}<n_valid ? {a} : {b}]", "min_pos": "min({i}+1, n_valid)",
     "select_last": "[{i}=n_valid−1 ? {a} : {b}]",
@@ -80,6 +80,11 @@ class Tensor:
     dtype: str  # "io" (the op's q/k/v dtype), "float32", "int32"
     role: str  # "in" | "out"
     doc: str = ""
+    # its head dims (K, V) are the kernels' tile widths, not the op's: a tensor only kernels read
+    # and write, allocated by the runtime, so that its blocks load and store whole even where the
+    # op's head dim is narrower than the tile (K = 100 in a 128-wide tile); the op's own tensors
+    # are loaded and stored masked there
+    padded: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ class Kernel:
         lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}  # {self.doc}"]
         for p in self.params:
             lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"
-                         + (f"   # {p.doc}" if p.doc else ""))
+                         + (" padded" if p.padded else "") + (f"   # {p.doc}" if p.doc else ""))
         for b in self.buffers:
             lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]")
         for r in self.roles:
@@ -166,9 +171,13 @@ class KernelIR:
     kernels: list = field(default_factory=list)
     host: list = field(default_factory=list)  # host-side steps, in order (no synchronisation)
     consts: dict = field(default_factory=dict)  # values baked into the kernels (e.g. head constants)
+    # the largest head-dim tiles (K, V) its shared memory and registers are budgeted for: a shape
+    # class with wider tiles needs kernels scheduled for them (Program.for_shape)
+    head_dims: tuple = (128, 128)
 
     def __str__(self) -> str:
-        head = [f"kernel_program {self.name}  C={self.chunk_size}"]
+        head = [f"kernel_program {self.name}  C={self.chunk_size}  head-dim tiles up to K={self.head_dims[0]} "
+                f"V={self.head_dims[1]}"]
         head += [f"  host: {h}" for h in self.host]
         return "\n".join(head + [""] + [str(k) + "\n" for k in self.kernels]).rstrip()
 

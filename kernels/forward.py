@@ -13,7 +13,7 @@ import torch
 
 from qla_compiler.context_parallel import run_segments
 from qla_compiler.layout import packed_cu_seqlens
-from qla_compiler.passes.lower_tilelang import HEAD_DIMS, ShapeClass
+from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, tile_width
 
 from .runtime import load_kernels
 
@@ -38,12 +38,14 @@ def scan_stages(BV: int) -> int:
     return 4 if BV <= 32 else 3
 
 
+# the head dims the GPU backward takes: at K = V = 256 the gradient kernels' live blocks need up to
+# 353 KB of shared memory (d g's), over the 227 KB a CTA has; splitting them further is open work
+TRAINING_HEAD_DIM = 128
+
+
 def check_head_dims(K: int, V: int) -> None:
-    for name, d in (("K (the key head dim)", K), ("V (the value head dim)", V)):
-        if d not in HEAD_DIMS:
-            raise ValueError(f"{name} = {d} is not supported by the sm90 kernels; supported: "
-                             f"{', '.join(map(str, HEAD_DIMS))} (float32 inputs and CPU tensors run the "
-                             "interpreter for any size)")
+    check_head_dim("K (the key head dim)", K)
+    check_head_dim("V (the value head dim)", V)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,8 +63,15 @@ def choose_block_v(V: int, HV: int, N: int, device) -> int:
     return block_v(V, HV, N, sm_count(device))
 
 
-def block_v(V: int, HV: int, N: int, sms: int) -> int:
-    """The widest V-block that still gives ~70% of the SMs a CTA, else the narrowest (16).
+def widest_v_block(K: int) -> int:
+    """64, or 32 where K's tile is wider than 128: the scan's state, K×BV float32 in registers,
+    spilled at K = 256, BV = 64 even on two warpgroups (ptxas: 208 bytes)."""
+    return 64 if tile_width(K) <= 128 else 32
+
+
+def block_v(V: int, HV: int, N: int, sms: int, K: int = 128) -> int:
+    """The widest V-block (up to widest_v_block(K)) that still gives ~70% of the SMs a CTA, else
+    the narrowest (16).
 
     The scan is one CTA per (sequence, value head, V-block) and its per-chunk time is mostly
     latency, so more CTAs beat wider tiles while the grid is short of the SMs. On the H200, 2/8
@@ -70,11 +79,13 @@ def block_v(V: int, HV: int, N: int, sms: int) -> int:
     backward); 8/32 (256 CTAs at 16, two waves) tied forward and lost 50% backward: this rule
     keeps 32 there.
 
-    >>> block_v(128, 16, 1, 132), block_v(128, 32, 1, 132), block_v(128, 64, 1, 132)
-    (16, 32, 64)
+    >>> block_v(128, 16, 1, 132), block_v(128, 32, 1, 132), block_v(128, 64, 1, 132), block_v(256, 64, 1, 132, K=256)
+    (16, 32, 64, 32)
     """
+    widest = widest_v_block(K)
+    V = tile_width(V)  # the V-blocks tile the padded width
     for bv in (64, 32, 16):
-        if bv <= V and (V // bv) * HV * N >= 0.7 * sms:
+        if bv <= min(V, widest) and (V // bv) * HV * N >= 0.7 * sms:
             return bv
     return 16
 
@@ -99,6 +110,7 @@ def scan_warpgroups(K: int, V: int, BV: int, HV: int, N: int, sms: int) -> int:
     """
     if BV < 32:
         return 1
+    K, V = tile_width(K), tile_width(V)
     return 2 if K * BV >= 128 * 64 or (V // BV) * HV * N <= sms else 1
 
 
@@ -107,7 +119,7 @@ def scan_class(H: int, HV: int, K: int, width: int, n_seqs: int, io: str, sms: i
     """The shape class a launch compiles for, on a GPU with `sms` SMs: the head counts and dims, the
     value width (context parallelism widens it), the scan's V-block (block_v, unless given) and
     warpgroups (scan_warpgroups) for this many sequences, its pipeline stages (scan_stages)."""
-    BV = BV or block_v(width, HV, n_seqs, sms)
+    BV = BV or block_v(width, HV, n_seqs, sms, K)
     return ShapeClass(H=H, HV=HV, K=K, V=width, io=io, scale=scale, BV=BV, stages=scan_stages(BV),
                       scan_warpgroups=scan_warpgroups(K, width, BV, HV, n_seqs, sms))
 
@@ -189,6 +201,14 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     the state entering every chunk, the prep's results), from the kernels of the training program
     (which also store the triangular inverses for the backward)."""
     check_head_dims(dims.K, dims.V)
+    if keep and max(dims.K, dims.V) > TRAINING_HEAD_DIM:
+        raise ValueError(f"{'K (the key head dim)' if dims.K > TRAINING_HEAD_DIM else 'V (the value head dim)'} = "
+                         f"{max(dims.K, dims.V)}: the GPU backward takes head dims up to {TRAINING_HEAD_DIM} "
+                         "(its gradient kernels' blocks would not fit in shared memory above); the forward "
+                         "takes up to 256 (call it without grad)")
+    if context_parallel and (tile_width(dims.K) != dims.K or tile_width(dims.V) != dims.V):
+        raise ValueError(f"context_parallel: the GPU kernels run it only where K and V are powers of two "
+                         f"(got K = {dims.K}, V = {dims.V}); leave it None")
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
     device = inputs[v_name].device
@@ -269,17 +289,19 @@ def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:
 def shape_class(dims, width: int, n_seqs: int, scale: float, io, device) -> ShapeClass:
     """What a launch compiles for on this GPU (scan_class)."""
     return scan_class(dims.H, dims.HV, dims.K, width, n_seqs, IO_DTYPES[io], sm_count(device), scale,
-                      BV=choose_block_v(width, dims.HV, n_seqs, device))
+                      BV=min(choose_block_v(width, dims.HV, n_seqs, device), widest_v_block(dims.K)))
 
 
 def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int) -> None:
     """One kernel of `program`: its outputs allocated into `t` (unless given), its parameters
     taken from `t` by name."""
     device = t["chunk_map"].device
+    shape = shape_class(dims, width, n_seqs, scale, io, device)
     for p in kernel.params:
         if p.role == "out" and p.name not in t:
-            t[p.name] = _empty(p, dict(sizes, V=width, N=n_seqs), io, device)
-    kernels = load_kernels(program, shape_class(dims, width, n_seqs, scale, io, device))
+            tiles = dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)
+            t[p.name] = _empty(p, dict(sizes, N=n_seqs, **tiles), io, device)
+    kernels = load_kernels(program, shape)
     kernels[kernel.name](*[t[p.name] for p in kernel.params])
 
 

@@ -22,8 +22,8 @@ cotangent (a node name, or None) per argument; `want[i]` says whether argument i
 value used more than once gets the `add` of its partial cotangents. A VJP only multiplies by values
 the forward computed (d exp(x) = dy ⊙ exp(x)), so the backward exponentiates exactly what the forward
 does and verify_exponents accepts it. The table covers every op of the forward programs (and
-rev_cumsum, at_last); the backward's own reductions (rowsum, colsum, sum_all) have no rule yet, so a
-backward program cannot itself be differentiated.
+rev_cumsum, at_last, above); the backward's own reductions (rowsum, colsum, sum_all) have no rule
+yet, so a backward program cannot itself be differentiated.
 
     >>> bwd = derive_backward(compile_spec("gdn").chunk)          # doctest: +SKIP
     >>> print(bwd)                                                # doctest: +SKIP
@@ -97,6 +97,12 @@ def _masked_diff(b, n, g, want):  # y_ij = x_i − x_j on the mask  ->  dx = row
     # gradient when every off-diagonal decay is tiny (g ≈ −16 per token).
     gm = b(f"{b.d(n, 0)}.masked", "tril", g, strict=True)
     return (b(b.d(n, 0), "sub", b(f"{b.d(n, 0)}.rows", "rowsum", gm), b(f"{b.d(n, 0)}.cols", "colsum", gm)),)
+
+
+def _clamp_min(b, n, g, want):  # y = max(x, m)  ->  dx = dy where x > m, 0 elsewhere
+    # (at a reset, g = −inf, this is autograd's through the reference: d e^g = e^g dg = 0)
+    x = n.args[0]
+    return (b(b.d(n, 0), "mul", g, b(f"{x}_above", "above", x, min=n.attr["min"])),)
 
 
 def _exp(b, n, g, want):  # dx = dy ⊙ e^x: reuses the forward's exponential
@@ -186,12 +192,13 @@ def _inv_unit_lower(b, n, g, want):  # T = (I + A)⁻¹  ->  dA = StrictLower(�
 
 VJP = {
     **{op: _no_grad for op in ("input", "state_in", "param", "head_log", "const", "valid", "positions",
-                               "causal_mask")},
+                               "causal_mask", "above")},  # (above: a step, flat almost everywhere)
     "cumsum": _cumsum,
     "rev_cumsum": _rev_cumsum,
     "last": _last,
     "at_last": _at_last,
     "masked_diff": _masked_diff,
+    "clamp_min": _clamp_min,
     "exp": _exp,
     "exp2": _exp2,
     "neg": _neg,

@@ -13,15 +13,37 @@ from dataclasses import dataclass
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, format_expr
-from qla_compiler.kernels.tri_inverse import SCRATCH as INVERSE_SCRATCH
-from qla_compiler.kernels.tri_inverse import squarings
+from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH
 
 IO_DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128)  # K and V the kernels are built and tested for
-CHUNK_SIZE = 64  # the chunk the kernels are built and tested for (thread mapping, inverse squarings)
+HEAD_DIM_RANGE = (16, 256)  # K and V the kernels take, each on its own
+
+
+def tile_width(d: int) -> int:
+    """The tile a head dim runs in: the next power of two, at least 64 (a head dim is a wgmma's M
+    in some products, e.g. the state update Kᵀ·V, and a warpgroup's M is 64: TileLang found no
+    warp partition for M = 16). The op's tensors are loaded and stored masked where the tile is
+    wider; what only kernels read and write is allocated at the tile's width (`Tensor.padded`),
+    and its padding holds zeros.
+
+    >>> tile_width(64), tile_width(100), tile_width(60), tile_width(16), tile_width(256)
+    (64, 128, 64, 64, 256)
+    """
+    return max(64, 1 << (d - 1).bit_length())
+
+
+def check_head_dim(name: str, d: int) -> None:
+    lo, hi = HEAD_DIM_RANGE
+    if not lo <= d <= hi:
+        raise ValueError(f"{name} = {d} is not supported by the sm90 kernels: they take {lo} to {hi} "
+                         "(float32 inputs and CPU tensors run the interpreter for any size)")
+
+
+CHUNK_SIZE = 64  # the chunk the kernels are built and tested for (thread mapping)
 TILELANG = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "neg": "(-{0})",
-    "exp": "T.exp({0})", "exp2": "T.exp2({0})",
+    "exp": "T.exp({0})", "exp2": "T.exp2({0})", "max": "T.max({0}, {1})",
+    "above": "T.if_then_else({0} > {1}, 1.0, 0.0)",
     "select_lower": "T.if_then_else({j} <= {i}, {a}, {b})", "select_strict": "T.if_then_else({j} < {i}, {a}, {b})",
     "select_valid": "T.if_then_else({i} < n_valid, {a}, {b})",
     "select_last": "T.if_then_else({i} == n_valid - 1, {a}, {b})",
@@ -45,10 +67,29 @@ class ShapeClass:
     scan_warpgroups: int = 1
 
     def __post_init__(self):
+        # (the op checks its head dims, kernels/forward.check_head_dims: context parallelism's
+        # scan runs on values widened past them)
+        if self.BV not in (16, 32, 64) or self.VP % self.BV:
+            raise ValueError(f"BV={self.BV}: the V-block must be 16, 32 or 64 and divide V's tile {self.VP}")
         if self.scan_warpgroups not in (1, 2) or (self.scan_warpgroups == 2 and self.BV < 32):
             raise ValueError(f"scan_warpgroups={self.scan_warpgroups} at BV={self.BV}: one warpgroup, or two "
                              "where BV ≥ 32 (they split the columns of W·S; 8 each is not a wgmma layout "
                              "TileLang lowers)")
+
+    @property
+    def KP(self) -> int:
+        """K's tile (tile_width)."""
+        return tile_width(self.K)
+
+    @property
+    def VP(self) -> int:
+        """V's tile (tile_width)."""
+        return tile_width(self.V)
+
+    @property
+    def padded(self) -> dict:
+        """The head dims whose tile is wider than the op's, by name -> the tile's constant."""
+        return {d: f"{d}P" for d, n, t in (("K", self.K, self.KP), ("V", self.V, self.VP)) if n != t}
 
     @property
     def G(self) -> int:
@@ -63,14 +104,35 @@ def _dtype(d: str) -> str:
     return {"io": "IO", "float32": '"float32"', "int32": '"int32"', "tfloat32": "T.tfloat32"}[d]
 
 
-def _shape(shape) -> str:
+def _shape(shape, tiles: dict | None = None) -> str:
+    shape = [(tiles or {}).get(d, d) for d in shape]
     return "(" + ", ".join(shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 class _Render:
-    def __init__(self, kernel: Kernel):
+    def __init__(self, kernel: Kernel, shape: ShapeClass):
         self.k = kernel
         self.dtype = {b.name: b.dtype for b in kernel.buffers}
+        self.tiles = shape.padded  # head dim -> its tile's constant, where they differ
+        self.params = {p.name: p for p in kernel.params}
+        self.aliases = {}  # a private copy's name -> the buffer it copies (lower_kernel)
+        # blocks of the op's own tensors where the tile is wider: loaded masked, so no barrier
+        self.masked_loads = {st.dst for st in kernel.prologue + kernel.body + kernel.epilogue
+                             if st.op == "load" and self._masked(st.srcs[0])}
+
+    def _masked(self, name: str) -> str | None:
+        """The head dim of the op's tensor `name` whose tile is wider (its blocks load and store
+        masked), else None."""
+        p = self.params.get(name)
+        if p is None or p.padded or p.shape[-1] not in self.tiles:
+            return None
+        return p.shape[-1]
+
+    def _col_ok(self, name: str, scan: bool) -> str:
+        """The condition that column j of a block of `name` lies inside the op's head dim."""
+        d = self._masked(name)
+        _, start, _ = self._columns(name, scan)
+        return f"{start} + j < {d}" if start != "0" else f"j < {d}"
 
     def expr(self, e) -> str:
         try:
@@ -89,13 +151,21 @@ class _Render:
 
     def stmt(self, s: Stmt, scan: bool) -> list[str]:
         a = s.attr
+        if s.op == "load" and s.dst in self.masked_loads:  # rows past the sequence, columns past the head dim
+            sync = ["T.sync_threads()  # nobody reads what this block's memory held before"] if a.get("sync") else []
+            return sync + [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
+                           f"    {s.dst}[i, j] = T.if_then_else(i < n_valid and {self._col_ok(s.srcs[0], scan)}, "
+                           f"{self._element(s.srcs[0], scan)}, T.cast(0, IO))"]
+        if s.op in ("wait_load", "zero_pad") and s.dst in self.masked_loads:
+            return []  # loaded whole and masked above
         if s.op == "load" and a.get("rows"):  # rows past the sequence belong to the next one: zeros
             return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
                     f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {self._element(s.srcs[0], scan)}, "
                     "T.cast(0, IO))"]
         if s.op in ("load", "load_chunk_state"):
+            K, V = self.tiles.get("K", "K"), self.tiles.get("V", "V")  # (a per-chunk state is padded)
             src = self._global(s.srcs[0], scan) if s.op == "load" else \
-                f"{s.srcs[0]}[i_slot, i_hv, 0:K, {'v0:v0 + BV' if scan else '0:V'}]"
+                f"{s.srcs[0]}[i_slot, i_hv, 0:{K}, {'v0:v0 + BV' if scan else f'0:{V}'}]"
             if not a.get("async"):
                 return [f"T.copy({src}, {s.dst})"]
             # issued here, waited for at wait_load; after other work, the block's memory may be
@@ -148,16 +218,17 @@ class _Render:
             return out + [f"T.copy({prev}, {s.dst})"]
         if s.op == "inverse":
             a_s = s.srcs[0]
-            return [f"unit_lower_inverse({a_s}, {s.dst}, {s.dst}_X_s, {s.dst}_PT_s, {s.dst}_P_f, "
-                    "C, INVERSE_SQUARINGS)"]
+            scratch = ", ".join(f"{s.dst}_{suffix}" for suffix in INVERSE_SCRATCH)
+            return [f"unit_lower_inverse({a_s}, {s.dst}, {scratch}, C)"]
         if s.op == "store":
             src = s.srcs[0]
             dst_dtype = next(p.dtype for p in self.k.params if p.name == s.dst)
             value = f"{src}[i, j]" if self.dtype[src] == dst_dtype else f"T.cast({src}[i, j], {_dtype(dst_dtype)})"
+            cols = f" and {self._col_ok(s.dst, scan)}" if self._masked(s.dst) else ""
             masked = [f"for i, j in T.Parallel({self._buf_shape(src)}):",
-                      "    if i < n_valid:",
+                      f"    if i < n_valid{cols}:",
                       f"        {self._element(s.dst, scan)} = {value}"]
-            if self.dtype[src] != "io":  # a float32 fragment: each thread stores its own elements
+            if self.dtype[src] != "io" or cols:  # a float32 fragment: each thread stores its own elements
                 return masked
             return ["if n_valid == C:", f"    {self._bulk_store(scan)}({src}, {self._global(s.dst, scan)})",
                     "else:"] + [f"    {ln}" for ln in masked]
@@ -166,7 +237,17 @@ class _Render:
                     "    if i < n_valid:",
                     f"        {s.dst}[0, t0 + i, i_hv] = {s.srcs[0]}[i]"]
         if s.op == "store_chunk_state":
-            return [f"{self._bulk_store(scan)}({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:K, v0:v0 + BV])"]
+            K = self.tiles.get("K", "K")
+            return [f"{self._bulk_store(scan)}({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:{K}, v0:v0 + BV])"]
+        if s.op in ("load_state", "store_state") and self.tiles:  # the op's state, in a wider tile
+            state, glob = (s.dst, s.srcs[0]) if s.op == "load_state" else (s.srcs[0], s.dst)
+            inside = "i < K and v0 + j < V"
+            if s.op == "load_state":
+                return [f"for i, j in T.Parallel({self._buf_shape(state)}):",
+                        f"    {state}[i, j] = T.if_then_else({inside}, {glob}[i_n, i_hv, i, v0 + j], 0.0)"]
+            return [f"for i, j in T.Parallel({self._buf_shape(state)}):",
+                    f"    if {inside}:",
+                    f"        {glob}[i_n, i_hv, i, v0 + j] = {state}[i, j]"]
         if s.op == "load_state":
             return [f"T.copy({s.srcs[0]}[i_n, i_hv, 0:K, v0:v0 + BV], {s.dst})"]
         if s.op == "store_state":
@@ -186,14 +267,16 @@ class _Render:
                    for s in self.k.body)
 
     def _buf_shape(self, name) -> str:
-        return ", ".join(next(b for b in self.k.buffers if b.name == name).shape)
+        name = self.aliases.get(name, name)
+        return ", ".join(self.tiles.get(d, d) for d in next(b for b in self.k.buffers if b.name == name).shape)
 
     def _columns(self, name, scan: bool) -> tuple:
         """(head index, first column, width) of a per-token tensor [1, T, heads, D] in this
         kernel (the scan reads its V-block)."""
-        p = next(p for p in self.k.params if p.name == name)
+        p = self.params[name]
         head = "i_h" if p.shape[2] == "H" else "i_hv"
-        return (head, "v0", "BV") if (p.shape[3] == "V" and scan) else (head, "0", p.shape[3])
+        width = self.tiles.get(p.shape[3], p.shape[3]) if p.padded else p.shape[3]
+        return (head, "v0", "BV") if (p.shape[3] == "V" and scan) else (head, "0", width)
 
     def _global(self, name, scan: bool) -> str:
         """The chunk's rows of a per-token tensor, as a slice."""
@@ -209,29 +292,29 @@ class _Render:
 
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
 SCRATCH = {
-    "inverse": {k: (scope, "(C, C)", dt) for k, (scope, dt) in INVERSE_SCRATCH.items()},
+    "inverse": {k: (scope, _shape(shape), dt) for k, (scope, dt, shape) in INVERSE_SCRATCH.items()},
     "cumsum": {"acc": ("fragment", "(C,)", "float32")},
 }
 
 _DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1"}
 
 
-def _param(p) -> str:
+def _param(p, tiles: dict) -> str:
     name = p.name
-    dims = ", ".join(_DIMS.get(d, d) for d in p.shape)
+    dims = ", ".join(_DIMS.get(d, tiles.get(d, d) if p.padded else d) for d in p.shape)
     return f"{name}: T.Tensor(({dims}{',' if len(p.shape) == 1 else ''}), {_dtype(p.dtype)})"
 
 
 def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
-    r = _Render(kernel)
+    r = _Render(kernel, shape)
     scan = kernel.loop is not None
     store_waits = scan and r.bulk_stores()
     out = ["@T.prim_func", f"def {kernel.name}("]
-    out += [f"    {_param(p)}," for p in kernel.params]
+    out += [f"    {_param(p, r.tiles)}," for p in kernel.params]
     out.append("):")
     out.append(f'    """{kernel.doc}"""')
     if scan:
-        out += [f"    with T.Kernel(V // BV, HV, N, threads={kernel.threads}) as (i_v, i_hv, i_n):",
+        out += [f"    with T.Kernel({r.tiles.get('V', 'V')} // BV, HV, N, threads={kernel.threads}) as (i_v, i_hv, i_n):",
                 "        i_h = i_hv // G  # the query/key head this value head reads",
                 "        v0 = i_v * BV",
                 "        bos = cu_seqlens[i_n]",
@@ -243,13 +326,13 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
                 "        n_valid = chunk_map[i_slot, 1]  # 0 for unused slots: nothing is stored"]
     for b in kernel.buffers:
         alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
-        out.append(f"        {b.name} = {alloc}({_shape(b.shape)}, {_dtype(b.dtype)})")
+        out.append(f"        {b.name} = {alloc}({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})")
         for s in (st for st in kernel.body if st.dst == b.name and st.op in SCRATCH):
             for suffix, (scope, shape, dt) in SCRATCH[s.op].items():
                 alloc = "T.alloc_shared" if scope == "shared" else "T.alloc_fragment"
                 out.append(f"        {s.dst}_{suffix} = {alloc}({shape}, {_dtype(dt)})")
     for s in kernel.body:
-        if s.attr.get("async"):
+        if s.attr.get("async") and s.dst not in r.masked_loads:
             out.append(f"        {s.dst}_bar = T.alloc_barrier([1])  # completes when {s.dst} has landed")
     for s in kernel.prologue:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
@@ -270,13 +353,46 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
         ind = "            "
         if store_waits:
             out.append(ind + SCAN_STORE_WAIT + "  # the previous chunk's stores have read their blocks")
+    # In the pipelined scan a block loaded masked (cp.async, not TMA) shares its stage's barrier
+    # with the next TMA load, and TileLang 0.1.15 hands the stage back to the producer after that
+    # load's last reader: seen on the H200, the forward scan's k (read again by the chunk's last
+    # wgmma) overwritten by a later chunk's, S0 15% off. Its readers take a private copy instead,
+    # made first thing in the chunk's work, before the stage can go back (as the scan's vectors are
+    # read, schedule.py).
+    private = {x: f"{x}_c" for x in r.masked_loads} if scan else {}
+    for x, own in private.items():
+        b = kernel.buffer(x)
+        r.dtype[own], r.aliases[own] = b.dtype, x
+        out.insert(next(i for i, ln in enumerate(out) if ln.startswith(f"        {x} = ")) + 1,
+                   f"        {own} = T.alloc_shared({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})  # the consumer's")
+    copied = not private
     for s in kernel.body:
+        if s.op in ("wait_load", "zero_pad") and s.dst in private:
+            continue  # (loaded whole and masked)
+        if not copied and s.op not in ("load", "load_vec", "load_chunk_state", "zero_pad", "wait_load"):
+            out += [f"{ind}T.copy({x}, {own})  # the producer may reuse {x}'s stage from here on"
+                    for x, own in private.items()]
+            copied = True
+        if copied and private:
+            s = _renamed(s, private)
         out += [ind + ln for ln in r.stmt(s, scan)]
     if store_waits:
         out.append("        " + SCAN_STORE_WAIT + "  # and the last chunk's")
     for s in kernel.epilogue:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
     return out
+
+
+def _renamed(st: Stmt, names: dict) -> Stmt:
+    """The statement with buffers renamed (old -> new), in its destination, sources and expression."""
+    def walk(e):
+        if isinstance(e, tuple):
+            if len(e) >= 2 and e[0] == "buf" and e[1] in names:
+                return (e[0], names[e[1]], *e[2:])
+            return tuple(walk(x) for x in e)
+        return e
+    return Stmt(st.op, names.get(st.dst, st.dst), tuple(names.get(x, x) for x in st.srcs),
+                tuple((k, walk(v)) for k, v in st.attrs))
 
 
 # A split-phase TMA load: the issuing thread also arrives on the load's barrier (with the bytes to
@@ -305,13 +421,15 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         "from qla_compiler.kernels.tri_inverse import unit_lower_inverse",
         "",
         f"H, HV, K, V, BV, C = {shape.H}, {shape.HV}, {shape.K}, {shape.V}, {shape.BV}, {kir.chunk_size}",
+        *([f"{', '.join(shape.padded.values())} = {', '.join(str(getattr(shape, t)) for t in shape.padded.values())}"
+           "  # the tiles of the head dims narrower than a power of two: the op's tensors load and "
+           "store masked"] if shape.padded else []),
         "G = HV // H  # value heads per query/key head",
         f'IO = "{shape.io}"',
         f"SCALE = {shape.scale_value!r}",
         f"STAGES = {shape.stages}",
         *([f"SCAN_THREADS = {128 * shape.scan_warpgroups}  # the forward scan's consumer threads"]
           if any(k.threads == "SCAN_THREADS" for k in kir.kernels) else []),
-        f"INVERSE_SQUARINGS = {squarings(kir.chunk_size)}",
         'Tok = T.dynamic("T")  # tokens of the packed batch',
         'N = T.dynamic("N")  # sequences',
         'NP1 = T.dynamic("NP1")  # len(cu_seqlens)',

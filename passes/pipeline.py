@@ -12,7 +12,9 @@ first called with concrete shapes (or for `qla-compile --emit tilelang` with a d
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
-every ChunkIR pass, naming the first pass that breaks agreement. `Program.affine` (the state
+every ChunkIR pass, naming the first pass that breaks agreement (the errors it measured per pass
+are kept: `Program.checked`). `Program.diff(name)` is what a ChunkIR pass changed (ir/chunk_diff.py),
+with the identity it states (`identity`). `Program.affine` (the state
 update as an affine map, for context parallelism, passes/affine.py) is derived from the final
 chunk program on first use; `Program.backward` (the VJP, passes/autodiff.py) from the program
 before the kernel-shaping rewrites, which then run on the VJP too (`Program.differentiated`).
@@ -31,6 +33,7 @@ from typing import Callable
 
 from qla_compiler.errors import PassError, SpecError
 from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.chunk_diff import ChunkDiff, chunk_diff
 from qla_compiler.ir.kernel import KernelIR
 from qla_compiler.ir.recurrence import RecurrenceIR
 
@@ -40,7 +43,7 @@ from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
 from .partition import Partition, partition
-from .schedule import schedule
+from .schedule import HEAD_DIMS, schedule
 from .rewrites import CHUNK_PASSES
 from .verify_exponents import verify_exponents
 
@@ -67,10 +70,34 @@ class Program:
     chunk: ChunkIR | None = None
     kernels: KernelIR | None = None
     stages: list = field(default_factory=list)  # (pass name, IR after it)
+    # the head-dim tiles (K, V) its kernels are scheduled for (schedule's head_dims; for_shape)
+    head_dims: tuple = HEAD_DIMS
     _derived: dict = field(default_factory=dict, repr=False)
+    checked: dict = field(default_factory=dict)  # check mode: pass -> relative errors (o, final state)
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
+
+    def diff(self, name: str) -> ChunkDiff:
+        """What the pass `name` changed in the chunk program, with the identity it states.
+
+            >>> import qla_compiler
+            >>> qla_compiler.compile_spec("gdn").diff("gate_out_of_inverse").added
+            ('A_r', 'T_r')
+        """
+        names = [n for n, _ in self.stages]
+        if name not in names:
+            raise ValueError(f"diff: no pass named {name!r} ran; passes: {', '.join(names)}")
+        i = names.index(name)
+        before, after = (self.stages[i - 1][1] if i else None), self.stages[i][1]
+        if not (isinstance(before, ChunkIR) and isinstance(after, ChunkIR)):
+            raise ValueError(f"diff: {name!r} is not a pass from a chunk program to a chunk program")
+        return chunk_diff(before, after, why=identity(name))
+
+    def diffs(self) -> list:
+        """(pass, ChunkDiff) for every pass that took a chunk program to another, in order."""
+        return [(n, self.diff(n)) for (_, a), (n, b) in zip(self.stages, self.stages[1:])
+                if isinstance(a, ChunkIR) and isinstance(b, ChunkIR)]
 
     @property
     def backward(self) -> ChunkIR:
@@ -105,7 +132,21 @@ class Program:
             False
         """
         skip = tuple(n for n, _ in self.stages if n in _SHAPING and not _SHAPING[n].pays(shape))
-        return self.without(*skip) if skip else self
+        prog = self.without(*skip) if skip else self
+        tiles = (max(HEAD_DIMS[0], shape.KP), max(HEAD_DIMS[1], shape.VP))
+        return prog if tiles == prog.head_dims or prog.kernels is None else prog.scheduled_for(tiles)
+
+    def scheduled_for(self, head_dims: tuple) -> "Program":
+        """This program with its kernels scheduled for head-dim tiles up to `head_dims` (K, V):
+        shared memory and registers budgeted at those sizes (more threads, fewer stages, outputs
+        split). Its training and backward programs are scheduled the same way."""
+        key = ("head_dims", tuple(head_dims))
+        if key not in self._derived:
+            before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
+            prog = Program(self.path, self.target, self.chunk_size, self.recurrence, self.chunk,
+                           stages=list(before), head_dims=tuple(head_dims))
+            self._derived[key] = prog._scheduled(self.chunk, before, "", into=prog)
+        return self._derived[key]
 
     def without(self, *names: str) -> "Program":
         """This program with the named kernel-shaping rewrites left out: the passes after the first
@@ -172,13 +213,17 @@ class Program:
                 self._scheduled(back, [("autodiff", back)], "backward program: ", provided=provided)
         return self._derived["backward_program"]
 
-    def _scheduled(self, chunk: ChunkIR, before: list, where: str, **split) -> "Program":
+    def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
+                   **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
-        schedule: a Program whose stages are `before` and those two. A failure names the pass."""
-        prog = Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before))
+        schedule (for this program's head-dim tiles): a Program whose stages are `before` and those
+        two (`into`, if given). A failure names the pass."""
+        prog = into or Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before),
+                               head_dims=self.head_dims)
         ir = chunk
         for p in (Pass("partition", lambda c: partition(c, **split), "split into kernels"),
-                  Pass("schedule", schedule, "place buffers, order statements")):
+                  Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims),
+                       "place buffers, order statements")):
             ir = _run_pass(p, ir, where)
             prog._keep(p.name, ir)
         return prog
@@ -256,6 +301,15 @@ def pass_names() -> list[str]:
     return [p.name for p in passes(64)]
 
 
+def identity(name: str) -> str:
+    """The identity a pass states (a rewrite's, passes/rewrite.py), or else what it does.
+
+        >>> identity("exp2")
+        'e^x = 2^(x·log₂e): γ₂ = γ·log₂e once, then exp2 everywhere'
+    """
+    return next(p.doc for p in passes(64) if p.name == name)
+
+
 def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: str | None = None,
                  print_after: Callable | None = None, check: bool = False) -> Program:
     if target not in TARGETS:
@@ -275,7 +329,7 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
             from .check import Checker  # the numerical check needs torch; plain compiles do not
 
             checker = checker or Checker(prog.recurrence)
-            checker.check(p.name, ir)
+            prog.checked[p.name] = checker.check(p.name, ir)
         if print_after is not None:
             print_after(p.name, ir)
         if p.name == stop_after:

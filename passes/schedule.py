@@ -33,7 +33,8 @@ from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
-from qla_compiler.kernels.tri_inverse import SCRATCH as INVERSE_SCRATCH
+from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE
+from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH
 
 from .partition import Partition
 
@@ -42,6 +43,7 @@ BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": 
 RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "N", "NP1", "CH",
             "Tok", "i", "j", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
 THREADS = 128
+HEAD_DIMS = (128, 128)  # the head-dim tiles (K, V) a schedule serves by default (schedule's head_dims)
 
 
 def _dims(shape, tiled: bool) -> tuple:
@@ -51,8 +53,9 @@ def _dims(shape, tiled: bool) -> tuple:
 class _Builder:
     """Builds one kernel's buffers and statements from a set of ChunkIR nodes."""
 
-    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool):
+    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
         self.ir, self.nodes, self.loaded, self.tiled = ir, set(nodes), set(loaded), tiled
+        self.dims = dims  # the size of each dim name that shared memory and registers are budgeted at
         self.pipelined = tiled  # the V-blocked kernel is also the pipelined one
         self.buffers: dict[str, Buffer] = {}
         self.place: dict[str, str] = {}  # node -> buffer holding its value
@@ -83,6 +86,8 @@ class _Builder:
 
         if op in ("add", "sub", "mul"):
             return (op, self.ex(a[0], sub(a[0])), self.ex(a[1], sub(a[1])))
+        if op in ("clamp_min", "above"):  # max(x, min); its derivative, 1 where x > min
+            return ("max" if op == "clamp_min" else op, self.ex(a[0], idx), ("lit", float(n.attr["min"])))
         if op == "neg" or op in EXPONENTIALS:
             inner = self.ir.node(a[0])
             if op != "neg" and inner.op == "masked_diff" and a[0] not in self.place:
@@ -264,10 +269,10 @@ def _check_v_columns(ir: ChunkIR, nodes) -> None:
             raise PassError("schedule", f"{n.name} contracts over V; V-blocking the scan would be wrong")
 
 
-def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
+def _build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
     """Statements for the node set; returns the builder (buffers, loads, body). The V-blocked
     kernel is also the pipelined one (its loads run on a producer warpgroup)."""
-    b = _Builder(ir, nodes, loaded, tiled)
+    b = _Builder(ir, nodes, loaded, tiled, dims)
     pipelined = tiled
     order = [n for n in ir.order() if n.name in b.nodes]
     acc = _accumulation(ir, [n.name for n in order], b.loaded)
@@ -323,7 +328,7 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool):
         elif op == "inv_unit_lower":
             if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
                 raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")
-            A = b.buf(f"{n.args[0]}_s", n.shape, "tfloat32", "shared")
+            A = b.buf(f"{n.args[0]}_s", n.shape, INVERSE_INPUT_DTYPE, "shared")
             b.ewise(A, n.args[0])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             b.body.append(Stmt("inverse", b.place[name], (A,)))
@@ -394,10 +399,10 @@ def global_name(ir: ChunkIR, name: str) -> str:
 def _crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
     n, g = ir.node(name), global_name(ir, name)
     if n.op == "state_in":
-        return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk")
+        return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk", padded=True)
     if n.shape == ("C",):
         return Tensor(g, ("1", "T", "HV"), "float32", role, "per token")
-    return Tensor(g, ("1", "T", "HV", n.shape[1]), "io", role, "rows of the chunk's block, per token")
+    return Tensor(g, ("1", "T", "HV", n.shape[1]), "io", role, "rows of the chunk's block, per token", padded=True)
 
 
 def _input_params(ir: ChunkIR, nodes, loaded) -> list:
@@ -406,7 +411,7 @@ def _input_params(ir: ChunkIR, nodes, loaded) -> list:
         n = ir.node(name)
         if n.op == "input" and n.attr["kind"] == "saved_state":
             ps.append(Tensor(global_name(ir, name), ("CH", "HV", "K", "V"), "io", "in",
-                             "the forward's state entering every chunk"))
+                             "the forward's state entering every chunk", padded=True))
         elif n.op == "input":
             kind = n.attr["kind"]
             shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V"),
@@ -439,21 +444,24 @@ def _store_rows(ir: ChunkIR, b: _Builder, name: str) -> Stmt:
 SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 
 
-def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS) -> KernelIR:
-    """The KernelIR of a partitioned chunk program.
+def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS) -> KernelIR:
+    """The KernelIR of a partitioned chunk program, its shared memory and registers budgeted for
+    head-dim tiles up to `head_dims` (K, V): the kernels of larger tiles differ (more threads, fewer
+    stages, outputs split across kernels), those of smaller ones would only waste memory.
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
     """
     ir = part.chunk
     _check_v_columns(ir, part.scan)
-    kir = KernelIR(ir.name, ir.chunk_size)
+    kir = KernelIR(ir.name, ir.chunk_size, head_dims=tuple(head_dims))
+    dims = dim_sizes(head_dims)
     kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
                     "(torch on the device: no synchronisation)")
     if part.prep:
-        kir.kernels.append(_prep_kernel(part, split_phase_loads))
-    kir.kernels.append(_scan_kernel(part))
-    kir.kernels += _out_kernels(part, split_phase_loads)
+        kir.kernels.append(_prep_kernel(part, split_phase_loads, dims))
+    kir.kernels.append(_scan_kernel(part, dims))
+    kir.kernels += _out_kernels(part, split_phase_loads, dims)
     return kir
 
 
@@ -466,24 +474,30 @@ SMEM_BUDGET = 200 * 1024
 # splitting each wgmma's columns: GDN's backward out kernel (176 KB of live fragments) spilled
 # at 128 threads and took 15.4 ms on 16/64 × 32768, 6.9 ms at 256 (session 5, run B).
 FRAGMENT_REGISTERS = 224
-_DIM_BYTES = {"C": 64, "K": 128, "V": 128, "BV": 64, "1": 1}  # the largest shape class
 _DTYPE_BYTES = {"io": 2, "float32": 4, "tfloat32": 4, "int32": 4}
 
 
-def buffer_bytes(b: Buffer) -> int:
-    """A buffer's size at the largest supported head dims."""
+def dim_sizes(head_dims: tuple = HEAD_DIMS) -> dict:
+    """The size of every dim name a buffer uses, at the largest class the schedule serves: the
+    head-dim tiles `head_dims`, the widest V-block, the chunk."""
+    K, V = head_dims
+    return {"C": 64, "K": K, "V": V, "BV": 64, "1": 1, "16": 16}
+
+
+def buffer_bytes(b: Buffer, dims: dict) -> int:
+    """A buffer's size at the sizes `dims` (dim_sizes)."""
     n = _DTYPE_BYTES[b.dtype]
     for d in b.shape:
-        n *= _DIM_BYTES[d]
+        n *= dims[d]
     return n
 
 
-def smem_bytes(buffers) -> int:
-    """Shared memory of a kernel's buffers at the largest supported head dims (no reuse assumed)."""
-    return sum(buffer_bytes(b) for b in buffers if b.scope == "shared")
+def smem_bytes(buffers, dims: dict) -> int:
+    """Shared memory of a kernel's buffers at the sizes `dims` (no reuse assumed)."""
+    return sum(buffer_bytes(b, dims) for b in buffers if b.scope == "shared")
 
 
-def _out_kernels(part: Partition, split_phase: bool) -> list:
+def _out_kernels(part: Partition, split_phase: bool, dims: dict) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
     kernel per group of outputs, each recomputing what its outputs need. What must fit is the peak
     of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
@@ -492,17 +506,17 @@ def _out_kernels(part: Partition, split_phase: bool) -> list:
     roles = tuple(r for r in part.chunk.outputs if r != "state")
 
     def split(group):
-        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase)
-        if max(_live_shared({x.name: x for x in k.buffers}, k.body)) <= SMEM_BUDGET or len(group) == 1:
+        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase, dims)
+        if max(_live_shared({x.name: x for x in k.buffers}, k.body, dims)) <= SMEM_BUDGET or len(group) == 1:
             return [k]
         half = (len(group) + 1) // 2
         return split(group[:half]) + split(group[half:])
     return split(roles)
 
 
-def _prep_kernel(part: Partition, split_phase: bool) -> Kernel:
+def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
     ir = part.chunk
-    b = _build(ir, part.prep, part.provided, tiled=False)
+    b = _build(ir, part.prep, part.provided, tiled=False, dims=dims)
     stores = []
     for x in part.crossing:
         if x in b.io_copy:  # already rounded to io in shared memory for a wgmma: the store reads that
@@ -526,13 +540,16 @@ def _prep_kernel(part: Partition, split_phase: bool) -> Kernel:
     params = _input_params(ir, part.prep, part.provided) + [CHUNK_MAP] + _head_params(ir, part.prep)
     params += [_crossing_tensor(ir, x, "out") for x in part.crossing]
     ops = {ir.node(x).op for x in part.prep if x not in part.provided}  # (provided values are loaded)
-    work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by Neumann doubling on tf32 wgmma"),
+    work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by blocked forward substitution (16-row blocks in float32, "
+                                              "merges on tf32 wgmma)"),
                             ("cumsum", "chunk-local cumulative gates"),
                             ("matmul", "the matmuls built on the inverse" if "inv_unit_lower" in ops
                              else "the per-token matmuls")) if op in ops]
-    return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), THREADS, params,
-                  list(b.buffers.values()), [], _place_loads(b, b.body + stores, split_phase), [],
-                  roles=("all 4 warps: " + "; ".join(work),),
+    body = _place_loads(b, b.body + stores, split_phase)
+    threads = _threads(b, body)
+    return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
+                  list(b.buffers.values()), [], body, [],
+                  roles=(f"all {threads // 32} warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
 
 
@@ -563,9 +580,9 @@ def _free_at_end(b: _Builder, keep) -> list:
             if buf.scope == "shared" and buf.dtype == "io" and len(buf.shape) == 2 and n not in held]
 
 
-def _scan_kernel(part: Partition) -> Kernel:
+def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     ir = part.chunk
-    b = _build(ir, part.scan, part.crossing + part.provided, tiled=True)
+    b = _build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims)
     s_node = ir.outputs["state"]
     if b.place.get(s_node) != "state":
         raise PassError("schedule", f"the next state {s_node} is not accumulated in the state fragment")
@@ -592,8 +609,8 @@ def _scan_kernel(part: Partition) -> Kernel:
                                + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body,
                                stores)
     # each load of the loop gets a buffer per stage, and the rest of shared memory is fixed
-    per_stage = smem_bytes([b.buffers[st.dst] for st in b.loads])
-    fixed = smem_bytes(b.buffers.values()) - per_stage
+    per_stage = smem_bytes([b.buffers[st.dst] for st in b.loads], dims)
+    fixed = smem_bytes(b.buffers.values(), dims) - per_stage
     max_stages = (SMEM_BUDGET - fixed) // per_stage
     if max_stages < 1:
         raise PassError("schedule", f"{ir.name}_scan: its blocks need {(fixed + per_stage) // 1024} KB of "
@@ -630,12 +647,12 @@ def _issue_stores_early(body: list, stores: list) -> list:
     return out
 
 
-def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -> Kernel:
+def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, dims: dict) -> Kernel:
     ir = part.chunk
     loaded = set(part.crossing) | set(part.carried) | set(part.provided)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
-    b = _build(ir, nodes, loaded, tiled=False)
+    b = _build(ir, nodes, loaded, tiled=False, dims=dims)
     stores, outs = [], []
     for role in roles:
         x = ir.outputs[role]
@@ -664,7 +681,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool) -
     params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
     what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
     body = b.body + stores
-    threads = THREADS if _live_fragments(b.buffers, body) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
+    threads = _threads(b, body)
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
                   list(b.buffers.values()), [], _place_loads(b, body, split_phase), [],
                   roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own tokens",),
@@ -728,8 +745,8 @@ def _earliest_issue(b: _Builder, stmts: list, name: str) -> int:
     and not before the inverse (the usual peak). The margin and the stop are there because
     TileLang's allocator packs less tightly than this estimate: with the block allowed right up
     to the peak, GDN's backward prep took 8 KB more than it had, one CTA per SM less."""
-    size = smem_bytes([b.buffers[name]])
-    live = _live_shared(b.buffers, stmts)
+    size = smem_bytes([b.buffers[name]], b.dims)
+    live = _live_shared(b.buffers, stmts, b.dims)
     wait = next(i for i, st in enumerate(stmts) if st.op == "wait_load" and st.dst == name)
     peak = max(live, default=0)
     at = wait
@@ -749,16 +766,22 @@ def _live(buffers: dict, stmts: list, scope: str) -> list:
     return [[buffers[x] for x in first if first[x] <= i <= last[x]] for i in range(len(stmts))]
 
 
-def _live_fragments(buffers: dict, stmts: list) -> int:
+def _live_fragments(buffers: dict, stmts: list, dims: dict) -> int:
     """Peak bytes of fragments (registers, over all threads) live at once."""
-    return max((sum(buffer_bytes(b) for b in bs) for bs in _live(buffers, stmts, "fragment")), default=0)
+    return max((sum(buffer_bytes(b, dims) for b in bs) for bs in _live(buffers, stmts, "fragment")), default=0)
 
 
-def _live_shared(buffers: dict, stmts: list) -> list:
+def _threads(b: _Builder, body: list) -> int:
+    """A parallel kernel's threads: one warpgroup, or two where its live fragments would not fit
+    one's registers (FRAGMENT_REGISTERS)."""
+    return THREADS if _live_fragments(b.buffers, body, b.dims) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
+
+
+def _live_shared(buffers: dict, stmts: list, dims: dict) -> list:
     """Bytes of shared memory live at each statement: every shared buffer from its first touch
     (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
-    live = [smem_bytes(bs) for bs in _live(buffers, stmts, "shared")]
-    scratch = smem_bytes([Buffer("", ("C", "C"), dt, scope) for scope, dt in INVERSE_SCRATCH.values()])
+    live = [smem_bytes(bs, dims) for bs in _live(buffers, stmts, "shared")]
+    scratch = smem_bytes([Buffer("", shape, dt, scope) for scope, dt, shape in INVERSE_SCRATCH.values()], dims)
     return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
 
 

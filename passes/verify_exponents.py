@@ -55,6 +55,12 @@ def analyse(ir: ChunkIR) -> dict:
             sign = a[0][0]
         elif n.op == "masked_diff":
             sign = {DEC: NEG, FLAT: NEG, INC: POS}.get(a[0][1], ANY)
+        elif n.op == "clamp_min":  # max(x, m) is ≤ 0 when both are; it keeps x's order
+            m = n.attr["min"]
+            sign = NEG if a[0][0] == NEG and m <= 0 else (POS if a[0][0] == POS or m >= 0 else ANY)
+            order = a[0][1]
+        elif n.op == "above":
+            sign = POS
         elif n.op == "neg":
             sign, order = _flip(a[0][0]), _reverse(a[0][1])
         elif n.op == "add":

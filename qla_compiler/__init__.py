@@ -4,8 +4,18 @@
     >>> op = qla_compiler.compile("specs/gdn.py", target="sm90")
     >>> o, final_state = op(q, k, v, g, beta, output_final_state=True)      # doctest: +SKIP
 """
-from .compiler import compile, compile_spec
 from .errors import PassError, SpecError, UnsupportedStructure
+
+
+def __getattr__(name):
+    # the compiler (sympy, networkx) on first use: `qla-compile --help` starts without it
+    if name in ("compile", "compile_spec"):
+        from . import compiler
+
+        globals()[name] = value = getattr(compiler, name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["compile", "compile_spec", "SpecError", "UnsupportedStructure", "PassError"]
 __version__ = "0.1.0"

@@ -3,12 +3,14 @@
     qla-bench                        # the rows of the baseline table (shared/gpu/README.md)
     qla-bench --rows 2/8:1x32768 --plot bench.png
     qla-bench --backward             # forward + backward per call (training)
+    qla-bench --rows 16/64:8x4096:100   # head dims K = V = 100 (K×V: e.g. 128x64)
     python benchmarks/bench_gdn.py   # the same
 
 Two times per call, as the baseline table reports them:
   device  the sum of GPU kernel durations (torch.profiler), averaged over calls;
   eager   wall time per call from Python (triton.testing.do_bench median), host work included.
-Inputs: bf16 q/k/v, K = V = 128, packed varlen (B = 1), initial state given, final state returned.
+Inputs: bf16 q/k/v, K = V = 128 unless the row says, packed varlen (B = 1), initial state given,
+final state returned.
 """
 from __future__ import annotations
 
@@ -20,10 +22,24 @@ ROWS = ["2/8:1x32768", "2/8:1x8192", "2/8:8x4096", "4/16:1x32768", "4/16:8x4096"
 
 
 def parse_row(row: str):
-    heads, seqs = row.split(":")
+    """'h_qk/h_v:NxL[:K[xV]]' -> (H, HV, N lengths of L); the head dims: parse_dims."""
+    heads, seqs = row.split(":")[:2]
     H, HV = map(int, heads.split("/"))
     n, L = map(int, seqs.split("x"))
     return H, HV, [L] * n
+
+
+def parse_dims(row: str) -> tuple:
+    """The row's head dims (K, V): its third field, K or KxV; 128, 128 without one.
+
+    >>> parse_dims("2/8:1x8192"), parse_dims("2/8:1x8192:100"), parse_dims("2/8:1x8192:128x64")
+    ((128, 128), (100, 100), (128, 64))
+    """
+    parts = row.split(":")
+    if len(parts) < 3:
+        return 128, 128
+    K, _, V = parts[2].partition("x")
+    return int(K), int(V or K)
 
 
 def make_inputs(H, HV, lens, K=128, V=128, seed=0):
@@ -112,10 +128,11 @@ def run(rows, plot=None, cp=None, only=None, backward=False):
     libs = libraries(cp, only, backward)
     results = []
     what = "forward + backward" if backward else "forward"
-    print(f"# GDN {what}, {torch.cuda.get_device_name()}, bf16, K=V=128, packed varlen, ms per call")
+    print(f"# GDN {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, ms per call")
     for row in rows:
         H, HV, lens = parse_row(row)
-        args = make_inputs(H, HV, lens)
+        K, V = parse_dims(row)
+        args = make_inputs(H, HV, lens, K, V)
         res = {"row": row}
         for name, fn in libs.items():
             def call(f=fn, a=args):
@@ -183,7 +200,8 @@ def _plot(results, libs, path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="qla-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", nargs="*", default=ROWS, help="h_qk/h_v:NxL, e.g. 2/8:1x32768")
+    ap.add_argument("--rows", nargs="*", default=ROWS,
+                    help="h_qk/h_v:NxL[:K[xV]], e.g. 2/8:1x32768 or 16/64:8x4096:100 (K = V = 128 by default)")
     ap.add_argument("--plot", metavar="PNG", help="save a bar chart of the GPU times")
     ap.add_argument("--cp", type=int, metavar="SEGMENTS",
                     help="also time qla with context parallelism, each sequence in SEGMENTS segments")

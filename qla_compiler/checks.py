@@ -49,9 +49,12 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
         empty = [d for d, s in size.items() if s == 0]
         if empty:
             raise ValueError(f"{n}: has no elements ({', '.join(empty)} = 0 in shape {list(inputs[n].shape)})")
+    if tuple(inputs[values[0]].shape[:2]) != (B, T):
+        raise ValueError(_token_dims_differ(inputs, kinds, keys, values))
     for n in keys[1:]:
         if tuple(inputs[n].shape) != (B, T, H, K):
-            raise ValueError(f"{n}: expected shape {[B, T, H, K]} like {keys[0]}, got {list(inputs[n].shape)}")
+            raise ValueError(f"{n}: expected shape {[B, T, H, K]} like {keys[0]}, got {list(inputs[n].shape)}"
+                             + _head_first(n, inputs[n], (B, T, H, K), "[B, H, T, K]"))
     for n in values:
         if tuple(inputs[n].shape[:2]) != (B, T):
             raise ValueError(f"{n}: expected [B={B}, T={T}, HV, V], got {list(inputs[n].shape)}")
@@ -62,7 +65,8 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
         if kind in ("scalar", "gate"):
             _tensor(n, inputs[n], 3, f"[B={B}, T={T}, HV={HV}]")
             if tuple(inputs[n].shape) != (B, T, HV):
-                raise ValueError(f"{n}: expected shape {[B, T, HV]}, got {list(inputs[n].shape)}")
+                raise ValueError(f"{n}: expected shape {[B, T, HV]}, got {list(inputs[n].shape)}"
+                                 + _head_first(n, inputs[n], (B, T, HV), "[B, HV, T]"))
     first = inputs[keys[0]]
     dt = first.dtype
     for n in keys + values:
@@ -105,13 +109,55 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
     return Dims(B, T, H, HV, K, V, N)
 
 
+def _head_first(name: str, x, expected: tuple, layout: str) -> str:
+    """The hint for a tensor that is `expected` with its dims 1 and 2 swapped (else nothing)."""
+    if x.dim() < 3 or (x.shape[0], x.shape[2], x.shape[1], *x.shape[3:]) != tuple(expected):
+        return ""
+    return _layout_hint([name], layout)
+
+
+def _layout_hint(names: list, layout: str) -> str:
+    return (f": {' and '.join(names)} {'are' if len(names) > 1 else 'is'} head-first ({layout}); the op "
+            f"takes FLA's layout, tokens before heads ({names[0]}.transpose(1, 2))")
+
+
+def _token_dims_differ(inputs: dict, kinds: dict, keys: list, values: list) -> str:
+    """The message for q/k and v disagreeing on [B, T], naming the side at fault: the one the
+    per-token scalars and gates ([B, T, HV]) disagree with, else the one whose dims 1 and 2
+    swapped agree with the other's (it is head-first, [B, H, T, ...]), else the value."""
+    q, v = inputs[keys[0]], inputs[values[0]]
+    bt_k, bt_v = tuple(q.shape[:2]), tuple(v.shape[:2])
+    per_token = {n: tuple(inputs[n].shape[:2]) for n, kind in kinds.items()
+                 if kind in ("scalar", "gate") and torch.is_tensor(inputs[n]) and inputs[n].dim() == 3}
+    votes_k, votes_v = list(per_token.values()).count(bt_k), list(per_token.values()).count(bt_v)
+    tensors = [x for x in inputs.values() if torch.is_tensor(x) and x.dim() >= 3]
+    if all((x.shape[0], x.shape[2]) == (q.shape[0], q.shape[2]) for x in tensors) and \
+            v.shape[1] % q.shape[1] == 0 and all(bt[1] == v.shape[1] for bt in per_token.values()):
+        names = list(inputs)
+        return (f"{keys[0]}: expected [B, T, H, K], got shape {list(q.shape)}: {', '.join(names[:-1])} and "
+                f"{names[-1]} are all head-first ([B, H, T, ...]); the op takes FLA's layout, tokens before "
+                "heads (transpose(1, 2) each)")
+    keys_first = (q.shape[0], q.shape[2]) == bt_v  # q as [B, H, T, K]
+    if votes_v > votes_k or (votes_v == votes_k and keys_first):
+        (B, T), wrong = bt_v, [n for n in keys if tuple(inputs[n].shape[:2]) != bt_v]
+        agree = [values[0], *[n for n, bt in per_token.items() if bt == bt_v]]
+        return (f"{wrong[0]}: expected [B, T, H, K] with B = {B}, T = {T} like {', '.join(agree)}, got shape "
+                f"{list(inputs[wrong[0]].shape)}" + (_layout_hint(wrong, "[B, H, T, K]") if keys_first else ""))
+    (B, T), hint = bt_k, ""
+    if (v.shape[0], v.shape[2]) == bt_k:
+        hint = _layout_hint([values[0]], "[B, HV, T, V]")
+    return f"{values[0]}: expected [B={B}, T={T}, HV, V] like {keys[0]}, got {list(v.shape)}{hint}"
+
+
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
+    """Starts at 0, ends at T, never decreases: two equal entries are an empty sequence (serving
+    engines pad batches with them), which yields no rows and passes its initial state through."""
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens: must start at 0, starts at {cu[0]}")
     if cu[-1] != T:
         raise ValueError(f"cu_seqlens: must end at T = {T} (the number of tokens), ends at {cu[-1]}")
-    bad = next((i for i in range(len(cu) - 1) if cu[i + 1] <= cu[i]), None)
+    bad = next((i for i in range(len(cu) - 1) if cu[i + 1] < cu[i]), None)
     if bad is not None:
-        raise ValueError(f"cu_seqlens: must be strictly increasing, but cu_seqlens[{bad}] = {cu[bad]} "
+        raise ValueError(f"cu_seqlens: must not decrease, but cu_seqlens[{bad}] = {cu[bad]} "
                          f"and cu_seqlens[{bad + 1}] = {cu[bad + 1]}")

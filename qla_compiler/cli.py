@@ -2,7 +2,8 @@
 
     qla-compile specs/gdn.py --target sm90                  # summary of what was derived
     qla-compile specs/gdn.py --target sm90 --emit chunk     # the rewritten chunk program
-    qla-compile specs/gdn.py --emit chunk --print-after-all # the IR after every pass
+    qla-compile specs/gdn.py --emit chunk --print-after-all # what every pass changed, and why
+    qla-compile specs/gdn.py --print-after-all=full         # ... and the whole IR after every pass
     qla-compile specs/gdn.py --emit chunk --stop-after chunk
     qla-compile specs/gdn.py --check                        # interpreter vs reference after each pass
     qla-compile specs/gdn.py --emit backward                # the chunk program's VJP (reverse scan)
@@ -19,7 +20,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from .compiler import compile_spec
 from .errors import PassError, SpecError
 
 EMITS = ("recurrence", "chunk", "backward", "affine", "kernel", "tilelang", "cuda")
@@ -34,7 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="sm90", help="sm90 (Hopper) or cpu (default: sm90)")
     ap.add_argument("--emit", choices=EMITS, help="print this IR instead of the summary")
     ap.add_argument("-o", "--output", metavar="DIR", help="also write what is printed into DIR")
-    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--chunk-size", type=int, default=64, metavar="C",
+                    help="tokens per chunk, a power of two (default: 64; the sm90 kernels are built for "
+                         "64, the interpreter runs any)")
     ap.add_argument("--shape", default=DEFAULT_SHAPE,
                     help=f"shape class for --emit kernel/tilelang/cuda (default: {DEFAULT_SHAPE}); "
                          "the fields not given (BV, stages, scan_warpgroups) are what the runtime picks "
@@ -45,20 +47,27 @@ def main(argv=None) -> int:
                     help="with --emit kernel/tilelang/cuda: the forward's kernels as a training step runs "
                          "them (they also store what the backward loads, e.g. T_r)")
     ap.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass")
-    ap.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
+    ap.add_argument("--print-after-all", nargs="?", const="diff", choices=("diff", "full"),
+                    help="after every pass, print what it changed: for a rewrite of the chunk program the "
+                         "nodes removed (-), added (+), rewritten (~), renamed or merged (=), under the "
+                         "identity that justifies them; =full: the whole IR after each pass too")
     ap.add_argument("--check", action="store_true",
-                    help="run the interpreter against the reference after every pass")
+                    help="run the interpreter against the reference after every pass; report each "
+                         "pass's relative error and the worst")
     args = ap.parse_args(argv)
 
-    def show(name, ir):
-        print(f"// ----- after {name} -----\n{ir}\n")
+    from .compiler import compile_spec  # (after parsing: --help imports none of the compiler)
 
     try:
         prog = compile_spec(args.spec, target=args.target, chunk_size=args.chunk_size,
                             stop_after=args.stop_after, check=args.check,
-                            print_after=show if args.print_after_all else None)
+                            print_after=_printer(args.print_after_all == "full") if args.print_after_all else None)
     except (SpecError, PassError, ValueError) as e:
         print(f"qla-compile: error: {e}", file=sys.stderr)
+        return 1
+    if args.target == "cpu" and args.emit in ("kernel", "tilelang", "cuda"):
+        print(f"qla-compile: error: --emit {args.emit}: target cpu has no kernels (the ChunkIR interpreter "
+              "runs the chunk program); --target sm90 for them", file=sys.stderr)
         return 1
     if args.emit == "recurrence":
         text = str(prog.recurrence)
@@ -87,6 +96,8 @@ def main(argv=None) -> int:
         text = summary(prog)
     if not (args.print_after_all and args.emit is None):
         print(text)
+    if args.check:  # (on stderr when the output is an IR: stdout stays that IR)
+        print(check_report(prog), file=sys.stderr if args.emit else sys.stdout)
     if args.output:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +122,7 @@ def parse_shape(text: str):
     import dataclasses
 
     from .kernels.forward import H200_SMS, scan_class
-    from .passes.lower_tilelang import HEAD_DIMS
+    from .passes.lower_tilelang import check_head_dim, tile_width
 
     fields = {}
     for item in text.split(","):
@@ -129,12 +140,13 @@ def parse_shape(text: str):
     if H < 1 or HV % H:
         raise ValueError(f"--shape: HV={HV} is not a multiple of H={H}")
     for d, n in (("K", K), ("V", V)):
-        if n not in HEAD_DIMS:
-            raise ValueError(f"--shape: {d}={n} is not supported by the sm90 kernels "
-                             f"({', '.join(map(str, HEAD_DIMS))})")
+        try:
+            check_head_dim(d, n)
+        except ValueError as e:
+            raise ValueError(f"--shape: {e}") from None
     BV = fields.get("BV")
-    if BV is not None and (BV not in (16, 32, 64) or V % BV):
-        raise ValueError(f"--shape: BV={BV} must be 16, 32 or 64 and divide V={V}")
+    if BV is not None and (BV not in (16, 32, 64) or tile_width(V) % BV):
+        raise ValueError(f"--shape: BV={BV} must be 16, 32 or 64 and divide V's tile {tile_width(V)}")
     shape = scan_class(H, HV, K, V, 1, fields.get("io", "bfloat16"), H200_SMS, BV=BV)
     try:
         return dataclasses.replace(shape, **{f: fields[f] for f in ("stages", "scan_warpgroups") if f in fields})
@@ -156,6 +168,52 @@ def _emit(what: str, prog, shape) -> str:
     return "\n\n".join(f"// ===== kernel {name} =====\n{src}" for name, src in lower_to_cuda(prog, shape).items())
 
 
+def _printer(full: bool):
+    """The print_after of --print-after-all: what each pass changed in the chunk program (the
+    chunk program's own derivation, the recurrence and the partition in full, the kernels' names),
+    and with `full` every IR in full too."""
+    from .ir.chunk import ChunkIR
+    from .ir.chunk_diff import chunk_diff
+    from .ir.kernel import KernelIR
+    from .passes.pipeline import identity
+
+    last = [None]
+
+    def show(name, ir):
+        before, last[0] = last[0], ir
+        if isinstance(ir, ChunkIR) and isinstance(before, ChunkIR):
+            text = str(chunk_diff(before, ir, why=identity(name))) + (f"\n\n{ir}" if full else "")
+        elif isinstance(ir, KernelIR) and not full:
+            heads = [ln for ln in str(ir).splitlines() if ln.startswith(("kernel_program ", "kernel "))]
+            text = "\n".join([*heads, "(--print-after-all=full or --emit kernel: the kernels in full)"])
+        else:
+            text = str(ir)
+        print(f"// ----- after {name} -----\n{text}\n")
+
+    return show
+
+
+def check_report(prog) -> str:
+    """--check's report: the relative error of the interpreter against the reference after each
+    chunk-program pass (o and the final state), and the worst.
+
+        >>> from qla_compiler import compile_spec
+        >>> print(check_report(compile_spec("linear_attn", check=True)).splitlines()[-1])
+          worst: ... every pass within 1e-10
+    """
+    from .passes.check import TOLERANCE
+
+    if not prog.checked:
+        return "check: nothing to check (the pipeline stopped before the chunk program)"
+    width = max(len(n) for n in prog.checked)
+    lines = ["check: the ChunkIR interpreter against the reference (float64, random inputs), relative error"]
+    lines += [f"  after {n:<{width}}  o {eo:.1e}   final state {es:.1e}" for n, (eo, es) in prog.checked.items()]
+    name, errs = max(prog.checked.items(), key=lambda item: max(item[1]))
+    what = "o" if errs[0] >= errs[1] else "final state"
+    lines.append(f"  worst: {max(errs):.1e} ({what} after {name}); every pass within {TOLERANCE:g}")
+    return "\n".join(lines)
+
+
 def summary(prog) -> str:
     rec, chunk = prog.recurrence, prog.chunk
     lines = [str(rec), ""]
@@ -167,10 +225,13 @@ def summary(prog) -> str:
             f"{' → '.join(n for n, _ in prog.stages)}",
             f"  {c['nodes']} nodes: {c['nodes'] - len(scan)} free of the state, {len(scan)} depending on it",
             f"  {c['matmuls']} matmuls ({c['CxC matmuls']} of C×C), {c['exponentials']} exponentials, "
-            f"{c['triangular inverses']} triangular inverses",
+            f"{c['triangular inverses']} triangular inverse{'' if c['triangular inverses'] == 1 else 's'}",
             f"  target {prog.target}; see --emit chunk for the program",
         ]
-    if prog.kernels is not None:
+    if prog.target == "cpu":
+        lines.append("kernels: none for target cpu (the ChunkIR interpreter runs the chunk program; "
+                     "--target sm90 for the kernels)")
+    elif prog.kernels is not None:
         lines.append(f"kernels: {', '.join(k.name for k in prog.kernels.kernels)}  "
                      "(--emit kernel, --emit tilelang, --emit cuda)")
     return "\n".join(lines)

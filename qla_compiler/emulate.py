@@ -13,6 +13,8 @@ compare its outputs.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .ir.chunk_ops import OPS, Context
@@ -42,6 +44,18 @@ def _unchunk(y, cu, out):
     idx, mask = token_index(starts, lengths, y.shape[2] * y.shape[3])
     rows = idx[mask]
     out[0, rows] = flat[0, rows].to(out.dtype)
+
+
+def _op_view(param, x: torch.Tensor, shape, out: bool = False) -> torch.Tensor:
+    """A kernel tensor at the op's head dims: a padded one (Tensor.padded, allocated at the tiles'
+    widths) is sliced to them; one the kernel writes has its padding zeroed first, as the kernels
+    leave it (the real kernels then read what the emulator wrote)."""
+    if not param.padded:
+        return x
+    if out:
+        x.zero_()
+    sizes = {"K": shape.K, "V": shape.V}
+    return x[tuple(slice(0, sizes[d]) if d in sizes else slice(None) for d in param.shape)]
 
 
 def _per_slot(S: torch.Tensor, slots: torch.Tensor, NC: int) -> torch.Tensor:
@@ -74,10 +88,10 @@ class KernelEmulator:
     def _kernel(self, part, kernel, shape):
         def run(*args):
             assert len(args) == len(kernel.params)
-            named = dict(zip((p.name for p in kernel.params), args))
+            named = {p.name: _op_view(p, x, shape, out=p.role == "out") for p, x in zip(kernel.params, args)}
             self.calls.append((kernel.name, shape.V))
             (self._scan if kernel.loop else self._parallel)(part, kernel, kernel.kind, named, shape)
-            self.seen[kernel.name] = {n: x.clone() for n, x in named.items()}
+            self.seen[kernel.name] = {p.name: x.clone() for p, x in zip(kernel.params, args)}
         return run
 
     def _context(self, part, kernel, nodes, named, cu, HV, state):
@@ -163,24 +177,39 @@ class KernelEmulator:
                 _unchunk(y, cu, out)
 
 
+@contextlib.contextmanager
+def emulated_kernels(op, cu_seqlens: torch.Tensor, scale: float, block_v: int = 32):
+    """Within it, the GPU path's host code (kernels/forward.py, kernels/backward.py) runs with every
+    kernel emulated (yields the KernelEmulator), the V-block fixed at `block_v`, the launch rules of
+    an H200.
+
+        >>> with emulated_kernels(op, cu, scale) as emu:                       # doctest: +SKIP
+        ...     o, final = KernelStep.apply(op, dims, scale, None, cu, h0, *inputs)
+    """
+    from unittest import mock
+
+    from .kernels import forward as fwd
+
+    emu = KernelEmulator(op, cu_seqlens, scale)
+    with mock.patch.object(fwd, "load_kernels", emu), \
+            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: block_v), \
+            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):  # (no GPU here)
+        yield emu
+
+
 def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=None) -> dict:
     """One training step of `op` through the GPU path's host code with every kernel emulated: the
     forward (kernels/forward.py) on `args` (as `testing.random_inputs` makes them), then the backward
     (kernels/backward.py) from random cotangents; `segments`: both context-parallel. Returns o,
     final, d_o, d_final, grads (by input), d_h0 and the emulator (whose `seen` holds every kernel's
     tensors)."""
-    from unittest import mock
-
     from .kernels import backward as bwd
     from .kernels import forward as fwd
 
     inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args.get("initial_state"),
                                       args.get("cu_seqlens"), False)
-    emu = KernelEmulator(op, packed_cu_seqlens(dims.B, dims.T, args.get("cu_seqlens"), "cpu", torch.int32),
-                         scale)
-    with mock.patch.object(fwd, "load_kernels", emu), \
-            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: block_v), \
-            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):  # (no GPU here)
+    cu = packed_cu_seqlens(dims.B, dims.T, args.get("cu_seqlens"), "cpu", torch.int32)
+    with emulated_kernels(op, cu, scale, block_v) as emu:
         o, final, kept = fwd.forward(op.program, inputs, op.kinds, dims, scale, args.get("initial_state"),
                                      args.get("cu_seqlens"), op._head_logs(dims.HV), segments, keep=True)
         gen = torch.Generator().manual_seed(seed)
@@ -188,3 +217,27 @@ def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=Non
         d_final = torch.randn(final.shape, generator=gen)
         grads, d_h0 = bwd.backward(op.program, kept, op.kinds, dims, scale, d_o, d_final, segments)
     return dict(o=o, final=final, d_o=d_o, d_final=d_final, grads=grads, d_h0=d_h0, emulator=emu, scale=scale)
+
+
+def emulated_kernel_step(op, args: dict, seed: int = 2) -> dict:
+    """The GPU path as autograd runs it, every kernel emulated: kernels/backward.KernelStep on
+    `args` (as `testing.random_inputs` makes them, in any dtypes), then backward() of a random
+    weighting of o and the final state; and the same through the spec's float64 reference. Returns
+    o, final, grads (by input, initial_state included) and o_ref, final_ref, grads_ref."""
+    from .kernels.backward import KernelStep
+
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in args.items()
+              if torch.is_tensor(x) and x.is_floating_point()}
+    inputs, dims, scale = op._prepare((), {n: leaves[n] for n in op.input_names}, None, leaves["initial_state"],
+                                      args["cu_seqlens"], False)
+    gen = torch.Generator().manual_seed(seed)
+    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale):
+        o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], leaves["initial_state"],
+                                    *[inputs[n] for n in op.input_names])
+        w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
+        ((o.float() * w_o).sum() + (final * w_s).sum()).backward()
+    ref = {n: (x.detach().double().requires_grad_() if n in leaves else x) for n, x in args.items()}
+    o_ref, s_ref = op.reference(**ref)
+    ((o_ref * w_o.double()).sum() + (s_ref * w_s.double()).sum()).backward()
+    return dict(o=o.detach(), final=final.detach(), grads={n: x.grad for n, x in leaves.items()},
+                o_ref=o_ref.detach(), final_ref=s_ref.detach(), grads_ref={n: ref[n].grad for n in leaves})

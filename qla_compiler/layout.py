@@ -34,7 +34,8 @@ def gather(x: torch.Tensor, starts, lengths, L: int) -> torch.Tensor:
     flat = x.reshape(-1, *x.shape[2:])
     idx, mask = token_index(starts, lengths, L)
     out = flat[idx]
-    return out * mask.view(*mask.shape, *([1] * (out.dim() - 2))).to(out.dtype)
+    # a select, not a product with the mask: padding reads token 0, whose gate may be −inf (a reset)
+    return torch.where(mask.view(*mask.shape, *([1] * (out.dim() - 2))), out, out.new_zeros(()))
 
 
 def scatter(y: torch.Tensor, starts, lengths, B: int, T: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ exp = sp.exp
 RESERVED = {
     "scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
     "context_parallel", "o", "final_state", "chunk_map", "state", "T", "C", "K", "V", "H", "HV", "BV",
-    "G", "N", "IO", "SCALE", "STAGES", "NP1", "CH", "Tok", "INVERSE_SQUARINGS", "i", "j", "t0",
+    "G", "N", "IO", "SCALE", "STAGES", "NP1", "CH", "Tok", "i", "j", "t0",
     "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot", "I", "exp",
 }
 RESERVED_PREFIXES = ("d_", "log_", "qla_", "_")

@@ -5,8 +5,8 @@ value-head groups. Gradients against torch autograd through the spec's float64 r
 import pytest
 import torch
 
-from qla_compiler.emulate import KernelEmulator, emulated_step
-from qla_compiler.kernels import forward as fwd
+from qla_compiler.emulate import emulated_kernel_step, emulated_kernels, emulated_step
+from qla_compiler.passes.lower_tilelang import tile_width
 from qla_compiler.testing import random_inputs, rel_err
 
 
@@ -41,39 +41,18 @@ def test_backward_wiring_matches_autograd_of_the_reference(ops, spec, cp):
 def test_kernel_step_carries_gradients_through_autograd(ops):
     """KernelStep (the GPU path as an autograd.Function) with emulated kernels, inside a torch
     autograd graph: the gradients of a loss reach every input in its own dtype."""
-    from unittest import mock
-
-    from qla_compiler.kernels.backward import KernelStep
-
     op = ops["gdn"]
     args = random_inputs(op, T=150, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 70, 150], initial_state=True,
                          dtype=torch.bfloat16)
-    leaves = {n: x.detach().clone().requires_grad_() for n, x in args.items() if torch.is_tensor(x) and x.is_floating_point()}
-    inputs, dims, scale = op._prepare((), {n: leaves[n] for n in op.input_names}, None, leaves["initial_state"],
-                                      args["cu_seqlens"], False)
-    emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
-    with mock.patch.object(fwd, "load_kernels", emu), \
-            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: 32), \
-            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):
-        o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], leaves["initial_state"],
-                                    *[inputs[n] for n in op.input_names])
-        gen = torch.Generator().manual_seed(2)
-        w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
-        ((o.float() * w_o).sum() + (final * w_s).sum()).backward()
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    ((o_ref * w_o.double()).sum() + (s_ref * w_s.double()).sum()).backward()
-    for n, leaf in leaves.items():
-        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, n
-        assert rel_err(leaf.grad, ref[n].grad) <= 2e-2, n
+    step = emulated_kernel_step(op, args)
+    for n, g in step["grads"].items():
+        assert g is not None and g.dtype == args[n].dtype, n
+        assert rel_err(g, step["grads_ref"][n]) <= 2e-2, n
 
 
 def test_kernel_step_refuses_an_input_written_in_place_before_backward(ops):
     """What the backward kernels read is saved through save_for_backward: writing an input in place
     between the forward and backward() raises instead of giving silently wrong gradients."""
-    from unittest import mock
-
     from qla_compiler.kernels.backward import KernelStep
 
     op = ops["gdn"]
@@ -82,13 +61,38 @@ def test_kernel_step_refuses_an_input_written_in_place_before_backward(ops):
     k = args["k"].detach().clone().requires_grad_()
     inputs, dims, scale = op._prepare((), {**{n: args[n] for n in op.input_names}, "k": k}, None,
                                       args["initial_state"], args["cu_seqlens"], False)
-    emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
-    with mock.patch.object(fwd, "load_kernels", emu), \
-            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: 32), \
-            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):
+    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale):
         o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], args["initial_state"],
                                     *[inputs[n] for n in op.input_names])
         with torch.no_grad():
             k.mul_(2.0)
         with pytest.raises(RuntimeError, match="inplace"):
             (o.float().sum() + final.sum()).backward()
+
+
+@pytest.mark.parametrize("K, V", [(100, 60), (48, 128), (16, 16)])
+def test_head_dims_between_tiles_run_padded_and_match_autograd(ops, K, V):
+    """K and V that are not tile widths: the op's tensors keep their own dims (o, the final state,
+    every gradient), what only kernels exchange is allocated at the tiles' widths with zero padding
+    (Tensor.padded), and the result is the reference's."""
+    op = ops["gdn"]
+    args = random_inputs(op, T=300, H=2, HV=4, K=K, V=V, cu_seqlens=[0, 1, 200, 300], initial_state=True,
+                         dtype=torch.bfloat16)
+    step = emulated_step(op, args, block_v=16)
+    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in args.items()}
+    o_ref, s_ref = op.reference(**ref)
+    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
+    assert step["o"].shape == o_ref.shape and step["final"].shape == s_ref.shape
+    assert rel_err(step["o"], o_ref) <= 1e-2 and rel_err(step["final"], s_ref) <= 1e-2
+    for name in op.input_names:
+        assert step["grads"][name].shape == args[name].shape, name
+        assert rel_err(step["grads"][name], ref[name].grad) <= 1e-2, name
+    assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
+    seen = step["emulator"].seen
+    tiles = (tile_width(K), tile_width(V))
+    kernels = op.program.kernels.kernels
+    padded = {p.name for k in kernels for p in k.params if p.padded}
+    assert padded >= {"W_rows", "S0_chunks", "v_new_rows"}
+    S0 = seen[kernels[1].name]["S0_chunks"]  # the scan's per-chunk states, padding zero
+    assert S0.shape[-2:] == tiles and not S0[..., K:, :].any() and not S0[..., :, V:].any()

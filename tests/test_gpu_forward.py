@@ -138,8 +138,11 @@ def test_other_specs_forward(spec):
 
 def test_unsupported_head_dim_is_refused():
     op = qla_compiler.compile("gdn", target="sm90")
-    args = make_inputs(op, lens=[64], H=1, HV=1, K=100, V=128)
-    with pytest.raises(ValueError, match=r"K \(the key head dim\) = 100 is not supported"):
+    args = make_inputs(op, lens=[64], H=1, HV=1, K=300, V=128)
+    with pytest.raises(ValueError, match=r"K \(the key head dim\) = 300 is not supported by the sm90 kernels"):
+        op(**args)
+    args = make_inputs(op, lens=[64], H=1, HV=1, K=64, V=8)
+    with pytest.raises(ValueError, match=r"V \(the value head dim\) = 8 is not supported"):
         op(**args)
 
 

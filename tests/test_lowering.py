@@ -166,8 +166,11 @@ def test_shape_option_is_checked():
 def test_shape_option_needs_supported_sizes():
     with pytest.raises(ValueError, match="missing H, HV"):
         parse_shape("K=128,V=128")
-    with pytest.raises(ValueError, match="K=96 is not supported"):
-        parse_shape("H=1,HV=1,K=96,V=128")
+    with pytest.raises(ValueError, match="K = 300 is not supported by the sm90 kernels: they take 16 to"):
+        parse_shape("H=1,HV=1,K=300,V=128")
+    with pytest.raises(ValueError, match="V = 8 is not supported"):
+        parse_shape("H=1,HV=1,K=128,V=8")
+    assert parse_shape("H=1,HV=1,K=100,V=64").padded == {"K": "KP"}  # tiles of 128 and 64
     with pytest.raises(ValueError, match="BV=48 must be 16, 32 or 64"):
         parse_shape("H=1,HV=1,K=128,V=128,BV=48")
 
@@ -282,14 +285,15 @@ def test_out_kernels_split_by_live_shared_memory(monkeypatch):
 
     part = partition(qla_compiler.compile_spec("gdn").backward)
     whole = [k for k in schedule(part).kernels if k.kind == "out"][0]
-    assert sched.smem_bytes(whole.buffers) > sched.SMEM_BUDGET  # the sum alone would have split it
+    dims = sched.dim_sizes()
+    assert sched.smem_bytes(whole.buffers, dims) > sched.SMEM_BUDGET  # the sum alone would have split it
     monkeypatch.setattr(sched, "SMEM_BUDGET", 120 * 1024)
     outs = [k for k in schedule(part).kernels if k.kind == "out"]
     assert len(outs) > 1
     assert sorted(r for k in outs for r in k.outputs) == sorted(whole.outputs)
     for k in outs:
         assert {p.name for p in k.params if p.role == "out"} == set(k.outputs)
-        assert max(sched._live_shared({b.name: b for b in k.buffers}, k.body)) <= 120 * 1024 or len(k.outputs) == 1
+        assert max(sched._live_shared({b.name: b for b in k.buffers}, k.body, dims)) <= 120 * 1024 or len(k.outputs) == 1
         assert len(k.body) < len(whole.body)
 
 
@@ -425,3 +429,49 @@ def test_a_scan_takes_no_more_stages_than_its_shared_memory_holds():
     assert "num_stages=STAGES)" in lower(prog.for_shape(shape).kernels, shape)
     back = lower(prog.for_shape(shape).backward_program.kernels, shape)
     assert "T.Pipelined(T.ceildiv(seq_len, C), num_stages=2):  # the most its shared memory holds" in back
+
+
+def test_wide_head_dims_get_kernels_scheduled_for_their_tiles():
+    """K = V = 256: the program a class of such tiles runs is scheduled for them (Program.for_shape):
+    the prep on two warpgroups (its W and U fragments), the scan with the stages its shared memory
+    holds, the V-block at most 32 (the state's registers); classes up to 128 keep the usual kernels."""
+    from qla_compiler.kernels.forward import scan_class
+
+    prog = qla_compiler.compile_spec("gdn")
+    narrow = prog.for_shape(scan_class(2, 8, 100, 60, 1, "bfloat16", 132))
+    assert narrow.kernels is prog.kernels and prog.kernels.head_dims == (128, 128)
+    shape = scan_class(16, 64, 256, 256, 1, "bfloat16", 132)
+    wide = prog.for_shape(shape)
+    assert wide.head_dims == wide.kernels.head_dims == (256, 256) and shape.BV == 32
+    threads = {k.kind: k.threads for k in wide.kernels.kernels}
+    assert threads["prep"] == 256 and {k.kind: k.threads for k in prog.kernels.kernels}["prep"] == 128
+    scan = next(k for k in wide.kernels.kernels if k.loop)
+    assert scan.max_stages < next(k for k in prog.kernels.kernels if k.loop).max_stages
+    assert wide.training_program.head_dims == (256, 256)
+    assert prog.for_shape(shape) is wide  # derived once
+    src = lower(wide.kernels, shape)
+    assert "threads=256" in src and "K, V, BV, C = 16, 64, 256, 256, 32, 64" in src.replace("H, HV, ", "")
+
+
+def test_padded_scan_reads_its_masked_blocks_through_a_private_copy():
+    """A head dim narrower than its tile loads the op's blocks masked (cp.async, not TMA); in the
+    pipelined scan TileLang 0.1.15 hands such a block's stage back to the producer after the last
+    reader of the TMA load it is grouped with, before the block's own last reader (on the H200:
+    the forward scan's S0 15% off at K = 100). The generated CUDA must copy each such block into
+    the consumer's own buffer before the consumer's first release of a stage, and read only the
+    copy after it."""
+    prog = qla_compiler.compile_spec("gdn")
+    shape = ShapeClass(2, 4, 100, 60, BV=32, stages=4)
+    for program in (prog, prog.backward_program):
+        src = lower_to_cuda(program, shape)
+        name = next(n for n in src if n.endswith("_scan"))
+        cuda = src[name]
+        privates = sorted(set(re.findall(r"void\* (\w+)_c = ", cuda)) - {"g_cum"})
+        assert {"k_s"} <= set(privates), privates
+        consumer = cuda[cuda.index("} else {", cuda.index("tma_load(")):]  # the consumer warpgroups' branch
+        release = consumer.index(".arrive();")
+        for x in privates:
+            # the copy's stores: a statement that begins by writing the private buffer
+            copies = [m.start() for m in re.finditer(rf"^\s*\*\(uint4\*\)\(\(\(bfloat16_t\*\){x}_c\)", consumer, re.M)]
+            assert copies and max(copies) < release, (name, x)
+            assert not re.search(rf"\(bfloat16_t\*\){x}\)", consumer[release:]), (name, x)

@@ -63,6 +63,11 @@ def test_notebook_runs_top_to_bottom(kernel_env):
     assert "node 'Gamma_inv'" in text  # the verifier's refusal
     assert "D X D⁻¹ form                 finite: False" in text
     assert "chunk_program gdn" in rich and "T_r" in rich
+    # 4. each rewrite by what it changed, under its identity, drawn with what it touched outlined
+    assert "by: (I + StrictLower(X ⊙ R))⁻¹ = R ⊙ T_r" in rich and "+ T_r:C×C" in rich
+    assert "~ T:C×C      = mul T_r R    (was inv_unit_lower A)" in rich
+    assert "removed by the pass: sKKt_R, A" in rich and "added by the pass" in rich
+    assert "by: e^x = 2^(x·log₂e)" in rich and "no change" in text  # (fold_constant_gates, on GDN)
     assert "tensors crossing into the scan" in rich
     # 7. gradients: the backward program, drawn, and one gradient error per input, all tiny
     assert "chunk_program gdn_backward" in rich and "d_S_next" in rich

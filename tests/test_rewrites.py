@@ -487,10 +487,10 @@ def test_a_crash_scheduling_the_backward_names_the_pass(monkeypatch):
     crash there names the pass and the program."""
     real = pipeline.schedule
 
-    def schedule(part):
+    def schedule(part, **options):
         if part.chunk.reverse:
             raise IndexError("no such statement")
-        return real(part)
+        return real(part, **options)
 
     monkeypatch.setattr(pipeline, "schedule", schedule)
     prog = qla_compiler.compile_spec("gdn")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A GPU session's work as one job that outlives the device tool's 10-minute calls, polled by
+# short calls; what each step wrote is copied to $OUT on every poll, so a call that runs out of
+# device time still brings back everything finished before it.
+#
+#   start:  bash benchmarks/gpu_detached.sh start STEPS_FILE     (one shell command per line)
+#   poll:   bash benchmarks/gpu_detached.sh poll SECONDS         (waits at most SECONDS, then copies)
+#
+# Each step's output goes to /tmp/qla-job/NN.log; /tmp/qla-job/progress says which have ended.
+# Keep SECONDS well under the call's limit_s (the device time left can make it shorter than 600).
+set -u
+J=/tmp/qla-job
+case "${1:-}" in
+  start)
+    mkdir -p $J && cp "$2" $J/steps
+    ENTER="${ENTER:-.gpu/enter.sh}" setsid bash -c '
+      source ${ENTER:-.gpu/enter.sh}
+      n=0
+      while IFS= read -r step; do
+        n=$((n + 1)); [ -z "$step" ] && continue
+        echo "$(date +%T) start $n: $step" >> '$J'/progress
+        bash -c "$step" > '$J'/$(printf %02d $n).log 2>&1; rc=$?
+        echo "$(date +%T) end $n rc=$rc" >> '$J'/progress
+      done < '$J'/steps
+      touch '$J'/done' > $J/runner.log 2>&1 &
+    echo "started $(wc -l < "$2") steps" ;;
+  poll)
+    end=$(( $(date +%s) + ${2:-300} ))
+    while [ ! -f $J/done ] && [ "$(date +%s)" -lt $end ]; do
+      tar -C $J -czf "$OUT/job.tgz" . 2>/dev/null
+      sleep 15
+    done
+    tar -C $J -czf "$OUT/job.tgz" . 2>/dev/null
+    cat $J/progress 2>/dev/null
+    for f in $J/[0-9]*.log; do echo "== $f"; tail -n 15 "$f"; done ;;
+  *) echo "usage: $0 start STEPS_FILE | poll SECONDS" >&2; exit 2 ;;
+esac

@@ -1,0 +1,16 @@
+"""What the schedule and the lowering need to know of kernels/tri_inverse.py's macro, without
+TileLang: its input's dtype and the scratch buffers to allocate for it. tri_inverse.py imports
+TileLang to define the macro; the passes import only this (so does `qla-compile --emit chunk`).
+
+    >>> list(SCRATCH), INPUT_DTYPE
+    (['D_s', 'Lt_s', 'Rt_s', 'P_f'], 'float32')
+"""
+
+BLOCK = 16  # the diagonal blocks solved by substitution
+# name suffix -> (scope, dtype, shape) of the scratch buffers, in the order the macro takes them
+SCRATCH = {"D_s": ("shared", "float32", ("C", str(BLOCK))), "Lt_s": ("shared", "tfloat32", ("C", "C")),
+           "Rt_s": ("shared", "tfloat32", ("C", "C")), "P_f": ("fragment", "float32", ("C", "C"))}
+INPUT_DTYPE = "float32"  # the substitution runs on A_s in place, in float32
+
+
+CHUNK_SIZES = (16, 32, 64)  # the chunks the macro is written for
