@@ -38,7 +38,7 @@ buffers are the wgmmas' operands, the right-hand one transposed (tf32 wgmma read
 import tilelang.language as T
 
 # the constants live where the passes can read them without importing TileLang
-from .tri_inverse_scratch import BLOCK, CHUNK_SIZES, INPUT_DTYPE, SCRATCH  # noqa: F401
+from .tri_inverse_scratch import BLOCK, INPUT_DTYPE, SCRATCH  # noqa: F401
 
 
 @T.macro

@@ -11,6 +11,3 @@ BLOCK = 16  # the diagonal blocks solved by substitution
 SCRATCH = {"D_s": ("shared", "float32", ("C", str(BLOCK))), "Lt_s": ("shared", "tfloat32", ("C", "C")),
            "Rt_s": ("shared", "tfloat32", ("C", "C")), "P_f": ("fragment", "float32", ("C", "C"))}
 INPUT_DTYPE = "float32"  # the substitution runs on A_s in place, in float32
-
-
-CHUNK_SIZES = (16, 32, 64)  # the chunks the macro is written for

@@ -46,7 +46,7 @@ def blocked_inverse(A, trace=None):
             trace += [L @ diag, P]
         A = torch.where(coupled, -P, A)
     same = (r // BLOCK == c // BLOCK)
-    return torch.where(same, D[r, c % BLOCK], torch.where(c < r, A, 0.0)) + 0.0 * A
+    return torch.where(same, D[r, c % BLOCK], torch.where(c < r, A, 0.0))
 
 
 def neumann_inverse(A):
