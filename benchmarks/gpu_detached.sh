@@ -6,13 +6,17 @@
 #   start:  bash benchmarks/gpu_detached.sh start STEPS_FILE     (one shell command per line)
 #   poll:   bash benchmarks/gpu_detached.sh poll SECONDS         (waits at most SECONDS, then copies)
 #
-# Each step's output goes to /tmp/qla-job/NN.log; /tmp/qla-job/progress says which have ended.
+# The steps run in /tmp/qla-job/src, a copy of the tree made by start. Each step's output goes to /tmp/qla-job/NN.log; /tmp/qla-job/progress says which have ended.
 # Keep SECONDS well under the call's limit_s (the device time left can make it shorter than 600).
 set -u
 J=/tmp/qla-job
 case "${1:-}" in
   start)
-    mkdir -p $J && cp "$2" $J/steps
+    # the steps run in a copy of the tree as it is now: every later call (a poll) brings the
+    # tree as it is then, and a step starting after an edit would run the edited code
+    mkdir -p $J/src && cp "$2" $J/steps
+    tar --exclude=./.git -cf - . | tar -C $J/src -xf -
+    cd $J/src
     ENTER="${ENTER:-.gpu/enter.sh}" setsid bash -c '
       source ${ENTER:-.gpu/enter.sh}
       n=0
@@ -27,10 +31,10 @@ case "${1:-}" in
   poll)
     end=$(( $(date +%s) + ${2:-300} ))
     while [ ! -f $J/done ] && [ "$(date +%s)" -lt $end ]; do
-      tar -C $J -czf "$OUT/job.tgz" . 2>/dev/null
+      tar -C $J --exclude=./src -czf "$OUT/job.tgz" . 2>/dev/null
       sleep 15
     done
-    tar -C $J -czf "$OUT/job.tgz" . 2>/dev/null
+    tar -C $J --exclude=./src -czf "$OUT/job.tgz" . 2>/dev/null
     cat $J/progress 2>/dev/null
     for f in $J/[0-9]*.log; do echo "== $f"; tail -n 15 "$f"; done ;;
   *) echo "usage: $0 start STEPS_FILE | poll SECONDS" >&2; exit 2 ;;
