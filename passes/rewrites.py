@@ -9,6 +9,8 @@
     cse                  merge identical nodes
     decay_value_side     (diag(d)K)ᵀ X = Kᵀ (diag(d) X): the scans scale C×BV, not C×K (it shapes
                          kernels: the backward is the VJP of the program before it, then shaped too)
+    scale_after_product  (diag(d)X)Y = diag(d)(XY): a scaling acts on the fp32 product, not on a
+                         rounded operand (shapes kernels; only the backward has such products)
     verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
 """
 from .rewrite import Rewrite
@@ -18,10 +20,12 @@ from .rewrite_decay_side import DECAY_VALUE_SIDE
 from .rewrite_exp2 import EXP2
 from .rewrite_factor_scalar import FACTOR_SCALAR
 from .rewrite_gate_inverse import GATE_OUT_OF_INVERSE
+from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT
 from .rewrite_wy import FOLD_WY
 from .verify_exponents import verify_exponents
 
-REWRITES: list[Rewrite] = [FOLD_CONSTANT_GATES, GATE_OUT_OF_INVERSE, FOLD_WY, FACTOR_SCALAR, EXP2, CSE, DECAY_VALUE_SIDE]
+REWRITES: list[Rewrite] = [FOLD_CONSTANT_GATES, GATE_OUT_OF_INVERSE, FOLD_WY, FACTOR_SCALAR, EXP2, CSE, DECAY_VALUE_SIDE,
+                         SCALE_AFTER_PRODUCT]
 
 
 class _Verify:

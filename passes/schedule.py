@@ -222,6 +222,17 @@ class _Builder:
         """`node` is computed inside `target`'s expression (not placed, and `target` reads it)."""
         return node in nx.ancestors(self.ir.graph, target) and node not in self.place
 
+    def overwrite_fragment(self, name: str) -> bool:
+        """Compute the element-wise `name` over the one fragment it reads, if that may be
+        overwritten (single_fragment); registers decide how many warps a parallel kernel needs."""
+        frag = self.single_fragment(name)
+        if frag is None:
+            return False
+        self.body.append(Stmt("ewise", self.place[frag], (),
+                              (("expr", self.ex(name, ("i", "j"))), ("index", ("i", "j")))))
+        self.place[name] = self.place[frag]
+        return True
+
     def single_fragment(self, name: str):
         """The one fragment an element-wise node reads, if it may be overwritten in place."""
         frags = set()
@@ -350,13 +361,8 @@ def _build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
                 b.place[m] = b.buf(m, mm.shape, "float32", "fragment")
                 b.body.append(Stmt("gemm", b.place[m], (A, B), tuple(sorted(mm.attrs))))
         elif name in in_place and n.shape != ():
-            frag = b.single_fragment(name)
-            if frag is None:  # several fragments feed it: a fresh one to accumulate onto
+            if not b.overwrite_fragment(name):  # several fragments feed it: a fresh one to accumulate onto
                 b.place[name] = b.fragment(name)
-                continue
-            b.body.append(Stmt("ewise", b.place[frag], (),
-                               (("expr", b.ex(name, ("i", "j"))), ("index", ("i", "j")))))
-            b.place[name] = b.place[frag]
         elif op in ("rowsum", "colsum", "sum_all"):
             src = b.fragment(n.args[0])
             shape = ir.node(n.args[0]).shape
@@ -522,7 +528,9 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
         if x in b.io_copy:  # already rounded to io in shared memory for a wgmma: the store reads that
             # (instead of keeping the float32 value, or what it is computed from, live to the end)
             b.place[x] = b.io_copy[x]
-        elif x not in b.place:  # an element-wise combination: computed into registers for the store
+        elif x not in b.place and not (ir.node(x).shape != ("C",) and b.overwrite_fragment(x)):
+            # an element-wise combination: computed into registers for the store, over the one
+            # fragment it reads where it can be (a product's scaling: scale_after_product)
             b.place[x] = b.fragment(x)
     early = _store_early(b, part.crossing)
     free = _free_at_end(b, part.crossing)

@@ -172,6 +172,16 @@ def test_gdn_forward_at_head_dims_256_compiles_without_spills(tmp_path):
     assert len(spills) == 3 and all(s == ("0", "0") for s in spills), spills
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_gdn_backward_compiles_for_sm90a_without_spills(tmp_path):
+    """The backward's kernels at K = V = 128 (the out kernel on two warpgroups: d q's product now
+    keeps its float32 fragment until Γ·scale is applied, scale_after_product)."""
+    program = qla_compiler.compile_spec("gdn").backward_program
+    shape = ShapeClass(H=2, HV=8, K=128, V=128, BV=32)
+    spills = _ptxas_spills("\n".join(lower_to_cuda(program, shape).values()), tmp_path)
+    assert len(spills) >= 3 and all(s == ("0", "0") for s in spills), spills
+
+
 def test_shape_option_is_checked():
     with pytest.raises(ValueError, match="HV=3 is not a multiple of H=2"):
         parse_shape("H=2,HV=3,K=128,V=128")

@@ -67,7 +67,7 @@ PROVED = [r for r in REWRITES if r.proof is not None]
 def test_the_rewrites_with_proofs_are_the_algebraic_ones():
     names = {r.name for r in PROVED}
     assert {"fold_constant_gates", "gate_out_of_inverse", "fold_wy", "factor_scalar", "exp2",
-            "decay_value_side"} <= names
+            "decay_value_side", "scale_after_product"} <= names
     names = pass_names()
     assert names[:3] == ["frontend", "classify", "chunk"]
     assert names[3:3 + len(CHUNK_PASSES)] == [p.name for p in CHUNK_PASSES]
@@ -411,6 +411,26 @@ def test_decay_value_side_shapes_both_scans_and_the_backward_differentiates_befo
     # a spec with a scalar gate takes it too
     gla = qla_compiler.compile_spec("simple_gla").chunk
     assert "v_decayed" in gla.graph and "k_decayed" not in gla.graph
+
+
+def test_scale_after_product_scales_the_float32_product_off_the_state_chain():
+    """The backward's d q = d_QKt·k + diag(Γ)·(scale·dO)·S0ᵀ: the product of dO as loaded, then
+    Γ·scale on its float32 result (FLA's order; rounding Γ ⊙ scale·dO to bf16 first put d q at
+    1.13–1.16× FLA's error). Products summed into the state (qᵀ·(Γ ⊙ scale·dO) onto d S0) and the
+    scan's keep their form; the forward has no such product."""
+    prog = qla_compiler.compile_spec("gdn")
+    back = prog.backward
+    d_q = back.node("d_q.QS")
+    assert d_q.op == "scale_rows" and d_q.args[0] == "Gamma"
+    scaled = back.node(d_q.args[1])
+    assert scaled.op == "mul" and scaled.args[1] == "scale"
+    product = back.node(scaled.args[0])
+    assert product.op == "matmul" and product.args == ("d_o", "S0") and product.attr.get("tb")
+    into_state = back.node("d_S0.QS")  # qᵀ·(Γ ⊙ scale·dO), accumulated on the state's registers
+    assert into_state.op == "matmul" and back.node(into_state.args[1]).op == "scale_rows"
+    assert str(prog.stage("scale_after_product")) == str(prog.stage("decay_value_side"))  # forward unchanged
+    # a scaling of an operand computed in float32 stays: it is rounded for the tensor cores anyway
+    assert back.node("d_k.KKt").op == "matmul"
 
 
 def test_take_place_keeps_the_programs_order():
