@@ -1,0 +1,286 @@
+"""The KernelIR interpreter: runs a kernel's statements, as the lowering renders them, in float64.
+
+Each statement has one meaning here and one template in passes/lower_tilelang.py. The interpreter
+runs the statements themselves, so a wrong index, mask, zero-padding or order in the schedule
+changes its result the way it would change the GPU's. Re-evaluating the chunk program would hide
+such a mistake (qla_compiler/emulate.py runs every kernel through here).
+
+Every point of the grid runs at once: a buffer is a tensor [points, *its shape]. A parallel kernel's
+points are (chunk slot, value head). A scan's points are (V-block, value head, sequence), and they
+walk their sequences' chunks together; a point whose sequence has no chunk left keeps its buffers
+and stores nothing. Blocks in the io dtype are held exactly: the rounding this models is that of
+the global tensors, which keep their dtypes.
+
+    >>> run_kernel(kernel, tensors, Sizes(K=128, V=128, BV=32, HV=8, G=4), scale=0.088)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kernel import Kernel, Stmt
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the kernels are specialised for: the head dims' tiles (K, V), the V-block, the value
+    heads (HV) and those per query/key head (G), the chunk; `head_logs`: the head constants
+    (name -> [HV])."""
+    K: int
+    V: int
+    BV: int
+    HV: int
+    G: int
+    C: int = 64
+    head_logs: dict = field(default_factory=dict)
+
+    def of(self, dim: str) -> int:
+        return {"C": self.C, "K": self.K, "V": self.V, "BV": self.BV, "1": 1}[dim]
+
+
+class InterpretError(RuntimeError):
+    """A statement the interpreter cannot run as written (names the kernel and the statement)."""
+
+
+class _Point:
+    """The per-point scalars of the lowering (t0, n_valid, i_hv, ...), each a long tensor [points]."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+class _Run:
+    def __init__(self, kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, at: _Point, n: int):
+        self.k, self.g, self.sz, self.scale, self.at, self.n = kernel, tensors, sizes, scale, at, n
+        self.dev = next(iter(tensors.values())).device
+        self.params = {p.name: p for p in kernel.params}
+        self.buf = {b.name: torch.zeros(n, *[sizes.of(d) for d in b.shape], dtype=F64, device=self.dev)
+                    for b in kernel.buffers}
+        self.scan = kernel.loop is not None
+
+    # ---- global memory ---------------------------------------------------------------------------
+    def _head(self, name):
+        return self.at.i_h if self.params[name].shape[2] == "H" else self.at.i_hv
+
+    def _columns(self, name):
+        """The block's columns of a per-token tensor [1, T, heads, D] at every point, [points, width]."""
+        p = self.params[name]
+        if p.shape[3] == "V" and self.scan:
+            return self.at.v0[:, None] + torch.arange(self.sz.BV, device=self.dev)
+        return torch.arange(self.sz.of(p.shape[3]), device=self.dev).expand(self.n, -1)
+
+    def _rows(self):
+        return self.at.t0[:, None] + torch.arange(self.sz.C, device=self.dev)  # [points, C]
+
+    def read_block(self, name):
+        """The chunk's rows of a per-token tensor; rows past the tensor and columns past its head dim
+        read zeros (TMA fills them; a masked load writes them)."""
+        x = self.g[name][0].to(F64)
+        rows, cols = self._rows(), self._columns(name)
+        ok = (rows < x.shape[0])[:, :, None] & (cols < x.shape[2])[:, None, :]
+        r = rows.clamp(max=x.shape[0] - 1)[:, :, None]
+        c = cols.clamp(max=x.shape[2] - 1)[:, None, :]
+        return torch.where(ok, x[r, self._head(name)[:, None, None], c], 0.0)
+
+    def write_block(self, name, value):
+        x = self.g[name]
+        rows, cols = self._rows(), self._columns(name)
+        ok = self._valid_rows()[:, :, None] & (cols < x.shape[3])[:, None, :] & self.at.active[:, None, None]
+        r, c = rows[:, :, None].expand_as(ok), cols[:, None, :].expand_as(ok)
+        h = self._head(name)[:, None, None].expand_as(ok)
+        x[0, r[ok], h[ok], c[ok]] = value[ok].to(x.dtype)
+
+    def _valid_rows(self):
+        return torch.arange(self.sz.C, device=self.dev)[None, :] < self.at.n_valid[:, None]
+
+    def _state_slice(self, x, first, points_cols):
+        """x[first, i_hv, 0:K, cols] at every point, zeros past x's own K and V."""
+        K = self.sz.K
+        rows = torch.arange(K, device=self.dev)
+        ok = (rows < x.shape[2])[None, :, None] & (points_cols < x.shape[3])[:, None, :]
+        v = x.to(F64)[first[:, None, None], self.at.i_hv[:, None, None], rows.clamp(max=x.shape[2] - 1)[None, :, None],
+                      points_cols.clamp(max=x.shape[3] - 1)[:, None, :]]
+        return torch.where(ok, v, 0.0)
+
+    def _state_cols(self, width):
+        base = self.at.v0 if self.scan else torch.zeros_like(self.at.i_hv)
+        return base[:, None] + torch.arange(width, device=self.dev)
+
+    def _write_state(self, x, first, value):
+        K, width = value.shape[1], value.shape[2]
+        rows = torch.arange(K, device=self.dev)[None, :, None].expand(self.n, K, width)
+        cols = self._state_cols(width)[:, None, :].expand(self.n, K, width)
+        ok = (rows < x.shape[2]) & (cols < x.shape[3]) & self.at.active[:, None, None]
+        f = first[:, None, None].expand_as(ok)
+        h = self.at.i_hv[:, None, None].expand_as(ok)
+        x[f[ok], h[ok], rows[ok], cols[ok]] = value[ok].to(x.dtype)
+
+    # ---- expressions -------------------------------------------------------------------------------
+    def _index(self, e, loop):
+        if e in loop:
+            return loop[e]
+        if e == "n_valid - 1":
+            return (self.at.n_valid - 1).clamp(min=0).view(-1, *[1] * len(loop))
+        if e.isdigit():
+            return torch.tensor(int(e), device=self.dev)
+        raise InterpretError(f"{self.k.name}: no meaning for the index {e!r}")
+
+    def expr(self, e, loop):
+        tag = e[0]
+        point = torch.arange(self.n, device=self.dev).view(-1, *[1] * len(loop))
+        if tag == "buf":
+            b = self.buf[e[1]]
+            if len(e) == 2:
+                return b.view(self.n, *[1] * len(loop)) if b.dim() == 1 else b
+            return b[(point, *[self._index(i, loop) for i in e[2:]])]
+        if tag == "lit":
+            return torch.tensor(float(e[1]), dtype=F64, device=self.dev)
+        if tag == "param":
+            if e[1] != "scale":
+                raise InterpretError(f"{self.k.name}: no value for the parameter {e[1]!r}")
+            return torch.tensor(self.scale, dtype=F64, device=self.dev)
+        if tag == "head":
+            logs = torch.as_tensor(self.sz.head_logs[e[1]], dtype=F64, device=self.dev)
+            return logs[self.at.i_hv].view(-1, *[1] * len(loop))
+        sub = [self.expr(x, loop) for x in e[1:] if isinstance(x, tuple)]
+        if tag in ("add", "sub", "mul", "max"):
+            a, b = sub
+            return {"add": a + b, "sub": a - b, "mul": a * b, "max": torch.maximum(a, b)}[tag]
+        if tag == "above":
+            return (sub[0] > sub[1]).to(F64)
+        if tag in ("neg", "exp", "exp2"):
+            return {"neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2}[tag](sub[0])
+        if tag in ("select_lower", "select_strict"):
+            i, j = self._index(e[1], loop), self._index(e[2], loop)
+            return torch.where(j <= i if tag == "select_lower" else j < i, *sub)
+        n_valid = self.at.n_valid.view(-1, *[1] * len(loop))
+        if tag == "select_valid":
+            return torch.where(self._index(e[1], loop) < n_valid, *sub)
+        if tag == "select_last":
+            return torch.where(self._index(e[1], loop) == n_valid - 1, *sub)
+        if tag == "min_pos":
+            return torch.minimum(self._index(e[1], loop) + 1, n_valid).to(F64)
+        raise InterpretError(f"{self.k.name}: no meaning for the expression {tag!r}")
+
+    def _loop(self, dst, index):
+        shape = self.buf[dst].shape[1:]
+        return {name: torch.arange(size, device=self.dev).view(1, *[size if d == k else 1 for d in range(len(shape))])
+                for k, (name, size) in enumerate(zip(index, shape))}
+
+    # ---- statements ----------------------------------------------------------------------------------
+    def stmt(self, s: Stmt):
+        a, b = s.attr, self.buf
+        if s.op == "load":
+            block = self.read_block(s.srcs[0])
+            if a.get("rows"):  # a synchronous load masked to the chunk's rows
+                block = torch.where(self._valid_rows()[:, :, None], block, 0.0)
+            b[s.dst] = block
+        elif s.op == "load_vec":
+            x = self.g[s.srcs[0]][0].to(F64)
+            rows = self._rows().clamp(max=x.shape[0] - 1)
+            v = x[rows, self.at.i_hv[:, None]]
+            if a.get("pad") == "hold":
+                last = (self.at.t0 + (self.at.n_valid - 1).clamp(min=0)).clamp(max=x.shape[0] - 1)
+                pad = x[last, self.at.i_hv][:, None]
+            else:
+                pad = torch.zeros((), dtype=F64, device=self.dev)
+            b[s.dst] = torch.where(self._valid_rows(), v, pad)
+        elif s.op == "load_chunk_state":
+            b[s.dst] = self._state_slice(self.g[s.srcs[0]], self.at.i_slot, self._state_cols(b[s.dst].shape[2]))
+        elif s.op == "load_state":
+            b[s.dst] = self._state_slice(self.g[s.srcs[0]], self.at.i_n, self._state_cols(b[s.dst].shape[2]))
+        elif s.op == "wait_load":
+            pass  # the statements run in order: a block has landed by its next statement
+        elif s.op == "zero_pad":
+            b[s.dst] = torch.where(self._valid_rows().view(self.n, -1, *[1] * (b[s.dst].dim() - 2)), b[s.dst], 0.0)
+        elif s.op == "copy":
+            b[s.dst] = b[s.srcs[0]].clone()
+        elif s.op == "gemm":
+            x, y = b[s.srcs[0]], b[s.srcs[1]]
+            prod = (x.mT if a.get("ta") else x) @ (y.mT if a.get("tb") else y)
+            b[s.dst] = b[s.dst] + prod if a.get("accumulate") else prod
+        elif s.op == "ewise":
+            value = self.expr(a["expr"], self._loop(s.dst, a["index"]))
+            b[s.dst] = value.expand_as(b[s.dst]).clone()
+        elif s.op == "cumsum":
+            x = b[s.srcs[0]]
+            b[s.dst] = x.flip(-1).cumsum(-1).flip(-1) if a.get("reverse") else x.cumsum(-1)
+        elif s.op == "reduce":
+            src, *accs = s.srcs
+            prev = b[src]
+            for acc, dim in zip(accs, a["dims"]):
+                prev = prev.sum(dim + 1) if prev.dim() > 1 else prev
+                b[acc] = prev.reshape(b[acc].shape)
+            b[s.dst] = prev.reshape(b[s.dst].shape)
+        elif s.op == "inverse":
+            x = b[s.srcs[0]]
+            eye = torch.eye(x.shape[-1], dtype=F64, device=self.dev).expand_as(x)
+            b[s.dst] = torch.linalg.solve_triangular(eye + torch.tril(x, -1), eye, upper=False, unitriangular=True)
+        elif s.op == "store":
+            self.write_block(s.dst, b[s.srcs[0]])
+        elif s.op == "store_vec":
+            x = self.g[s.dst]
+            ok = self._valid_rows() & self.at.active[:, None]
+            rows, h = self._rows().expand_as(ok), self.at.i_hv[:, None].expand_as(ok)
+            x[0, rows[ok], h[ok]] = b[s.srcs[0]][ok].to(x.dtype)
+        elif s.op == "store_chunk_state":
+            self._write_state(self.g[s.dst], self.at.i_slot, b[s.srcs[0]])
+        elif s.op == "store_state":
+            self._write_state(self.g[s.dst], self.at.i_n, b[s.srcs[0]])
+        else:
+            raise InterpretError(f"{self.k.name}: no meaning for the statement {s.op!r}")
+
+    def block(self, stmts):
+        for s in stmts:
+            try:
+                self.stmt(s)
+            except InterpretError:
+                raise
+            except Exception as err:  # name the statement: the message alone rarely says which
+                raise InterpretError(f"{self.k.name}: `{s}` failed: {type(err).__name__}: {err}") from err
+
+
+def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:
+    """Run `kernel` on `tensors` (its parameters by name, torch tensors as the runtime passes them);
+    writes its outputs in place."""
+    dev = next(iter(tensors.values())).device
+    if kernel.loop is None:
+        cmap = tensors["chunk_map"].long()
+        CH, HV = cmap.shape[0], sizes.HV
+        slot = torch.arange(CH, device=dev).repeat_interleave(HV)
+        i_hv = torch.arange(HV, device=dev).repeat(CH)
+        at = _Point(t0=cmap[slot, 0], n_valid=cmap[slot, 1], i_hv=i_hv, i_h=i_hv // sizes.G, i_slot=slot,
+                    active=torch.ones(CH * HV, dtype=torch.bool, device=dev))
+        run = _Run(kernel, tensors, sizes, scale, at, CH * HV)
+        run.block(kernel.prologue + kernel.body + kernel.epilogue)
+        return
+    cu = tensors["cu_seqlens"].long()
+    N, HV = cu.numel() - 1, sizes.HV
+    nV = sizes.V // sizes.BV
+    grid = torch.cartesian_prod(torch.arange(nV), torch.arange(HV), torch.arange(N)).to(dev)
+    i_v, i_hv, i_n = grid.unbind(1)
+    bos, seq_len = cu[i_n], cu[i_n + 1] - cu[i_n]
+    chunks = (seq_len + sizes.C - 1) // sizes.C
+    offsets = tensors["chunk_offsets"].long()[i_n] if "chunk_offsets" in tensors else torch.zeros_like(i_n)
+    at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, n_valid=torch.zeros_like(i_n),
+                i_slot=offsets, active=torch.ones_like(i_n, dtype=torch.bool))
+    run = _Run(kernel, tensors, sizes, scale, at, len(grid))
+    run.block(kernel.prologue)
+    for step in range(int(chunks.max()) if len(grid) else 0):
+        active = step < chunks
+        i_c = (chunks - 1 - step if kernel.reverse else torch.full_like(chunks, step)).clamp(min=0)
+        at.active, at.t0 = active, bos + i_c * sizes.C
+        at.n_valid = torch.where(active, (seq_len - i_c * sizes.C).clamp(max=sizes.C), 0)
+        at.i_slot = offsets + i_c
+        kept = {name: x.clone() for name, x in run.buf.items()}
+        run.block(kernel.body)
+        for name, x in run.buf.items():  # a point past its sequence's chunks keeps what it held
+            run.buf[name] = torch.where(active.view(-1, *[1] * (x.dim() - 1)), x, kept[name])
+    at.active = torch.ones_like(i_n, dtype=torch.bool)
+    run.block(kernel.epilogue)
+
+
+__all__ = ["InterpretError", "Sizes", "run_kernel"]

@@ -1,0 +1,147 @@
+"""The KernelIR interpreter (ir/kernel_interp.py) runs the schedule's statements, so a mistake in
+them changes the CPU result: each test here breaks one statement of the compiled kernels the way a
+schedule bug would, and the emulated forward (kernels/forward.py with every kernel interpreted)
+must then miss the float64 reference, while the kernels as compiled meet it.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from qla_compiler.emulate import KernelEmulator
+from qla_compiler.ir.kernel import KernelIR, Stmt
+from qla_compiler.ir.kernel_interp import InterpretError
+from qla_compiler.kernels import forward as fwd
+from qla_compiler.testing import random_inputs, rel_err
+
+TOL = 2e-2  # o and the tensors between kernels are bf16 (rounding ~4e-3); a broken statement is O(1)
+
+
+def _forward(op, monkeypatch, mutate=None):
+    """o, the final state and their references, the kernels passed through `mutate` (a function of
+    a Kernel returning it changed, or None to keep it)."""
+    args = random_inputs(op, T=300, H=2, HV=4, K=64, V=64, cu_seqlens=[0, 1, 200, 300], initial_state=True,
+                         dtype=torch.bfloat16)
+    inputs, dims, scale = op._prepare((), {k: v for k, v in args.items() if k in op.input_names}, None,
+                                      args["initial_state"], args["cu_seqlens"], False)
+    emu = KernelEmulator(op, args["cu_seqlens"].to(torch.int32), scale)
+
+    def load(program, shape):
+        if mutate is not None:
+            kir = program.kernels
+            program = dataclasses.replace(program, kernels=KernelIR(
+                kir.name, kir.chunk_size, [mutate(k) or k for k in kir.kernels], kir.host, kir.consts, kir.head_dims))
+        return emu(program, shape)
+
+    monkeypatch.setattr(fwd, "load_kernels", load)
+    monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)
+    o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
+                           op._head_logs(dims.HV), None)
+    o_ref, s_ref = op.reference(**args)
+    return rel_err(o, o_ref), rel_err(final, s_ref)
+
+
+def _replace(stmts, find, change):
+    """The statements with the first one `find` accepts replaced by change(it); also whether one was."""
+    out, done = [], False
+    for s in stmts:
+        if not done and find(s):
+            s, done = change(s), True
+        out.append(s)
+    return out, done
+
+
+def _walk(e, f):
+    """An expression tree with every subtree passed through f (bottom up)."""
+    if isinstance(e, tuple) and e and isinstance(e[0], str) and e[0] != "buf":
+        e = (e[0], *[_walk(x, f) if isinstance(x, tuple) else x for x in e[1:]])
+    return f(e)
+
+
+def _mutate_body(kernel_kind, find, change):
+    def mutate(k):
+        if k.kind != kernel_kind:
+            return None
+        body, done = _replace(k.body, find, change)
+        assert done, f"{k.name}: no statement to break"
+        return dataclasses.replace(k, body=body)
+    return mutate
+
+
+def _ewise_with(tag):
+    return lambda s: s.op == "ewise" and tag in repr(s.attr["expr"])
+
+
+def _set_expr(s, f):
+    return Stmt(s.op, s.dst, s.srcs, tuple((k, _walk(v, f) if k == "expr" else v) for k, v in s.attrs))
+
+
+def test_the_compiled_kernels_meet_the_reference(ops, monkeypatch):
+    for spec in ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn"):
+        err_o, err_s = _forward(ops[spec], monkeypatch)
+        assert err_o <= TOL and err_s <= TOL, (spec, err_o, err_s)
+
+
+def test_a_causal_mask_off_by_the_diagonal_fails(ops, monkeypatch):
+    """`<` for `≤` in the forward's gate mask P = QKᵀ ⊙ [j ≤ i] e^{γ_i − γ_j}: the token's own key."""
+    swap = _mutate_body("prep", _ewise_with("select_lower"),
+                        lambda s: _set_expr(s, lambda e: ("select_strict", *e[1:]) if e[0] == "select_lower" else e))
+    err_o, _ = _forward(ops["gdn"], monkeypatch, swap)
+    assert err_o > 3 * TOL
+
+
+def test_a_diagonal_scaling_read_along_the_wrong_index_fails(ops, monkeypatch):
+    """d[j] for d[i] in a row scaling: the scan's e^{γ_i} ⊙ (Q·S)-style per-row factor read per column."""
+    def wrong_index(e):
+        if e[0] == "buf" and len(e) == 3 and e[2] == "i":
+            return ("buf", e[1], "j")
+        return e
+
+    def find(s):
+        return s.op == "ewise" and s.attr["index"] == ("i", "j") and "'i')" in repr(s.attr["expr"]) \
+            and any(x[0] == "buf" and len(x) == 3 for x in _leaves(s.attr["expr"]))
+
+    err_o, err_s = _forward(ops["gdn"], monkeypatch, _mutate_body("scan", find, lambda s: _set_expr(s, wrong_index)))
+    assert max(err_o, err_s) > 3 * TOL
+
+
+def _leaves(e):
+    if isinstance(e, tuple) and e and e[0] == "buf":
+        return [e]
+    return [x for sub in (e[1:] if isinstance(e, tuple) else ()) if isinstance(sub, tuple) for x in _leaves(sub)]
+
+
+def test_a_missing_zero_pad_fails(ops, monkeypatch):
+    """The rows past a sequence's end hold the next sequence's tokens: the forward scan's zero_pad of
+    them matters (sequences of 1, 199 and 100 tokens: every last chunk is partial)."""
+    def drop(k):
+        if k.kind != "scan":
+            return None
+        return dataclasses.replace(k, body=[s for s in k.body if s.op != "zero_pad"])
+    err_o, err_s = _forward(ops["gdn"], monkeypatch, drop)
+    assert max(err_o, err_s) > 3 * TOL
+
+
+def test_a_statement_moved_before_what_it_reads_fails(ops, monkeypatch):
+    """The state update moved before the product that reads the state entering the chunk."""
+    def move(k):
+        if k.kind != "scan":
+            return None
+        body = list(k.body)
+        update = next(i for i, s in enumerate(body) if s.op == "gemm" and s.dst == "state")
+        reader = next(i for i, s in enumerate(body) if s.op == "gemm" and "state_s" in s.srcs or
+                      (s.op == "copy" and s.dst == "state_s"))
+        assert reader < update
+        body.insert(reader, body.pop(update))
+        return dataclasses.replace(k, body=body)
+    err_o, err_s = _forward(ops["gdn"], monkeypatch, move)
+    assert max(err_o, err_s) > 3 * TOL
+
+
+def test_an_unknown_statement_is_named(ops, monkeypatch):
+    def bad(k):
+        if k.kind != "out":
+            return None
+        return dataclasses.replace(k, body=[Stmt("shuffle", k.body[0].dst)] + list(k.body))
+    with pytest.raises(InterpretError, match="gdn_out: no meaning for the statement 'shuffle'"):
+        _forward(ops["gdn"], monkeypatch, bad)
