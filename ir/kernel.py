@@ -98,8 +98,10 @@ class Buffer:
 @dataclass(frozen=True)
 class Stmt:
     """op: load | load_vec | load_chunk_state | wait_load | zero_pad | copy | gemm | ewise | cumsum |
-    reduce | inverse | store | store_vec | store_chunk_state | store_state | load_state. A load with
-    attribute async only starts the copy; wait_load (same dst) waits for it."""
+    reduce | inverse | store | store_vec | store_chunk_state | store_state | load_state, and in a
+    token step load_token | store_token (one token's row, or its scalar). A load with attribute
+    async only starts the copy; wait_load (same dst) waits for it. A state load or store with
+    attribute slot takes the state's slot in its pool from that tensor (the token step)."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -136,7 +138,7 @@ class Kernel:
     max_stages: int = 0  # a scan: the most buffers per load its shared memory holds (0: no loop)
     roles: tuple = ()  # warpgroup roles, as lowered
     doc: str = ""
-    kind: str = ""  # "prep" | "scan" | "out": its place in the partition
+    kind: str = ""  # "prep" | "scan" | "out": its place in the partition; "token_step": a decode kernel
     nodes: tuple = ()  # the ChunkIR nodes it evaluates (loaded ones included)
     outputs: tuple = ()  # for an out kernel: the chunk program's output roles it writes
 
@@ -154,7 +156,10 @@ class Kernel:
         for r in self.roles:
             lines.append(f"  role     {r}")
         lines += [f"  {s}" for s in self.prologue]
-        if self.loop:
+        if self.loop and self.kind == "token_step":
+            lines.append(f"  for token in {self.loop}:")
+            lines += [f"    {s}" for s in self.body]
+        elif self.loop:
             lines.append(f"  for chunk in {self.loop} (pipelined: STAGES buffers per load, from the shape class, "
                          f"at most {self.max_stages}):")
             lines += [f"    {s}" for s in self.body]

@@ -188,6 +188,23 @@ class _Run:
             else:
                 pad = torch.zeros((), dtype=F64, device=self.dev)
             b[s.dst] = torch.where(self._valid_rows(), v, pad)
+        elif s.op == "load_token":
+            x = self.g[s.srcs[0]][0].to(F64)
+            row = self.at.t0.clamp(max=x.shape[0] - 1)
+            if x.dim() == 2:  # a scalar of the token
+                b[s.dst] = x[row, self.at.i_hv][:, None]
+            else:
+                cols = self._columns(s.srcs[0])
+                ok = cols < x.shape[2]
+                b[s.dst] = torch.where(ok, x[row[:, None], self._head(s.srcs[0])[:, None], cols.clamp(max=x.shape[2] - 1)], 0.0)
+        elif s.op == "store_token":
+            x = self.g[s.dst]
+            cols = self._columns(s.dst)
+            ok = (cols < x.shape[3]) & self.at.active[:, None]
+            rows, h = self.at.t0[:, None].expand_as(ok), self.at.i_hv[:, None].expand_as(ok)
+            x[0, rows[ok], h[ok], cols[ok]] = b[s.srcs[0]][ok].to(x.dtype)
+        elif s.op in ("load_state", "store_state") and a.get("slot"):
+            self._pool_state(s, a["slot"])
         elif s.op == "load_chunk_state":
             b[s.dst] = self._state_slice(self.g[s.srcs[0]], self.at.i_slot, self._state_cols(b[s.dst].shape[2]))
         elif s.op == "load_state":
@@ -211,9 +228,10 @@ class _Run:
         elif s.op == "reduce":
             src, *accs = s.srcs
             prev = b[src]
-            for acc, dim in zip(accs, a["dims"]):
+            for k, dim in enumerate(a["dims"]):  # one accumulator per reduction, or straight into dst
                 prev = prev.sum(dim + 1) if prev.dim() > 1 else prev
-                b[acc] = prev.reshape(b[acc].shape)
+                if k < len(accs):
+                    b[accs[k]] = prev.reshape(b[accs[k]].shape)
             b[s.dst] = prev.reshape(b[s.dst].shape)
         elif s.op == "inverse":
             x = b[s.srcs[0]]
@@ -233,6 +251,25 @@ class _Run:
         else:
             raise InterpretError(f"{self.k.name}: no meaning for the statement {s.op!r}")
 
+    def _pool_state(self, s: Stmt, slots: str):
+        """A token step's state from or into its pool slot: read_slot[n] (−1: the zero state),
+        write_slot[n, t] (−1: not stored)."""
+        b, cols = self.buf, self._state_cols(self.sz.BV)
+        if s.op == "load_state":
+            slot = self.g[slots].long()[self.at.i_n]
+            state = self._state_slice(self.g[s.srcs[0]], slot.clamp(min=0), cols)
+            b[s.dst] = torch.where((slot >= 0)[:, None, None], state, 0.0)
+            return
+        w = self.g[slots].long()
+        if w.dim() == 2:  # per token; none past the tensor's L
+            slot = torch.where(self.at.token < w.shape[1], w[self.at.i_n, self.at.token.clamp(max=w.shape[1] - 1)], -1)
+        else:
+            slot = w[self.at.i_n]
+        active = self.at.active
+        self.at.active = active & (slot >= 0)
+        self._write_state(self.g[s.dst], slot.clamp(min=0), b[s.srcs[0]])
+        self.at.active = active
+
     def block(self, stmts):
         for s in stmts:
             try:
@@ -243,9 +280,37 @@ class _Run:
                 raise InterpretError(f"{self.k.name}: `{s}` failed: {type(err).__name__}: {err}") from err
 
 
+def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:
+    """Every (V-block, value head, sequence) walks its sequence's tokens; a padding entry
+    (read_slot −2) runs nothing."""
+    dev = tensors["cu_seqlens"].device
+    cu = tensors["cu_seqlens"].long()
+    N = cu.numel() - 1
+    grid = torch.cartesian_prod(torch.arange(sizes.V // sizes.BV), torch.arange(sizes.HV),
+                                torch.arange(N)).to(dev).view(-1, 3)
+    i_v, i_hv, i_n = grid.unbind(1)
+    bos, seq_len = cu[i_n], cu[i_n + 1] - cu[i_n]
+    runs = tensors["read_slot"].long()[i_n] != -2
+    at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, token=torch.zeros_like(i_n),
+                n_valid=torch.ones_like(i_n), active=runs)
+    run = _Run(kernel, tensors, sizes, scale, at, len(grid))
+    run.block(kernel.prologue)
+    for step in range(int(seq_len.max()) if len(grid) else 0):
+        at.active = runs & (step < seq_len)
+        at.token, at.t0 = torch.full_like(i_n, step), bos + step
+        kept = {name: x.clone() for name, x in run.buf.items()}
+        run.block(kernel.body)
+        for name, x in run.buf.items():
+            run.buf[name] = torch.where(at.active.view(-1, *[1] * (x.dim() - 1)), x, kept[name])
+    at.active = runs
+    run.block(kernel.epilogue)
+
+
 def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:
     """Run `kernel` on `tensors` (its parameters by name, torch tensors as the runtime passes them);
     writes its outputs in place."""
+    if kernel.kind == "token_step":
+        return _run_token_step(kernel, tensors, sizes, scale)
     dev = next(iter(tensors.values())).device
     if kernel.loop is None:
         cmap = tensors["chunk_map"].long()

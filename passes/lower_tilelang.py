@@ -65,12 +65,16 @@ class ShapeClass:
     # consumer warpgroups of the forward scan (its kernel's threads: SCAN_THREADS = 128 × this); the
     # runtime chooses (kernels/forward.scan_warpgroups)
     scan_warpgroups: int = 1
+    # the dtype of the state pools the token step reads and writes (float32 or the io dtype)
+    state: str = "float32"
 
     def __post_init__(self):
         # (the op checks its head dims, kernels/forward.check_head_dims: context parallelism's
         # scan runs on values widened past them)
         if self.BV not in (16, 32, 64) or self.VP % self.BV:
             raise ValueError(f"BV={self.BV}: the V-block must be 16, 32 or 64 and divide V's tile {self.VP}")
+        if self.state not in ("float32", *IO_DTYPES):
+            raise ValueError(f"state={self.state!r}: a state pool is float32, bfloat16 or float16")
         if self.scan_warpgroups not in (1, 2) or (self.scan_warpgroups == 2 and self.BV < 32):
             raise ValueError(f"scan_warpgroups={self.scan_warpgroups} at BV={self.BV}: one warpgroup, or two "
                              "where BV ≥ 32 (they split the columns of W·S; 8 each is not a wgmma layout "
@@ -101,7 +105,7 @@ class ShapeClass:
 
 
 def _dtype(d: str) -> str:
-    return {"io": "IO", "float32": '"float32"', "int32": '"int32"', "tfloat32": "T.tfloat32"}[d]
+    return {"io": "IO", "float32": '"float32"', "int32": '"int32"', "tfloat32": "T.tfloat32", "state": "STATE"}[d]
 
 
 def _shape(shape, tiles: dict | None = None) -> str:
@@ -296,7 +300,7 @@ SCRATCH = {
     "cumsum": {"acc": ("fragment", "(C,)", "float32")},
 }
 
-_DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1"}
+_DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1", "S": "Slots", "L": "L"}
 
 
 def _param(p, tiles: dict) -> str:
@@ -305,20 +309,89 @@ def _param(p, tiles: dict) -> str:
     return f"{name}: T.Tensor(({dims}{',' if len(p.shape) == 1 else ''}), {_dtype(p.dtype)})"
 
 
+def _signature(kernel: Kernel, r: _Render) -> list[str]:
+    return ["@T.prim_func", f"def {kernel.name}("] + [f"    {_param(p, r.tiles)}," for p in kernel.params] + \
+        ["):", f'    """{kernel.doc}"""']
+
+
+def _per_sequence_grid(V: str, threads) -> list[str]:
+    """One CTA per (V-block, value head, sequence), walking the sequence (the scans, the token step)."""
+    return [f"    with T.Kernel({V} // BV, HV, N, threads={threads}) as (i_v, i_hv, i_n):",
+            "        i_h = i_hv // G  # the query/key head this value head reads",
+            "        v0 = i_v * BV",
+            "        bos = cu_seqlens[i_n]",
+            "        seq_len = cu_seqlens[i_n + 1] - bos"]
+
+
+def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
+    """A token-step kernel (passes/token_step.py): one CTA per (V-block, value head, sequence) runs
+    the sequence's tokens in order, the state block in registers."""
+    r = _Render(kernel, shape)
+    K, V = r.tiles.get("K", "K"), r.tiles.get("V", "V")
+    inside = ("i < K and v0 + j < V" if r.tiles else None)  # the op's state in a wider tile
+
+    def stmt(s: Stmt) -> list[str]:
+        a = s.attr
+        if s.op == "load_token":
+            p = r.params[s.srcs[0]]
+            if len(p.shape) == 3:  # a scalar of the token
+                return ["for i in T.Parallel(1):", f"    {s.dst}[i] = {s.srcs[0]}[0, bos + t, i_hv]"]
+            head = "i_h" if p.shape[2] == "H" else "i_hv"
+            col, width, dim = ("v0 + i", "BV", "V") if p.shape[3] == "V" else ("i", K, "K")
+            ok = f"{col} < {dim}" if dim in r.tiles else None
+            value = f"{s.srcs[0]}[0, bos + t, {head}, {col}]"
+            value = f"T.if_then_else({ok}, {value}, T.cast(0, IO))" if ok else value
+            return [f"for i in T.Parallel({width}):", f"    {s.dst}[i] = {value}"]
+        if s.op == "store_token":
+            store = [f"{s.dst}[0, bos + t, i_hv, v0 + j] = T.cast({s.srcs[0]}[j], IO)"]
+            if "V" in r.tiles:  # the op's values in a wider tile
+                store = ["if v0 + j < V:", f"    {store[0]}"]
+            return ["for j in T.Parallel(BV):"] + [f"    {ln}" for ln in store]
+        if s.op == "load_state":
+            pool = s.srcs[0]
+            load = ([f"for i, j in T.Parallel({K}, BV):",
+                     f"    {s.dst}[i, j] = T.if_then_else({inside}, T.cast({pool}[slot, i_hv, i, v0 + j], \"float32\"), 0.0)"]
+                    if inside else [f"T.copy({pool}[slot, i_hv, 0:K, v0:v0 + BV], {s.dst})"])
+            return ["if slot >= 0:  # else the zero state"] + [f"    {ln}" for ln in load] + \
+                ["else:", f"    T.clear({s.dst})"]
+        if s.op == "store_state":
+            store = ([f"for i, j in T.Parallel({K}, BV):", f"    if {inside}:",
+                      f"        {s.dst}[dst_slot, i_hv, i, v0 + j] = T.cast({s.srcs[0]}[i, j], STATE)"]
+                     if inside else [f"T.copy({s.srcs[0]}, {s.dst}[dst_slot, i_hv, 0:K, v0:v0 + BV])"])
+            per_token = len(r.params[a["slot"]].shape) == 2
+            where = f"T.if_then_else(t < L, {a['slot']}[i_n, t], -1)" if per_token else f"{a['slot']}[i_n]"
+            return [f"dst_slot = {where}", "if dst_slot >= 0:  # else this state is not kept"] + \
+                [f"    {ln}" for ln in store]
+        if s.op == "reduce" and len(s.srcs) == 1:  # straight into the destination fragment
+            return [f"T.reduce_sum({s.srcs[0]}, {s.dst}, dim={a['dims'][0]})"]
+        return r.stmt(s, scan=True)
+
+    out = _signature(kernel, r) + _per_sequence_grid(V, kernel.threads)
+    for b in kernel.buffers:
+        alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
+        out.append(f"        {b.name} = {alloc}({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})")
+    slot = next(s for s in kernel.prologue if s.op == "load_state").attr["slot"]
+    out += [f"        slot = {slot}[i_n]",
+            "        if slot != -2:  # -2: a padding entry of the batch, which reads and writes nothing"]
+    for s in kernel.prologue:
+        out += [f"            {ln}" for ln in stmt(s)]
+    out.append("            for t in T.serial(seq_len):")
+    for s in kernel.body:
+        out += [f"                {ln}" for ln in stmt(s)]
+    for s in kernel.epilogue:
+        out += [f"            {ln}" for ln in stmt(s)]
+    return out
+
+
 def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
+    if kernel.kind == "token_step":
+        return lower_token_step(kernel, shape)
     r = _Render(kernel, shape)
     scan = kernel.loop is not None
     store_waits = scan and r.bulk_stores()
-    out = ["@T.prim_func", f"def {kernel.name}("]
-    out += [f"    {_param(p, r.tiles)}," for p in kernel.params]
-    out.append("):")
-    out.append(f'    """{kernel.doc}"""')
+    out = _signature(kernel, r)
     if scan:
-        out += [f"    with T.Kernel({r.tiles.get('V', 'V')} // BV, HV, N, threads={kernel.threads}) as (i_v, i_hv, i_n):",
-                "        i_h = i_hv // G  # the query/key head this value head reads",
-                "        v0 = i_v * BV",
-                "        bos = cu_seqlens[i_n]",
-                "        seq_len = cu_seqlens[i_n + 1] - bos"]
+        out += _per_sequence_grid(r.tiles.get("V", "V"), kernel.threads)
     else:
         out += [f"    with T.Kernel(CH, HV, threads={kernel.threads}) as (i_slot, i_hv):",
                 "        i_h = i_hv // G",
@@ -408,7 +481,7 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
     """The TileLang module for one shape class."""
     if shape.io not in IO_DTYPES:
         raise PassError("lower", f"io dtype {shape.io} is not one of {IO_DTYPES}")
-    if kir.chunk_size != CHUNK_SIZE:
+    if kir.chunk_size != CHUNK_SIZE and any(k.kind != "token_step" for k in kir.kernels):
         raise PassError("lower", f"the sm90 kernels are built for chunks of {CHUNK_SIZE} tokens, not "
                                  f"{kir.chunk_size} (the interpreter runs any chunk size)")
     lines = [
@@ -434,6 +507,10 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         'N = T.dynamic("N")  # sequences',
         'NP1 = T.dynamic("NP1")  # len(cu_seqlens)',
         'CH = T.dynamic("CH")  # chunk slots',
+        *([f'STATE = "{shape.state}"  # the state pools\' dtype',
+           'Slots = T.dynamic("Slots")  # slots of a state pool',
+           'L = T.dynamic("L")  # tokens of the longest sequence']
+          if any(p.dtype == "state" for k in kir.kernels for p in k.params) else []),
     ]
     for k in kir.kernels:
         lines += ["", ""] + lower_kernel(k, shape)

@@ -45,6 +45,7 @@ from .frontend import load_spec
 from .partition import Partition, partition
 from .schedule import HEAD_DIMS, schedule
 from .rewrites import CHUNK_PASSES
+from .token_step import token_step
 from .verify_exponents import verify_exponents
 
 TARGETS = ("sm90", "cpu")
@@ -199,6 +200,16 @@ class Program:
         may load instead of recomputing)."""
         part = self.training_program.stage("partition")
         return tuple(x for x in part.crossing + part.carried if x != self.chunk.state_in)
+
+    @property
+    def token_step_program(self) -> "Program":
+        """The recurrence as one token-step kernel (passes/token_step.py), for decoding: a Program
+        whose kernels the runtime compiles like the others (kernels/token_step.py runs it)."""
+        if "token_step_program" not in self._derived:
+            kir = self._derive("token_step", lambda _: token_step(self.recurrence))
+            self._derived["token_step_program"] = Program(self.path, self.target, 1, self.recurrence, None, kir,
+                                                          stages=[("token_step", kir)], head_dims=self.head_dims)
+        return self._derived["token_step_program"]
 
     @property
     def backward_program(self) -> "Program":

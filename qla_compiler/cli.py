@@ -13,6 +13,7 @@
     qla-compile specs/gdn.py --emit cuda --shape H=4,HV=16,K=128,V=128,BV=32
     qla-compile specs/gdn.py --emit kernel --backward       # the backward program's kernels
     qla-compile specs/gdn.py --emit kernel --training       # the forward a training step runs
+    qla-compile specs/gdn.py --emit kernel --token-step     # the decoding kernel (op.recurrent)
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
                          "for one sequence on an H200")
     ap.add_argument("--backward", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the backward program's kernels")
+    ap.add_argument("--token-step", action="store_true",
+                    help="with --emit kernel/tilelang/cuda: the token-step kernel for decoding (op.recurrent)")
     ap.add_argument("--training", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the forward's kernels as a training step runs "
                          "them (they also store what the backward loads, e.g. T_r)")
@@ -77,16 +80,18 @@ def main(argv=None) -> int:
             print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
         try:
-            if args.backward and args.training:
-                raise ValueError("--backward and --training: choose one")
+            chosen = [f for f in ("backward", "training", "token_step") if getattr(args, f)]
+            if len(chosen) > 1:
+                raise ValueError(" and ".join(f"--{f.replace('_', '-')}" for f in chosen) + ": choose one")
             shape = None
             if args.emit in ("kernel", "tilelang", "cuda"):  # the kernels this shape class runs
                 shape = parse_shape(args.shape)
                 prog = prog.for_shape(shape)
-            for flag, variant in (("backward", "backward_program"), ("training", "training_program")):
+            for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
+                                  ("token_step", "token_step_program")):
                 if getattr(args, flag):
                     if args.emit not in ("kernel", "tilelang", "cuda"):
-                        raise ValueError(f"--{flag} goes with --emit kernel, tilelang or cuda")
+                        raise ValueError(f"--{flag.replace('_', '-')} goes with --emit kernel, tilelang or cuda")
                     prog = getattr(prog, variant)
             text = _emit(args.emit, prog, shape)
         except (PassError, ValueError) as e:
@@ -102,7 +107,8 @@ def main(argv=None) -> int:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         ext = {"tilelang": "py", "cuda": "cu"}.get(args.emit, "txt")
-        variant = ".backward" if args.backward else ".training" if args.training else ""
+        variant = ".backward" if args.backward else ".training" if args.training else \
+            ".token_step" if args.token_step else ""
         name = f"{prog.recurrence.name}{variant}.{args.emit or 'summary'}.{ext}"
         (out / name).write_text(text + "\n")
         print(f"wrote {out / name}", file=sys.stderr)

@@ -110,6 +110,12 @@ class CompiledOp:
             o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work)
         return o.to(v.dtype), (final.to(work) if output_final_state else None)
 
+    def recurrent(self, *args, **options):
+        """The token-step call for decoding, with state pools: qla_compiler/recurrent.py."""
+        from .recurrent import recurrent
+
+        return recurrent(self, *args, **options)
+
     def reference(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                   use_qk_l2norm_in_kernel=False, **named):
         """The spec's recurrence, token by token, in float64: the ground truth (slow)."""

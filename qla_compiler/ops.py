@@ -2,6 +2,8 @@
 
     >>> from qla_compiler.ops import chunk_gated_delta_rule
     >>> o, final = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)   # doctest: +SKIP
+    >>> o, pool = fused_recurrent_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool,
+    ...     ssm_state_indices=slots, inplace_final_state=True, output_final_state=True)  # doctest: +SKIP
 
 Each op compiles its spec on first use (and caches the result for the process).
 """
@@ -17,12 +19,15 @@ def _op(name: str):
     return _compile(name, target="sm90")
 
 
-def _make(name: str, fla_name: str):
+def _make(name: str, fla_name: str, recurrent: bool = False):
     def op(*args, **kwargs):
-        return _op(name)(*args, **kwargs)
+        compiled = _op(name)
+        return (compiled.recurrent if recurrent else compiled)(*args, **kwargs)
 
     op.__name__ = op.__qualname__ = fla_name
-    op.__doc__ = f"FLA's `{fla_name}`, compiled from specs/{name}.py: see qla_compiler.op."
+    op.__doc__ = (f"FLA's `{fla_name}` (call it with keywords: FLA's positional order differs), compiled from "
+                  f"specs/{name}.py, with serving engines' state pools: see qla_compiler.recurrent." if recurrent
+                  else f"FLA's `{fla_name}`, compiled from specs/{name}.py: see qla_compiler.op.")
     return op
 
 
@@ -31,3 +36,10 @@ chunk_delta_rule = _make("delta_net", "chunk_delta_rule")
 chunk_simple_gla = _make("simple_gla", "chunk_simple_gla")
 chunk_retention = _make("retnet", "chunk_retention")
 chunk_linear_attn = _make("linear_attn", "chunk_linear_attn")
+
+# the token-step ops, for decoding (qla_compiler/recurrent.py)
+fused_recurrent_gated_delta_rule = _make("gdn", "fused_recurrent_gated_delta_rule", recurrent=True)
+fused_recurrent_delta_rule = _make("delta_net", "fused_recurrent_delta_rule", recurrent=True)
+fused_recurrent_simple_gla = _make("simple_gla", "fused_recurrent_simple_gla", recurrent=True)
+fused_recurrent_retention = _make("retnet", "fused_recurrent_retention", recurrent=True)
+fused_recurrent_linear_attn = _make("linear_attn", "fused_recurrent_linear_attn", recurrent=True)

@@ -111,37 +111,35 @@ def _leaves(e):
     return [x for sub in (e[1:] if isinstance(e, tuple) else ()) if isinstance(sub, tuple) for x in _leaves(sub)]
 
 
+def _with_body(kernel_kind, change):
+    """A mutation of the kernels of one kind: their body passed through change(list) -> list."""
+    def mutate(k):
+        return dataclasses.replace(k, body=change(list(k.body))) if k.kind == kernel_kind else None
+    return mutate
+
+
 def test_a_missing_zero_pad_fails(ops, monkeypatch):
     """The rows past a sequence's end hold the next sequence's tokens: the forward scan's zero_pad of
     them matters (sequences of 1, 199 and 100 tokens: every last chunk is partial)."""
-    def drop(k):
-        if k.kind != "scan":
-            return None
-        return dataclasses.replace(k, body=[s for s in k.body if s.op != "zero_pad"])
+    drop = _with_body("scan", lambda body: [s for s in body if s.op != "zero_pad"])
     err_o, err_s = _forward(ops["gdn"], monkeypatch, drop)
     assert max(err_o, err_s) > 3 * TOL
 
 
 def test_a_statement_moved_before_what_it_reads_fails(ops, monkeypatch):
     """The state update moved before the product that reads the state entering the chunk."""
-    def move(k):
-        if k.kind != "scan":
-            return None
-        body = list(k.body)
+    def move(body):
         update = next(i for i, s in enumerate(body) if s.op == "gemm" and s.dst == "state")
         reader = next(i for i, s in enumerate(body) if s.op == "gemm" and "state_s" in s.srcs or
                       (s.op == "copy" and s.dst == "state_s"))
         assert reader < update
         body.insert(reader, body.pop(update))
-        return dataclasses.replace(k, body=body)
-    err_o, err_s = _forward(ops["gdn"], monkeypatch, move)
+        return body
+    err_o, err_s = _forward(ops["gdn"], monkeypatch, _with_body("scan", move))
     assert max(err_o, err_s) > 3 * TOL
 
 
 def test_an_unknown_statement_is_named(ops, monkeypatch):
-    def bad(k):
-        if k.kind != "out":
-            return None
-        return dataclasses.replace(k, body=[Stmt("shuffle", k.body[0].dst)] + list(k.body))
+    bad = _with_body("out", lambda body: [Stmt("shuffle", body[0].dst)] + body)
     with pytest.raises(InterpretError, match="gdn_out: no meaning for the statement 'shuffle'"):
         _forward(ops["gdn"], monkeypatch, bad)

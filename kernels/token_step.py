@@ -1,0 +1,93 @@
+"""The token-step kernel's host side: state pools, slots, and the launch (passes/token_step.py
+says what the kernel computes).
+
+A serving engine keeps every request's state in a pool `[slots, HV, K, V]` and names, per call,
+the slot each sequence reads (`ssm_state_indices`, FLA's and vLLM's name). The pool semantics
+become three int32 tensors the kernel reads, computed here on the device with no host
+synchronisation (CUDA-graph capture stays possible):
+
+    read_slot[n]     the slot sequence n starts from; −1 the zero state; −2 a padding entry
+                     (a negative index), which reads and writes nothing
+    write_slot[n, t] where the state after token t goes (speculative decoding: every token's)
+    final_slot[n]    where the state after the last token goes (in place: the slot it read)
+
+The same code runs the KernelIR interpreter in place of the compiled kernel on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from qla_compiler.passes.lower_tilelang import ShapeClass, tile_width
+
+_PLACEHOLDERS: dict = {}  # (device, dtype, HV, K, V) -> a one-slot pool nothing reads or writes
+
+
+def _placeholder(HV: int, K: int, V: int, dtype, device) -> torch.Tensor:
+    key = (str(device), dtype, HV, K, V)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, HV, K, V, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]
+
+
+def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: bool, output_final_state: bool):
+    """(read_slot, write_slot, final_slot, pool, state_out, returned): the kernel's slot tensors,
+    the pool it reads, the tensor it writes states into, and the final state the op returns."""
+    i32 = dict(dtype=torch.int32, device=device)
+    state_dtype = initial_state.dtype if initial_state is not None else torch.float32
+    pool = initial_state if initial_state is not None else _placeholder(dims.HV, dims.K, dims.V, state_dtype, device)
+    none_per_token = torch.full((N, 1), -1, **i32)
+    if indices is None:
+        read = (torch.arange(N, **i32) if initial_state is not None else torch.full((N,), -1, **i32))
+        if output_final_state:
+            out = torch.zeros(N, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
+            return read, none_per_token, torch.arange(N, **i32), pool, out, out
+        return read, none_per_token, torch.full((N,), -1, **i32), pool, pool, None
+    idx = indices.to(**i32)
+    if idx.dim() == 1:
+        read = torch.where(idx >= 0, idx, -2)
+        if inplace:
+            return read, none_per_token, torch.where(idx >= 0, idx, -1), pool, pool, \
+                (pool if output_final_state else None)
+        if output_final_state:
+            out = torch.zeros(N, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
+            return read, none_per_token, torch.arange(N, **i32), pool, out, out
+        return read, none_per_token, torch.full((N,), -1, **i32), pool, pool, None
+    # speculative decoding: start after the accepted tokens, keep the state after every token
+    first = (num_accepted.to(device=device, dtype=torch.long) - 1) if num_accepted is not None else \
+        torch.zeros(N, dtype=torch.long, device=device)
+    start = idx.gather(1, first.clamp(min=0)[:, None])[:, 0]
+    read = torch.where(start >= 0, start, -2)
+    return read, idx.contiguous(), torch.full((N,), -1, **i32), pool, pool, (pool if output_final_state else None)
+
+
+def shape_class(dims, io: torch.dtype, state: torch.dtype, scale: float) -> ShapeClass:
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    BV = 16 if tile_width(dims.K) > 128 else 32  # the state block, xS and qS in registers (K×BV each)
+    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=BV, io=names[io], scale=scale, state=names[state])
+
+
+def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict, cu: torch.Tensor, slot_tensors,
+        kernel=None) -> torch.Tensor:
+    """Launch the token step (`kernel`: a stand-in with the compiled kernel's parameters, the
+    interpreter on the CPU; else the compiled one). Returns o [B, T, HV, V]; writes the states."""
+    read, write, final, pool, out = slot_tensors
+    (k,) = program.kernels.kernels
+    v = inputs[next(n for n, kind in kinds.items() if kind == "value")]
+    total = dims.B * dims.T
+    tensors = {}
+    for n, x in inputs.items():
+        x = x.reshape(1, total, *x.shape[2:])
+        # the compiled kernel reads gates and scalars in float32; a stand-in takes them as they are
+        tensors[n] = x.contiguous() if kinds[n] in ("key", "value") or kernel is not None else \
+            x.to(torch.float32).contiguous()
+    for name, logs in head_logs.items():
+        tensors[f"log_{name}"] = torch.tensor(logs, dtype=torch.float32, device=v.device)
+    o = torch.zeros(1, total, dims.HV, dims.V, dtype=v.dtype, device=v.device)
+    tensors.update(cu_seqlens=cu.to(torch.int32), read_slot=read, write_slot=write, final_slot=final,
+                   state_pool=pool, state_out=out, o=o)
+    if kernel is None:
+        from .runtime import load_kernels
+
+        kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale))[k.name]
+    kernel(*[tensors[p.name] for p in k.params])
+    return o.view(dims.B, dims.T, dims.HV, dims.V)

@@ -1,0 +1,119 @@
+"""token_step: RecurrenceIR (classified) → KernelIR of one kernel that runs the recurrence token by
+token, for decoding: S_t = d_t (I − s_t x_t x_tᵀ) S_{t−1} + b_t x_t y_tᵀ,  o_t = scale · c · S_tᵀ q_t.
+
+Per token, with the state block S (K×BV, float32) in registers:
+
+    S ← d · S                          the decay (a gate e^g, or a head constant)
+    u ← xᵀ S                           (BV) only with the delta factor
+    S ← S + x (b·y − s·u)ᵀ             (I − s x xᵀ) d S + b x yᵀ, one rank-1 update
+    o ← scale · c · Sᵀ q               (BV)
+
+No chunking: a decode step has one token, and for a few tokens the chunk program's triangular
+solve and matmuls cost more than the rank-1 updates. The state comes from and goes to pools, by
+slot (the serving engines' layout): `read_slot[n]` says which slot sequence n starts from (−1:
+the zero state; −2: a padding entry that runs nothing), `write_slot[n, t]` where the state after
+its token t goes (−1: nowhere). The host (kernels/token_step.py) fills both from the op's
+arguments.
+
+    >>> from qla_compiler.passes.frontend import load_spec
+    >>> from qla_compiler.passes.classify import classify
+    >>> print(token_step(classify(load_spec("specs/gdn.py"))).kernels[0].name)
+    gdn_token_step
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from qla_compiler.errors import PassError
+from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
+from qla_compiler.ir.recurrence import RecurrenceIR
+
+# per-token tensors as the op packs them: keys per query/key head, values and scalars per value head
+_LAYOUT = {"key": (("1", "T", "H", "K"), "io"), "value": (("1", "T", "HV", "V"), "io"),
+           "scalar": (("1", "T", "HV"), "float32"), "gate": (("1", "T", "HV"), "float32")}
+_SHAPE = {"key": ("K",), "value": ("BV",), "scalar": ("1",), "gate": ("1",)}
+
+READ_SLOT = Tensor("read_slot", ("N",), "int32", "in",
+                   "the pool slot each sequence starts from; -1: the zero state; -2: padding, nothing runs")
+WRITE_SLOT = Tensor("write_slot", ("N", "L"), "int32", "in",
+                    "the slot the state after each token goes to (tokens past L: none); -1: not stored")
+FINAL_SLOT = Tensor("final_slot", ("N",), "int32", "in", "the slot the state after the last token goes to; -1: none")
+CU_SEQLENS = Tensor("cu_seqlens", ("N+1",), "int32", "in", "first token of each sequence")
+
+
+def _coeff(e: sp.Expr, scalar_bufs: dict):
+    """A coefficient of the structure (β, 1, ...) as a KernelIR expression over the token's scalars."""
+    if e.is_Number:
+        return ("lit", float(e))
+    if isinstance(e, sp.Symbol):
+        if e.name not in scalar_bufs:
+            raise PassError("token_step", f"the coefficient {e} is not a scalar input of the token")
+        return ("buf", scalar_bufs[e.name], "0")
+    if isinstance(e, (sp.Mul, sp.Add)):
+        parts = [_coeff(a, scalar_bufs) for a in e.args]
+        out = parts[0]
+        for p in parts[1:]:
+            out = ("mul" if isinstance(e, sp.Mul) else "add", out, p)
+        return out
+    if isinstance(e, sp.exp):
+        return ("exp", _coeff(e.args[0], scalar_bufs))
+    raise PassError("token_step", f"no token-step form for the coefficient {e}")
+
+
+def _mul(*xs):
+    out = xs[0]
+    for x in xs[1:]:
+        out = out if x == ("lit", 1.0) else ("mul", out, x)
+    return out
+
+
+def token_step(rec: RecurrenceIR) -> KernelIR:
+    st = rec.structure
+    if st is None:
+        raise PassError("token_step", "the recurrence is not classified (run classify first)")
+    params, buffers, body = [], [], []
+    bufs = {}
+    for inp in rec.inputs:
+        shape, dtype = _LAYOUT[inp.kind]
+        params.append(Tensor(inp.name, shape, dtype, "in", f"{inp.kind} per token"))
+        b = f"{inp.name}_t"
+        buffers.append(Buffer(b, _SHAPE[inp.kind], dtype if inp.kind in ("key", "value") else "float32", "shared"))
+        bufs[inp.name] = b
+        body.append(Stmt("load_token", b, (inp.name,)))
+    head = [Tensor(f"log_{c.name}", ("HV",), "float32", "in", "log of the per-head decay") for c in rec.constants]
+    state_in = Tensor("state_pool", ("S", "HV", "K", "V"), "state", "in", "the states the sequences start from, by slot")
+    state_out = Tensor("state_out", ("S", "HV", "K", "V"), "state", "out",
+                       "where the states after the tokens go, by slot (the same tensor as state_pool in place)")
+    o = Tensor("o", ("1", "T", "HV", "V"), "io", "out", "per token, per value head")
+    params = params + head + [CU_SEQLENS, READ_SLOT, WRITE_SLOT, FINAL_SLOT, state_in, state_out, o]
+    buffers += [Buffer("state", ("K", "BV"), "float32", "fragment"),
+                Buffer("xS", ("K", "BV"), "float32", "fragment"),
+                Buffer("u", ("BV",), "float32", "fragment"),
+                Buffer("o_t", ("BV",), "float32", "fragment"),
+                Buffer("qS", ("K", "BV"), "float32", "fragment")]
+    S, x, y, q = ("buf", "state", "i", "j"), bufs[st.write_key], bufs[st.write_value], bufs[st.query]
+    ij = ("index", ("i", "j"))
+    if st.decay == "gate":
+        body.append(Stmt("ewise", "state", (), (("expr", ("mul", ("exp", ("buf", bufs[st.decay_name], "0")), S)), ij)))
+    elif st.decay == "head_constant":
+        body.append(Stmt("ewise", "state", (), (("expr", ("mul", ("exp", ("head", st.decay_name)), S)), ij)))
+    write = _mul(_coeff(st.write_coeff, bufs), ("buf", y, "j"))
+    if st.delta:
+        body += [Stmt("ewise", "xS", (), (("expr", ("mul", ("buf", x, "i"), S)), ij)),
+                 Stmt("reduce", "u", ("xS",), (("dims", (0,)),))]
+        write = ("sub", write, ("mul", _coeff(st.delta_coeff, bufs), ("buf", "u", "j")))
+    body += [Stmt("ewise", "state", (), (("expr", ("add", S, ("mul", ("buf", x, "i"), write))), ij)),
+             Stmt("ewise", "qS", (), (("expr", ("mul", ("buf", q, "i"), S)), ij)),
+             Stmt("reduce", "o_t", ("qS",), (("dims", (0,)),)),
+             Stmt("ewise", "o_t", (), (("expr", _mul(("param", "scale"), _coeff(st.output_coeff, bufs),
+                                                      ("buf", "o_t", "j"))), ("index", ("j",)))),
+             Stmt("store_token", "o", ("o_t",)),
+             Stmt("store_state", "state_out", ("state",), (("slot", "write_slot"),))]
+    epilogue = [Stmt("store_state", "state_out", ("state",), (("slot", "final_slot"),))]
+    kernel = Kernel(f"{rec.name}_token_step", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 128,
+                    params, buffers, [Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"),))],
+                    body, epilogue, loop="tokens of the sequence", kind="token_step",
+                    roles=("all 4 warps: the state block in registers, one token after another",),
+                    doc=f"sequential over tokens: the recurrence's own step ({st.family}), for decoding")
+    return KernelIR(f"{rec.name}_token_step", 1, [kernel],
+                    host=["read_slot, write_slot, final_slot = the pool slots of every sequence and token (kernels/token_step.py)"])

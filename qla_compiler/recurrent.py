@@ -1,0 +1,117 @@
+"""The recurrent (token-step) call of a compiled op: FLA's `fused_recurrent_*` conventions, plus the
+state pools serving engines pass. For decoding: a few tokens per sequence, many sequences.
+
+    >>> import torch, qla_compiler
+    >>> op = qla_compiler.compile("gdn")
+    >>> q, k = torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16)
+    >>> v, g, beta = torch.randn(1, 3, 2, 16), -torch.rand(1, 3, 2), torch.rand(1, 3, 2)
+    >>> pool = torch.zeros(8, 2, 16, 16)                     # 8 slots, one per request
+    >>> cu = torch.tensor([0, 1, 2, 3])                       # three requests, one token each
+    >>> o, _ = op.recurrent(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu,
+    ...                     ssm_state_indices=torch.tensor([5, -1, 0]), inplace_final_state=True)
+    >>> o.shape, bool(pool[5].abs().sum() > 0), bool(pool[1].abs().sum() == 0)
+    (torch.Size([1, 3, 2, 16]), True, True)
+
+Arguments: the spec's inputs, then `scale`, `initial_state` ([N, HV, K, V], or a pool [slots, HV, K, V]
+with `ssm_state_indices`), `output_final_state`, `cu_seqlens`, `use_qk_l2norm_in_kernel`,
+`ssm_state_indices` ([N]: the slot of each sequence, negative for a padding entry that reads and
+writes nothing; or [N, T_max] for speculative decoding, the slot the state after each token goes
+to, with `num_accepted_tokens` [N]: the step starts from slot [n, num_accepted_tokens[n] − 1]),
+`inplace_final_state` (write each sequence's new state into its own slot; no other slot changes).
+Returns (o, final): o like the chunk op's; final is the pool itself when in place, else
+[N, HV, K, V] in the state's dtype (float32 without an initial state), or None without
+`output_final_state`. Not differentiable: train with the chunk op.
+
+CUDA bf16/fp16 inputs run the generated token-step kernel (passes/token_step.py); anything else
+runs the same host code with the KernelIR interpreter in place of the kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checks import check_inputs
+from .layout import packed_cu_seqlens
+
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_pool(initial_state, indices, num_accepted, inplace, dims, device):
+    N = dims.N
+    if indices is not None:
+        if not torch.is_tensor(indices) or indices.dtype not in (torch.int32, torch.int64) or indices.dim() not in (1, 2):
+            raise ValueError("ssm_state_indices: expected an int32/int64 tensor [N] or [N, T_max], got "
+                             + (f"{indices.dtype} {list(indices.shape)}" if torch.is_tensor(indices)
+                                else type(indices).__name__))
+        if indices.shape[0] != N:
+            raise ValueError(f"ssm_state_indices: expected {N} rows (one per sequence), got {indices.shape[0]}")
+        if indices.device != device:
+            raise ValueError(f"ssm_state_indices: on {indices.device}, but the inputs are on {device}")
+        if initial_state is None:
+            raise ValueError("initial_state: ssm_state_indices names slots of a state pool; pass the pool "
+                             "[slots, HV, K, V] as initial_state")
+        if indices.dim() == 2 and not inplace:
+            raise ValueError("inplace_final_state: speculative decoding (ssm_state_indices [N, T_max]) writes "
+                             "the state after every token into the pool; pass inplace_final_state=True")
+    elif inplace:
+        raise ValueError("inplace_final_state: needs ssm_state_indices (the slots to write back into)")
+    if num_accepted is not None:
+        if indices is None or indices.dim() != 2:
+            raise ValueError("num_accepted_tokens: only with ssm_state_indices [N, T_max] (speculative decoding)")
+        if not torch.is_tensor(num_accepted) or tuple(num_accepted.shape) != (N,) or num_accepted.is_floating_point():
+            raise ValueError(f"num_accepted_tokens: expected an integer tensor [{N}]")
+    if initial_state is not None:
+        want = [dims.HV, dims.K, dims.V]
+        if not torch.is_tensor(initial_state) or initial_state.dim() != 4 or list(initial_state.shape[1:]) != want:
+            got = list(initial_state.shape) if torch.is_tensor(initial_state) else type(initial_state).__name__
+            raise ValueError(f"initial_state: expected [{'slots' if indices is not None else N}, {dims.HV}, "
+                             f"{dims.K}, {dims.V}], got {got}")
+        if indices is None and initial_state.shape[0] != N:
+            raise ValueError(f"initial_state: expected {N} states (one per sequence) without ssm_state_indices, "
+                             f"got {initial_state.shape[0]}")
+        if initial_state.dtype not in STATE_DTYPES:
+            raise ValueError(f"initial_state: expected a float32, bf16 or fp16 pool, got {initial_state.dtype}")
+        if initial_state.device != device:
+            raise ValueError(f"initial_state: on {initial_state.device}, but the inputs are on {device}")
+        if inplace and not initial_state.is_contiguous():
+            raise ValueError("initial_state: the pool must be contiguous to be written in place")
+
+
+def recurrent(op, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm_in_kernel=False, ssm_state_indices=None, inplace_final_state=False,
+              num_accepted_tokens=None, **named):
+    from .kernels import token_step as host
+
+    inputs = op._bind(args, named)
+    dims = check_inputs(inputs, op.kinds, None, cu_seqlens, scale)
+    device = inputs[op.value_name].device
+    _check_pool(initial_state, ssm_state_indices, num_accepted_tokens, inplace_final_state, dims, device)
+    if torch.is_grad_enabled() and any(torch.is_tensor(x) and x.requires_grad
+                                       for x in (*inputs.values(), initial_state)):
+        raise ValueError(f"{op.name}.recurrent: the token step is not differentiable (it is for decoding); "
+                         "train with the chunk op, or call under torch.no_grad()")
+    if use_qk_l2norm_in_kernel:
+        inputs = {n: (torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) if op.kinds[n] == "key" else x)
+                  for n, x in inputs.items()}
+    scale = dims.K ** -0.5 if scale is None else float(scale)
+    v = inputs[op.value_name]
+    *slot_tensors, returned = host.slots(dims.N, dims, device, initial_state, ssm_state_indices, num_accepted_tokens,
+                                         inplace_final_state, output_final_state)
+    cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
+    program = op.program.token_step_program
+    kernel = None
+    if not (op.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)):
+        kernel = _interpreted(program, dims, scale, op._head_logs(dims.HV))
+    o = host.run(program, inputs, op.kinds, dims, scale, op._head_logs(dims.HV), cu, slot_tensors, kernel)
+    return o, returned
+
+
+def _interpreted(program, dims, scale, head_logs):
+    """The token step run by the KernelIR interpreter, in float64, one V-block per head."""
+    from .ir.kernel_interp import Sizes, run_kernel
+
+    (k,) = program.kernels.kernels
+    sizes = Sizes(K=dims.K, V=dims.V, BV=dims.V, HV=dims.HV, G=dims.HV // dims.H, C=1, head_logs=head_logs)
+
+    def run(*tensors):
+        run_kernel(k, {p.name: x for p, x in zip(k.params, tensors)}, sizes, scale)
+    return run

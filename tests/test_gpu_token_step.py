@@ -1,0 +1,64 @@
+"""The token-step kernel (op.recurrent) on the GPU: against the spec's float64 recurrence and, for
+GDN, within 1.1× of FLA's `fused_recurrent_gated_delta_rule` error on the same inputs (+ 1e-4, the
+same share of bf16's rounding floor as tests/test_gpu_real_data.py allows); the state pools'
+semantics as on the CPU (tests/test_token_step.py). FLA must import here: without it the FLA test
+fails, it does not skip."""
+import pytest
+import torch
+
+import qla_compiler
+from qla_compiler.testing import random_inputs, rel_err
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-2  # bf16 inputs and o; the state in float32
+
+
+def _args(op, cu, K=128, V=128, seed=0):
+    args = random_inputs(op, T=cu[-1], H=2, HV=8, K=K, V=V, cu_seqlens=cu, initial_state=True, seed=seed,
+                         dtype=torch.bfloat16, device="cuda")
+    return args
+
+
+@pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn"])
+def test_token_step_matches_the_recurrence(spec):
+    op = qla_compiler.compile(spec)
+    args = _args(op, [0, 1, 40, 41, 45])
+    o, final = op.recurrent(**args)
+    o_ref, final_ref = op.reference(**args)
+    assert rel_err(o, o_ref) <= TOL and rel_err(final, final_ref) <= TOL
+
+
+@pytest.mark.parametrize("K, V", [(128, 128), (100, 60), (256, 256)])
+def test_gdn_token_step_within_flas_error(K, V):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla
+
+    op = qla_compiler.compile("gdn")
+    args = _args(op, [0, 1, 3, 35], K=K, V=V, seed=4)
+    args["k"][0, 10:20] = args["k"][0, 10]  # a repeated token
+    args["g"][0, 25] = -16.0
+    o, final = op.recurrent(**args)
+    o_ref, final_ref = op.reference(**args)
+    o_fla, final_fla = fla(q=args["q"], k=args["k"], v=args["v"], g=args["g"], beta=args["beta"],
+                           initial_state=args["initial_state"], output_final_state=True,
+                           cu_seqlens=args["cu_seqlens"].long())
+    for ours, theirs, ref in ((o, o_fla, o_ref), (final, final_fla, final_ref)):
+        assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + 1e-4, (rel_err(ours, ref), rel_err(theirs, ref))
+
+
+def test_pool_semantics_on_the_gpu():
+    """In place into slots 7, 2, 0, 5 of a float32 pool with a padding entry: the named slots at the
+    reference, every other slot bitwise unchanged, the padding entry's o zero."""
+    op = qla_compiler.compile("gdn")
+    args = _args(op, list(range(6)))
+    del args["initial_state"], args["output_final_state"]
+    pool = torch.randn(9, 8, 128, 128, device="cuda")
+    before = pool.clone()
+    idx = torch.tensor([7, 2, -1, 0, 5], device="cuda")
+    o, _ = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+    real = (idx >= 0).cpu()
+    o_ref, s_ref = op.reference(**args, initial_state=before[idx.clamp(min=0)], output_final_state=True)
+    assert rel_err(o[0, real], o_ref[0, real]) <= TOL
+    assert rel_err(pool[idx[real]], s_ref[real]) <= TOL
+    assert torch.equal(o[0, 2], torch.zeros_like(o[0, 2]))
+    untouched = [s for s in range(9) if s not in idx.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])

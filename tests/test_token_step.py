@@ -1,0 +1,204 @@
+"""The token step (op.recurrent, passes/token_step.py): against the spec's float64 recurrence for
+every shipped spec and on the inputs real data has, the state pools' semantics (slots, padding
+entries, in place, speculative decoding), clear errors, and the generated kernel compiling for
+sm_90a. On the CPU it runs the KernelIR interpreter in the kernel's place, through the same host
+code the GPU runs (kernels/token_step.py)."""
+import shutil
+
+import pytest
+import torch
+
+import qla_compiler
+from qla_compiler.cli import main
+from qla_compiler.kernels.runtime import lower_to_cuda
+from qla_compiler.passes.lower_tilelang import ShapeClass
+from qla_compiler.testing import random_inputs, rel_err
+
+SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn"]
+TOL = 1e-10  # float64 inputs: the interpreter and the recurrence differ only by rounding order
+
+
+def _inputs(op, cu, seed=0, **kw):
+    args = random_inputs(op, T=cu[-1], H=2, HV=4, K=16, V=8, cu_seqlens=cu, initial_state=True, seed=seed, **kw)
+    return args
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_each_spec_matches_its_recurrence(ops, spec):
+    """Packed sequences of 1, 5, 0 and 3 tokens, grouped value heads, an initial state."""
+    op = ops[spec]
+    args = _inputs(op, [0, 1, 6, 6, 9])
+    o, final = op.recurrent(**args)
+    o_ref, final_ref = op.reference(**args)
+    assert rel_err(o, o_ref) <= TOL and rel_err(final, final_ref) <= TOL
+    assert torch.equal(final[2], args["initial_state"][2])  # an empty sequence keeps its state
+
+
+@pytest.mark.parametrize("case", ["strong decay", "g = 0", "reset", "beta 0 and 1", "identical keys", "bf16"])
+def test_real_data_inputs(ops, case):
+    op = ops["gdn"]
+    args = _inputs(op, [0, 7, 40], seed=3)
+    if case == "strong decay":
+        args["g"].fill_(-16.0)
+    elif case == "g = 0":
+        args["g"].zero_()
+    elif case == "reset":
+        args["g"][0, 20] = float("-inf")
+    elif case == "beta 0 and 1":
+        args["beta"][0, ::2] = 0.0
+        args["beta"][0, 1::2] = 1.0
+    elif case == "identical keys":
+        args["k"][:] = args["k"][0, 0]
+    tol = TOL
+    if case == "bf16":
+        args = {n: (x.to(torch.bfloat16) if n in ("q", "k", "v") else x) for n, x in args.items()}
+        tol = 2e-2  # o is stored in bf16
+    o, final = op.recurrent(**args)
+    o_ref, final_ref = op.reference(**args)
+    assert not torch.isnan(o).any() and not torch.isnan(final).any()
+    assert rel_err(o, o_ref) <= tol and rel_err(final, final_ref) <= max(tol, 1e-6)
+
+
+def _decode_batch(op, N=5, slots=9, seed=1):
+    """One token per sequence, a pool of `slots` states."""
+    args = random_inputs(op, T=N, H=2, HV=4, K=16, V=8, cu_seqlens=list(range(N + 1)), seed=seed)
+    del args["output_final_state"]
+    pool = torch.randn(slots, 4, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return args, pool
+
+
+def test_pool_in_place_touches_only_the_named_slots(ops):
+    """Sequences read and write slots 7, 2, (padding), 0, 5; the other slots stay bitwise the
+    same, and the padding entry reads and writes nothing (its o is zero)."""
+    op = ops["gdn"]
+    args, pool = _decode_batch(op)
+    before = pool.clone()
+    idx = torch.tensor([7, 2, -1, 0, 5])
+    o, returned = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
+                               output_final_state=True)
+    assert returned is pool
+    for n, slot in enumerate(idx.tolist()):
+        if slot < 0:
+            assert torch.equal(o[0, n], torch.zeros_like(o[0, n]))
+            continue
+        one = {k: (v[:, n:n + 1] if k in op.input_names else v) for k, v in args.items() if k != "cu_seqlens"}
+        o_ref, s_ref = op.reference(**one, initial_state=before[slot:slot + 1], output_final_state=True)
+        assert rel_err(o[:, n:n + 1], o_ref) <= TOL and rel_err(pool[slot], s_ref[0]) <= TOL
+    untouched = [s for s in range(len(pool)) if s not in idx.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_pool_read_without_writing_back(ops):
+    """Without inplace_final_state the pool is only read; the final states come back per sequence."""
+    op = ops["gdn"]
+    args, pool = _decode_batch(op)
+    before = pool.clone()
+    idx = torch.tensor([3, 3, 8, -4, 1])
+    o, final = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, output_final_state=True)
+    assert torch.equal(pool, before) and final.shape == (5, 4, 16, 8)
+    o_ref, s_ref = op.reference(**args, initial_state=pool[idx.clamp(min=0)], output_final_state=True)
+    real = idx >= 0
+    assert rel_err(o[0, real], o_ref[0, real]) <= TOL and rel_err(final[real], s_ref[real]) <= TOL
+    assert torch.equal(final[~real], torch.zeros_like(final[~real]))
+
+
+def test_bf16_pool(ops):
+    op = ops["gdn"]
+    args, pool = _decode_batch(op)
+    pool = pool.to(torch.bfloat16)
+    idx = torch.tensor([0, 1, 2, 3, 4])
+    start = pool[:5].clone()
+    o, _ = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+    o_ref, s_ref = op.reference(**args, initial_state=start.double(), output_final_state=True)
+    assert pool.dtype == torch.bfloat16
+    assert rel_err(o, o_ref) <= 1e-12 and rel_err(pool[:5], s_ref) <= 1e-2  # the pool's own rounding
+
+
+def test_speculative_decoding_matches_a_token_loop(ops):
+    """ssm_state_indices [N, T_max]: the step starts from slot [n, accepted − 1] and keeps the
+    state after each token t in slot [n, t]; checked against the recurrence run one token at a time."""
+    op = ops["gdn"]
+    cu = [0, 3, 4, 7]
+    args = random_inputs(op, T=7, H=2, HV=4, K=16, V=8, cu_seqlens=cu, seed=5)
+    del args["output_final_state"]
+    pool = torch.randn(12, 4, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    before = pool.clone()
+    idx = torch.tensor([[1, 2, 3], [4, 5, -1], [6, 7, 8]])
+    accepted = torch.tensor([2, 1, 1])
+    o, _ = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=accepted,
+                        inplace_final_state=True)
+    expect = before.clone()
+    for n in range(3):
+        state = before[int(idx[n, accepted[n] - 1])][None]
+        for t in range(cu[n + 1] - cu[n]):
+            tok = cu[n] + t
+            one = {k: (v[:, tok:tok + 1] if k in op.input_names else v) for k, v in args.items() if k != "cu_seqlens"}
+            o_ref, state = op.reference(**one, initial_state=state, output_final_state=True)
+            assert rel_err(o[:, tok:tok + 1], o_ref) <= TOL
+            if idx[n, t] >= 0:
+                expect[int(idx[n, t])] = state[0]
+    assert rel_err(pool, expect) <= TOL
+    assert torch.equal(pool[[0, 9, 10, 11]], before[[0, 9, 10, 11]])
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(ssm_state_indices=torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])), "ssm_state_indices: expected an int32/int64"),
+    (dict(ssm_state_indices=torch.tensor([0, 1])), "ssm_state_indices: expected 5 rows"),
+    (dict(inplace_final_state=True), "inplace_final_state: needs ssm_state_indices"),
+    (dict(ssm_state_indices=torch.zeros(5, 2, dtype=torch.long)), "inplace_final_state: speculative decoding"),
+    (dict(num_accepted_tokens=torch.ones(5, dtype=torch.long)), "num_accepted_tokens: only with"),
+])
+def test_bad_pool_arguments_are_named(ops, call, message):
+    op = ops["gdn"]
+    args, pool = _decode_batch(op)
+    with pytest.raises(ValueError, match=message):
+        op.recurrent(**args, initial_state=pool, **call)
+
+
+def test_missing_pool_and_gradients_are_refused(ops):
+    op = ops["gdn"]
+    args, pool = _decode_batch(op)
+    with pytest.raises(ValueError, match="initial_state: ssm_state_indices names slots"):
+        op.recurrent(**args, ssm_state_indices=torch.arange(5))
+    with pytest.raises(ValueError, match="initial_state: expected 5 states \\(one per sequence\\) without ssm_state_indices"):
+        op.recurrent(**args, initial_state=pool)
+    args["q"].requires_grad_()
+    with pytest.raises(ValueError, match="not differentiable"):
+        op.recurrent(**args)
+
+
+def test_fla_names_take_keywords():
+    from qla_compiler.ops import fused_recurrent_gated_delta_rule, fused_recurrent_simple_gla
+
+    op = qla_compiler.compile("gdn")
+    args, _ = _decode_batch(op)
+    o, final = fused_recurrent_gated_delta_rule(**args, output_final_state=True)
+    assert rel_err(o, op.reference(**args)[0]) <= TOL and final.shape == (5, 4, 16, 8)
+    gla = qla_compiler.compile("simple_gla")
+    args, _ = _decode_batch(gla)
+    assert rel_err(fused_recurrent_simple_gla(**args)[0], gla.reference(**args)[0]) <= TOL
+
+
+def test_emit_token_step_kernel(capsys):
+    assert main(["gdn", "--emit", "kernel", "--token-step"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel gdn_token_step" in out and "for token in tokens of the sequence:" in out
+    assert "state_out = store_state state slot=write_slot" in out and "slot=final_slot" in out
+    assert main(["gdn", "--emit", "kernel", "--token-step", "--backward"]) == 1
+    assert "--backward and --token-step: choose one" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("K, state", [(128, "float32"), (128, "bfloat16"), (100, "bfloat16"), (256, "float32")])
+def test_token_step_compiles_for_sm90a_without_spills(K, state, tmp_path):
+    from test_lowering import _ptxas_spills
+
+    from qla_compiler.kernels.token_step import shape_class
+    from qla_compiler.checks import Dims
+
+    program = qla_compiler.compile_spec("gdn").token_step_program
+    dims = Dims(1, 1, 16, 64, K, K, 1)
+    shape = shape_class(dims, torch.bfloat16, getattr(torch, state), 0.1)
+    assert isinstance(shape, ShapeClass) and shape.state == state
+    spills = _ptxas_spills("\n".join(lower_to_cuda(program, shape).values()), tmp_path)
+    assert len(spills) == 1 and spills[0] == ("0", "0"), spills
