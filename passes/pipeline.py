@@ -42,6 +42,7 @@ from .autodiff import derive_backward
 from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
+from .lowerable import unsupported
 from .partition import Partition, partition
 from .schedule import HEAD_DIMS, schedule
 from .rewrites import CHUNK_PASSES
@@ -74,6 +75,8 @@ class Program:
     head_dims: tuple = HEAD_DIMS
     _derived: dict = field(default_factory=dict, repr=False)
     checked: dict = field(default_factory=dict)  # check mode: pass -> relative errors (o, final state)
+    # why the chunk program has no kernels (passes/lowerable.py): the pipeline stopped before partition
+    no_kernels: str | None = None
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
@@ -323,6 +326,11 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
     ir = path
     checker = None
     for p in passes(chunk_size):
+        if p.name == "partition" and (why := unsupported(ir)) is not None:
+            prog.no_kernels = f"{prog.recurrence.path}: {why}"
+            if stop_after in ("partition", "schedule"):
+                raise PassError(p.name, prog.no_kernels)
+            break
         ir = _run_pass(p, ir)
         prog._keep(p.name, ir)
         if isinstance(ir, ChunkIR) and check:

@@ -72,9 +72,16 @@ def main(argv=None) -> int:
     if args.emit == "recurrence":
         text = str(prog.recurrence)
     elif args.emit in ("chunk", "backward", "affine", "kernel", "tilelang", "cuda"):
-        stage = {"chunk": prog.chunk, "backward": prog.backward, "affine": prog.affine}.get(args.emit, prog.kernels)
+        try:
+            # (derived on demand: --emit chunk needs neither the backward nor the affine program)
+            stage = {"chunk": lambda: prog.chunk, "backward": lambda: prog.backward,
+                     "affine": lambda: prog.affine}.get(args.emit, lambda: prog.kernels)()
+        except PassError as e:
+            print(f"qla-compile: error: {e}", file=sys.stderr)
+            return 1
         if stage is None:
-            print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
+            why = f": {prog.no_kernels}" if prog.no_kernels and args.emit in ("kernel", "tilelang", "cuda") else ""
+            print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed{why}", file=sys.stderr)
             return 1
         try:
             if args.backward and args.training:
@@ -231,6 +238,8 @@ def summary(prog) -> str:
     if prog.target == "cpu":
         lines.append("kernels: none for target cpu (the ChunkIR interpreter runs the chunk program; "
                      "--target sm90 for the kernels)")
+    elif prog.no_kernels is not None:
+        lines.append(f"kernels: none — {prog.no_kernels}")
     elif prog.kernels is not None:
         lines.append(f"kernels: {', '.join(k.name for k in prog.kernels.kernels)}  "
                      "(--emit kernel, --emit tilelang, --emit cuda)")
