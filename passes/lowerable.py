@@ -21,15 +21,16 @@ NO_LAYOUT = {("C", "C", "K"): "C×C×K", ("K",): "per-key vector (K)"}
 
 def unsupported(ir: ChunkIR) -> str | None:
     """Why the sm90 lowering cannot take `ir` (naming the nodes), or None when it can."""
-    found = []
+    ops, blocks = {}, {}
     for n in ir.order():
         if n.op in NO_RULE:
-            found.append(f"{n.name} = {n.op} ({NO_RULE[n.op]})")
+            ops.setdefault(n.op, []).append(n.name)
         elif n.shape in NO_LAYOUT:
-            found.append(f"{n.name}: a {NO_LAYOUT[n.shape]} block")
-    if not found:
+            blocks.setdefault(n.shape, []).append(n.name)
+    if not ops and not blocks:
         return None
-    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    found = [f"the op {op} ({NO_RULE[op]}: {', '.join(names)})" for op, names in ops.items()]
+    found += [f"{NO_LAYOUT[shape]} blocks ({', '.join(names)})" for shape, names in blocks.items()]
     return (f"the sm90 lowering has no rule yet for per-key gates (a diagonal decay Diag(exp(g))): "
-            f"{'; '.join(found[:4])}{more}. The op runs on CPU tensors (and float32/float64 CUDA "
-            "tensors, through the ChunkIR interpreter); `--target cpu` compiles for that alone")
+            f"{'; '.join(found)}. The op runs on CPU tensors (and float32/float64 CUDA tensors) through "
+            "the ChunkIR interpreter; `--target cpu` compiles for that alone")

@@ -69,7 +69,7 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
                                  + _head_first(n, inputs[n], (B, T, HV), "[B, HV, T]"))
     for n, kind in kinds.items():
         if kind == "key_gate":
-            _tensor(n, inputs[n], 4, f"[B={B}, T={T}, HV={HV}, K={K}]")
+            _tensor(n, inputs[n], 4, f"[B={B}, T={T}, HV={HV}, K={K}] (a gate per key dimension)")
             if tuple(inputs[n].shape) != (B, T, HV, K):
                 raise ValueError(f"{n}: expected shape {[B, T, HV, K]} (a gate per key dimension), got "
                                  f"{list(inputs[n].shape)}" + _head_first(n, inputs[n], (B, T, HV, K), "[B, HV, T, K]"))
