@@ -210,17 +210,24 @@ class Program:
         The backward recomputes the forward from its inputs and the states entering each chunk;
         what the training forward stored (self.stored()) its kernels load instead."""
         if "backward_program" not in self._derived:
+            self._need_kernels("backward program: ")
             back = self.backward
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)]
             self._derived["backward_program"] = \
                 self._scheduled(back, [("autodiff", back)], "backward program: ", provided=provided)
         return self._derived["backward_program"]
 
+    def _need_kernels(self, where: str) -> None:
+        """Refuse to schedule a program the pipeline found no kernels for (passes/lowerable.py)."""
+        if self.no_kernels is not None:
+            raise PassError("partition", f"{where}{self.no_kernels}")
+
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
                    **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
         schedule (for this program's head-dim tiles): a Program whose stages are `before` and those
         two (`into`, if given). A failure names the pass."""
+        self._need_kernels(where)
         prog = into or Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before),
                                head_dims=self.head_dims)
         ir = chunk

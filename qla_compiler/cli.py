@@ -80,8 +80,10 @@ def main(argv=None) -> int:
             print(f"qla-compile: error: {e}", file=sys.stderr)
             return 1
         if stage is None:
-            why = f": {prog.no_kernels}" if prog.no_kernels and args.emit in ("kernel", "tilelang", "cuda") else ""
-            print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed{why}", file=sys.stderr)
+            if prog.no_kernels and args.emit in ("kernel", "tilelang", "cuda"):
+                print(f"qla-compile: error: --emit {args.emit}: no kernels: {prog.no_kernels}", file=sys.stderr)
+            else:
+                print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
         try:
             if args.backward and args.training:

@@ -342,7 +342,13 @@ def test_sm90_has_no_kernels_and_says_why(name, capsys):
     for emit in ("kernel", "tilelang", "cuda"):
         assert main([name, "--emit", emit]) == 1
         err = capsys.readouterr().err
-        assert f"{name}.py: the sm90 lowering has no rule yet for per-key gates" in err, err
+        assert f"--emit {emit}: no kernels: " in err and \
+            f"{name}.py: the sm90 lowering has no rule yet for per-key gates" in err, err
+    with pytest.raises(PassError, match="backward program: .*no rule yet for per-key gates"):
+        prog.backward_program
+    if name == "kda":  # (GLA has no inverse to keep: its training forward is the program itself)
+        with pytest.raises(PassError, match="training program: .*no rule yet for per-key gates"):
+            prog.training_program
     with pytest.raises(PassError, match="partition"):
         qla_compiler.compile_spec(name, stop_after="partition")
     for spec in ("gdn", "simple_gla"):  # the scalar gates keep their kernels
