@@ -8,7 +8,9 @@
     schedule   Partition      → KernelIR       (buffers placed, statements ordered)
 
 The lowering to TileLang (passes/lower_tilelang.py) needs a shape class, so it runs when an op is
-first called with concrete shapes (or for `qla-compile --emit tilelang` with a default class).
+first called with concrete shapes (or for `qla-compile --emit tilelang` with a default class). A
+chunk program the lowering has no rules for (passes/lowerable.py: a per-key gate's) stops the
+pipeline before `partition`; `Program.no_kernels` says why, and the CPU backend still runs it.
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after

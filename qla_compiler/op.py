@@ -31,8 +31,8 @@ import math
 import torch
 
 from .checks import Dims, check_inputs
-from .errors import PassError
 from .context_parallel import check_segments, run_segments
+from .errors import PassError
 from .ir.chunk_interp import run_backward, run_chunks
 from .ir.recurrence_interp import run_recurrence
 from .layout import expand_heads, from_chunks, gather, packed_cu_seqlens, scatter, sequence_bounds, to_chunks
