@@ -1,7 +1,9 @@
 """The block operations of ChunkIR: for each op its shape rule and its interpretation in torch.
 
 Blocks live on one chunk of C tokens: C×K, C×V, C×C, K×V, vectors over the chunk (C) and
-scalars (). Tensors carry leading batch dims (sequences, heads, chunks) before the block dims.
+scalars (); a per-key gate adds per-key vectors (K) and the C×C×K block of its pairwise decays.
+The chunk dim C, when a block has one, comes first. Tensors carry leading batch dims (sequences,
+heads, chunks) before the block dims.
 Adding an op means adding one entry here (and, for the GPU, one lowering rule).
 
 Facts about ops that passes use are data here too: LINEAR, EXPONENTIALS.
@@ -50,8 +52,14 @@ class Context:
 
 
 def _bcast(x: torch.Tensor, xs: Shape, target: Shape) -> torch.Tensor:
-    """Right-pad a lower-rank block (a scalar () or a vector (C,)) so it broadcasts against target."""
-    return x.reshape(*x.shape, *([1] * (len(target) - len(xs))))
+    """Pad a lower-rank block so it broadcasts against target: a scalar () or a leading part of
+    target's dims (a vector (C,) against C×K) on the right, a trailing part (a per-key vector (K,)
+    against C×K) on the left of its dims."""
+    pad = [1] * (len(target) - len(xs))
+    if xs and tuple(target[len(target) - len(xs):]) == tuple(xs) and tuple(target[:len(xs)]) != tuple(xs):
+        batch = x.shape[:x.dim() - len(xs)]
+        return x.reshape(*batch, *pad, *x.shape[x.dim() - len(xs):])
+    return x.reshape(*x.shape, *pad)
 
 
 def _elementwise(fn):
@@ -64,7 +72,8 @@ def _elementwise(fn):
 def _elementwise_shape(shapes, attrs):
     out = max(shapes, key=len)
     for s in shapes:
-        if s and s != out:
+        # a scalar broadcasts, and so does a per-key vector (K,) against a C×K block
+        if s and s != out and not (len(out) == 2 and s == (out[1],) and s != (out[0],)):
             raise ValueError(f"elementwise shapes {list(shapes)} do not match")
     return out
 
@@ -93,10 +102,61 @@ def _tri_mask(C, strict, like):
 
 
 def _masked_diff(ctx, args, attrs, shapes):
-    (x,) = args
-    d = x.unsqueeze(-1) - x.unsqueeze(-2)
-    keep = _tri_mask(x.shape[-1], attrs["mask"] == "strict", x)
+    (x,), (s,) = args, shapes
+    if len(s) == 2:  # x: C×K, per key: d_ijk = x_ik − x_jk
+        d = x.unsqueeze(-2) - x.unsqueeze(-3)
+        keep = _tri_mask(x.shape[-2], attrs["mask"] == "strict", x).unsqueeze(-1)
+    else:
+        d = x.unsqueeze(-1) - x.unsqueeze(-2)
+        keep = _tri_mask(x.shape[-1], attrs["mask"] == "strict", x)
     return torch.where(keep, d, torch.full_like(d, -math.inf))
+
+
+def _masked_diff_shape(shapes, attrs):
+    (s,) = shapes
+    if s not in (("C",), ("C", "K")):
+        raise ValueError(f"masked_diff of a {s} block: it takes a vector over the chunk (C) or a C×K block")
+    return ("C", "C", *s[1:])
+
+
+def _tril(ctx, args, attrs, shapes):
+    (x,), (s,) = args, shapes
+    mask = _tri_mask(x.shape[-len(s) + 1], attrs.get("strict", False), x)
+    return x * (mask.unsqueeze(-1) if len(s) == 3 else mask)  # C×C×K: masked over (i, j)
+
+
+def _cumsum(reverse):
+    def ev(ctx, args, attrs, shapes):
+        (x,), (s,) = args, shapes
+        dim = -len(s)  # along the chunk: a C×K block's rows
+        return x.flip(dim).cumsum(dim).flip(dim) if reverse else x.cumsum(dim)
+    return ev
+
+
+def _parse_eq(eq: str):
+    ins, out = eq.split("->")
+    return ins.split(","), out
+
+
+def _contract_shape(shapes, attrs):
+    ins, out = _parse_eq(attrs["eq"])
+    if len(ins) != len(shapes):
+        raise ValueError(f"contract[{attrs['eq']}] takes {len(ins)} arguments, got {len(shapes)}")
+    dims = {}
+    for sub, shape in zip(ins, shapes):
+        if len(sub) != len(shape):
+            raise ValueError(f"contract[{attrs['eq']}]: {sub} does not index a {shape} block")
+        for letter, d in zip(sub, shape):
+            if dims.setdefault(letter, d) != d:
+                raise ValueError(f"contract[{attrs['eq']}]: index {letter} is both {dims[letter]} and {d}")
+    if any(letter not in dims for letter in out):
+        raise ValueError(f"contract[{attrs['eq']}]: an output index appears in no argument")
+    return tuple(dims[letter] for letter in out)
+
+
+def _contract(ctx, args, attrs, shapes):
+    ins, out = _parse_eq(attrs["eq"])
+    return torch.einsum(",".join(f"...{s}" for s in ins) + f"->...{out}", *args)
 
 
 def _inv_unit_lower(ctx, args, attrs, shapes):
@@ -106,7 +166,11 @@ def _inv_unit_lower(ctx, args, attrs, shapes):
 
 
 def _last(ctx, args, attrs, shapes):
-    (x,) = args
+    (x,), (s,) = args, shapes
+    if len(s) == 2:  # a C×K block's row at the last token
+        idx = (ctx.lengths - 1).clamp(min=0).unsqueeze(-1).unsqueeze(-1)
+        idx = idx.expand(*x.shape[:-2], 1, x.shape[-1])
+        return x.gather(-2, idx).squeeze(-2)
     idx = (ctx.lengths - 1).clamp(min=0).expand(x.shape[:-1]).unsqueeze(-1)
     return x.gather(-1, idx).squeeze(-1)
 
@@ -132,9 +196,9 @@ def _const(ctx, args, attrs, shapes):
 
 
 def _at_last(ctx, args, attrs, shapes):
-    (x,) = args
-    at = _iota(ctx) == (ctx.lengths - 1).clamp(min=0).unsqueeze(-1)
-    return x.unsqueeze(-1) * at.to(x.dtype)
+    (x,), (s,) = args, shapes
+    at = (_iota(ctx) == (ctx.lengths - 1).clamp(min=0).unsqueeze(-1)).to(x.dtype)
+    return x.unsqueeze(-2) * at.unsqueeze(-1) if s else x.unsqueeze(-1) * at  # a K-vector: a C×K block
 
 
 def _sum_all(ctx, args, attrs, shapes):
@@ -143,12 +207,35 @@ def _sum_all(ctx, args, attrs, shapes):
 
 
 def _matrix_to(dim):
+    """rowsum (dim 0 kept) sums a block's second dim, colsum (dim 1 kept) its first; a C×C×K block
+    keeps its K too."""
     def shape(shapes, attrs):
         (s,) = shapes
-        if len(s) != 2:
+        if len(s) not in (2, 3):
             raise ValueError(f"a row or column sum of a non-matrix {s}")
-        return (s[dim],)
+        return (s[0], *s[2:]) if dim == 0 else s[1:]
     return shape
+
+
+def _block_sum(first):
+    def ev(ctx, args, attrs, shapes):
+        (x,), (s,) = args, shapes
+        return x.sum(-len(s) if first else -len(s) + 1)
+    return ev
+
+
+def _last_shape(shapes, attrs):
+    (s,) = shapes
+    if s not in (("C",), ("C", "K")):
+        raise ValueError(f"last of a {s} block: it takes a vector over the chunk or a C×K block")
+    return s[1:]
+
+
+def _at_last_shape(shapes, attrs):
+    (s,) = shapes
+    if s not in ((), ("K",)):
+        raise ValueError(f"at_last of a {s} block: it takes a scalar or a per-key vector")
+    return ("C", *s)
 
 
 def _same(shapes, attrs):
@@ -168,7 +255,7 @@ def _op(name, arity, shape, ev, doc):
 
 # input kinds: key, value, scalar, gate (the spec's); the backward program adds the cotangent of o
 # (cotangent_value) and the state saved by the forward as the one that entered the chunk (saved_state)
-INPUT_SHAPES = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V"),
+INPUT_SHAPES = {"key": ("C", "K"), "key_gate": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V"),
                 "saved_state": ("K", "V")}
 _op("input", 0, lambda s, a: INPUT_SHAPES.get(a["kind"], ("C",)),
     lambda ctx, args, a, s: ctx.inputs[a["name"]], "a block of a per-token input")
@@ -179,10 +266,10 @@ _op("const", 0, lambda s, a: tuple(a["shape"]), _const, "a constant block")
 _op("state_in", 0, _fixed(("K", "V")), lambda ctx, args, a, s: ctx.state, "the state entering the chunk")
 _op("valid", 0, _fixed(("C",)), _valid, "1 for tokens of the chunk, 0 for padding")
 _op("positions", 0, _fixed(("C",)), _positions, "i+1, clipped at the chunk's length (= cumsum(valid))")
-_op("cumsum", 1, _same, lambda ctx, args, a, s: args[0].cumsum(-1), "chunk-local inclusive prefix sum")
-_op("last", 1, _fixed(()), _last, "the value at the chunk's last token")
-_op("masked_diff", 1, lambda s, a: ("C", "C"), _masked_diff,
-    "x_i − x_j where j ≤ i (mask=lower) or j < i (mask=strict), −inf elsewhere")
+_op("cumsum", 1, _same, _cumsum(False), "chunk-local inclusive prefix sum (of a C×K block: per key)")
+_op("last", 1, _last_shape, _last, "the value at the chunk's last token (of a C×K block: its row, K)")
+_op("masked_diff", 1, _masked_diff_shape, _masked_diff,
+    "x_i − x_j where j ≤ i (mask=lower) or j < i (mask=strict), −inf elsewhere (of C×K: C×C×K, per key)")
 # the floor on a log-gate (passes/chunk.py's G_FLOOR): g = −inf, a hard reset, would otherwise meet
 # another −inf in a masked difference, (−inf) − (−inf) = NaN
 _op("clamp_min", 1, _same, lambda ctx, args, a, s: args[0].clamp_min(a["min"]), "max(x, min)")
@@ -207,21 +294,21 @@ _op("causal_mask", 0, _fixed(("C", "C")),
     .view(*[1] * ctx.nb, ctx.C, ctx.C),
     "1 where j ≤ i (mask=lower) or j < i (mask=strict), else 0")
 _op("matmul", 2, _matmul_shape, _matmul, "X · Y (ta, tb: transpose an operand)")
-_op("tril", 1, _same,
-    lambda ctx, args, a, s: args[0] * _tri_mask(args[0].shape[-1], a.get("strict", False), args[0]),
-    "keep the lower triangle (strict: below the diagonal)")
+_op("tril", 1, _same, _tril, "keep the lower triangle (strict: below the diagonal; of C×C×K: over i, j)")
+# the per-key decay's products, Σ_k X_ik Z_jk R_ijk (eq="ik,jk,ijk->ij"), and their VJPs: an
+# einsum, whose every index names a block dim
+_op("contract", -1, _contract_shape, _contract, "einsum over the block dims (eq: its subscripts)")
 _op("inv_unit_lower", 1, _same, _inv_unit_lower, "(I + A)⁻¹ for strictly lower triangular A")
 
 # ops of the backward program (passes/autodiff.py): the transposes of cumsum, last, broadcasting
-_op("rev_cumsum", 1, _same, lambda ctx, args, a, s: args[0].flip(-1).cumsum(-1).flip(-1),
-    "chunk-local inclusive suffix sum (the transpose of cumsum)")
-_op("at_last", 1, _fixed(("C",)), _at_last,
-    "a vector with x at the chunk's last token, 0 elsewhere (the transpose of last)")
-_op("rowsum", 1, _matrix_to(0), lambda ctx, args, a, s: args[0].sum(-1), "Σ_j X_ij")
-_op("colsum", 1, _matrix_to(1), lambda ctx, args, a, s: args[0].sum(-2), "Σ_i X_ij")
+_op("rev_cumsum", 1, _same, _cumsum(True), "chunk-local inclusive suffix sum (the transpose of cumsum)")
+_op("at_last", 1, _at_last_shape, _at_last,
+    "x at the chunk's last token, 0 elsewhere (the transpose of last)")
+_op("rowsum", 1, _matrix_to(0), _block_sum(False), "Σ_j X_ij (of C×C×K: Σ_j X_ijk)")
+_op("colsum", 1, _matrix_to(1), _block_sum(True), "Σ_i X_ij (of C×C×K: Σ_i X_ijk)")
 _op("sum_all", 1, _fixed(()), _sum_all, "the sum of every entry of a block (the transpose of broadcasting)")
 
 # ops through which a scaling of the input scales the output by the same factor
 LINEAR = {"cumsum", "last", "masked_diff", "neg", "add", "sub", "rev_cumsum", "at_last", "rowsum", "colsum",
-          "sum_all"}
+          "sum_all"}  # (contract is linear in each argument, not in all at once: not here)
 EXPONENTIALS = {"exp", "exp2"}

@@ -21,13 +21,13 @@ from typing import Callable
 
 import sympy as sp
 
-KIND_SHAPE = {"key": "[K]", "value": "[V]", "scalar": "[]", "gate": "[] ≤ 0"}
+KIND_SHAPE = {"key": "[K]", "value": "[V]", "scalar": "[]", "gate": "[] ≤ 0", "key_gate": "[K] ≤ 0"}
 
 
 @dataclass(frozen=True)
 class Input:
     name: str
-    kind: str  # key | value | scalar | gate
+    kind: str  # key | value | scalar | gate | key_gate (a gate per key dimension)
     symbol: sp.Basic = field(compare=False)
     line: int = 0
 
@@ -47,7 +47,9 @@ class HeadConstant:
 class Structure:
     """S_t = d_t (I − s_t x_t x_tᵀ) S_{t−1} + b_t x_t y_tᵀ,   o_t = c · S_tᵀ q_t.
 
-    decay: 'none' (d = 1), 'gate' (d = exp(gate input)), 'head_constant' (d = γ_h).
+    decay: 'none' (d = 1), 'gate' (d = exp(gate input)), 'head_constant' (d = γ_h), 'key_gate'
+    (the diagonal D_t = Diag(exp(g_t)) of a per-key gate, applied first:
+    S_t = (I − s_t x_t x_tᵀ) D_t S_{t−1} + b_t x_t y_tᵀ).
     delta: the rank-1 factor (I − s x xᵀ) is present; `delta_coeff` is s.
     """
 
@@ -63,13 +65,16 @@ class Structure:
 
     @property
     def family(self) -> str:
-        d = {"none": "", "gate": "gated ", "head_constant": "constant-decay "}[self.decay]
+        d = {"none": "", "gate": "gated ", "head_constant": "constant-decay ", "key_gate": "per-key gated "}[self.decay]
         return d + ("delta rule" if self.delta else "linear attention")
 
     def transition(self) -> str:
         x = self.write_key
-        decay = {"none": "", "gate": f"exp({self.decay_name})·", "head_constant": f"{self.decay_name}·"}
         delta = f"(I − {self.delta_coeff}·{x}·{x}ᵀ)" if self.delta else "I"
+        if self.decay == "key_gate":
+            diag = f"Diag(exp({self.decay_name}))"
+            return f"{delta}·{diag}" if self.delta else diag
+        decay = {"none": "", "gate": f"exp({self.decay_name})·", "head_constant": f"{self.decay_name}·"}
         return decay[self.decay] + delta
 
     def write(self) -> str:

@@ -12,13 +12,16 @@ import sympy as sp
 import torch
 from sympy.matrices.expressions.matexpr import MatrixExpr
 
+from qla_compiler.spec import DiagExp
+
 from .recurrence import RecurrenceIR
 
 
 def run_recurrence(ir: RecurrenceIR, inputs: dict, lengths, scale: float, initial_state=None):
     """Run the recurrence over padded sequences (value heads already expanded).
 
-    inputs: key inputs [N, L, HV, K], value inputs [N, L, HV, V], scalars and gates [N, L, HV].
+    inputs: key inputs and per-key gates [N, L, HV, K], value inputs [N, L, HV, V], scalars and
+    gates [N, L, HV].
     lengths: [N] tokens of each sequence (positions past a sequence's length are ignored).
     Returns o [N, L, HV, V] (zero past each length) and the final state [N, HV, K, V].
 
@@ -40,7 +43,7 @@ def run_recurrence(ir: RecurrenceIR, inputs: dict, lengths, scale: float, initia
         env = dict(consts)
         for i in ir.inputs:
             x = inputs[i.name][:, t]
-            env[i.symbol] = x.unsqueeze(-1) if i.kind in ("key", "value") else x.view(N, HV, 1, 1)
+            env[i.symbol] = x.unsqueeze(-1) if i.kind in ("key", "value", "key_gate") else x.view(N, HV, 1, 1)
         env[ir.state] = S
         active = t < lengths
         S = torch.where(active, _eval(ir.step, env, eye), S)
@@ -55,6 +58,8 @@ def _eval(e, env, eye):
         return env[e]
     if isinstance(e, sp.Identity):
         return eye
+    if isinstance(e, DiagExp):  # Diag(e^g), as a matrix: the reference builds what the spec says
+        return torch.diag_embed(torch.exp(_eval(e.gate, env, eye).squeeze(-1)))
     if isinstance(e, sp.Transpose):
         return _eval(e.arg, env, eye).transpose(-1, -2)
     if isinstance(e, sp.MatMul):

@@ -39,7 +39,7 @@ from qla_compiler.ir.chunk import ChunkIR, Node
 from .rewrite_cse import CSE
 from .verify_exponents import verify_exponents
 
-DIFFERENTIABLE_KINDS = ("key", "value", "scalar", "gate")
+DIFFERENTIABLE_KINDS = ("key", "value", "scalar", "gate", "key_gate")
 LN2 = math.log(2.0)
 
 
@@ -60,13 +60,16 @@ class Builder:
         return f"d_{n.args[i]}.{n.name}"
 
     def to_shape(self, name: str, g: str, target: str) -> str:
-        """The transpose of broadcasting `target` to g's shape: a scalar's cotangent sums g."""
-        if self.shape(g) == self.shape(target):
+        """The transpose of broadcasting `target` to g's shape: a scalar's cotangent sums g, a
+        per-key vector's (K, broadcast over a C×K block's rows) sums its columns."""
+        gs, ts = self.shape(g), self.shape(target)
+        if gs == ts:
             return g
-        if self.shape(target) != ():
-            raise PassError("autodiff", f"cannot reduce a {self.shape(g)} cotangent to {target}'s shape "
-                                        f"{self.shape(target)}")
-        return self(name, "sum_all", g)
+        if ts == ():
+            return self(name, "sum_all", g)
+        if len(gs) == 2 and ts == gs[1:]:
+            return self(name, "colsum", g)
+        raise PassError("autodiff", f"cannot reduce a {gs} cotangent to {target}'s shape {ts}")
 
 
 # ---- the rules: op -> (builder, node, cotangent, want) -> one cotangent per argument -------------
@@ -124,7 +127,7 @@ def _add(b, n, g, want):
 
 def _sub(b, n, g, want):
     x, y = n.args
-    if b.ir.node(x).op == "last" and b.ir.node(x).args[0] == y and b.shape(g) == b.shape(y) == ("C",):
+    if b.ir.node(x).op == "last" and b.ir.node(x).args[0] == y and b.shape(g) == b.shape(y) in (("C",), ("C", "K")):
         # y_last − y_i is ≡ 0 at i = last: drop that cotangent (exactly: g − g) for the reason
         # _masked_diff drops its diagonal
         name = b.d(n, 1)
@@ -178,6 +181,23 @@ def _t(ta: bool, tb: bool) -> dict:
     return {k: True for k, v in (("ta", ta), ("tb", tb)) if v}
 
 
+def _contract(b, n, g, want):  # Y = einsum(eq, X₁, …)  ->  dXᵢ = einsum(Y's, the others' -> Xᵢ's)
+    ins, out = n.attr["eq"].split("->")
+    ins = ins.split(",")
+    grads = []
+    for i, (a, sub) in enumerate(zip(n.args, ins)):
+        if not want[i]:
+            grads.append(None)
+            continue
+        others = [(x, s) for j, (x, s) in enumerate(zip(n.args, ins)) if j != i]
+        if len(set(sub)) != len(sub) or not set(sub) <= set(out).union(*(s for _, s in others)):
+            raise PassError("autodiff", f"no VJP for {n.name} = contract[{n.attr['eq']}] in argument {i}: "
+                                        f"an index of {sub} is repeated or summed within it alone")
+        eq = ",".join([out, *(s for _, s in others)]) + "->" + sub
+        grads.append(b(b.d(n, i), "contract", g, *(x for x, _ in others), eq=eq))
+    return tuple(grads)
+
+
 def _tril(b, n, g, want):
     return (b(b.d(n, 0), "tril", g, **({"strict": True} if n.attr.get("strict") else {})),)
 
@@ -209,6 +229,7 @@ VJP = {
     "scale_cols": _scale_cols,
     "matmul": _matmul,
     "tril": _tril,
+    "contract": _contract,
     "inv_unit_lower": _inv_unit_lower,
 }
 

@@ -20,6 +20,9 @@ A gate input is floored at G_FLOOR before its cumulative sum (`clamp_min`), so g
 reset (a document boundary inside a packed sequence), gives what the reference computes — the
 state zeroed at that token — instead of NaN: the masked differences would meet (−inf) − (−inf).
 
+A per-key gate (GLA, KDA: a diagonal decay Diag(e^{g_t})) has its own derivation,
+passes/chunk_per_key.py.
+
     >>> chunk = derive_chunks(classify(load_spec("specs/gdn.py")), chunk_size=64)   # doctest: +SKIP
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ import sympy as sp
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.recurrence import RecurrenceIR
+
+from .chunk_per_key import derive_per_key_chunks
 
 # The floor on log-gates: a hard reset, g = −inf, is computed as g = G_FLOOR. What a reset at −100
 # keeps of the state before it, e^−100 ≈ 4e-44 of it, is far below float64's resolution of the
@@ -46,6 +51,8 @@ def derive_chunks(ir: RecurrenceIR, chunk_size: int = 64) -> ChunkIR:
     st = ir.structure
     if st is None:
         raise PassError("chunk", "the recurrence is not classified; run classify first")
+    if st.decay == "key_gate":
+        return derive_per_key_chunks(ir, chunk_size, G_FLOOR, _coeff)
     p = ChunkIR(ir.name, chunk_size, history=("chunk",))
     kinds = {i.name: i.kind for i in ir.inputs}
     for i in ir.inputs:  # in the spec's order, so the printed header reads like the spec

@@ -3,11 +3,13 @@
 Splits the step into S_t = A_t S_{t−1} + B_t by sympy and recognises
 
     A_t = d_t (I − s_t x_t x_tᵀ)  or  d_t I,     d_t ∈ {1, exp(gate), head constant}
+    A_t = (I − s_t x_t x_tᵀ) D_t  or  D_t,       D_t = Diag(exp(g_t)), g a per-key gate
     B_t = b_t x_t y_tᵀ                            (x a key input, y a value input)
     o_t = c · S_tᵀ q_t
 
-which is the family MATH.md chunks (linear attention, Mamba2/simple GLA, RetNet, DeltaNet, GDN).
-Anything else is refused with the structure that was found.
+which is the family MATH.md chunks (linear attention, Mamba2/simple GLA, RetNet, DeltaNet, GDN;
+GLA and KDA with the per-key diagonal). Anything else is refused with the structure that was
+found: a diagonal applied after the delta factor, D_t (I − s k kᵀ), is another recurrence.
 
     >>> from qla_compiler.compiler import resolve_spec
     >>> from qla_compiler.passes.frontend import load_spec
@@ -23,11 +25,12 @@ import sympy as sp
 
 from qla_compiler.errors import UnsupportedStructure
 from qla_compiler.ir.recurrence import RecurrenceIR, Structure
+from qla_compiler.spec import DiagExp
 
 from .sympy_terms import count, terms
 
-SUPPORTED = ("A_t = d·I or d·(I − s·k·kᵀ) with d = 1, exp(gate) or a head constant; "
-             "B_t = b·k·vᵀ; o_t = Sᵀ·q")
+SUPPORTED = ("A_t = d·I or d·(I − s·k·kᵀ) with d = 1, exp(gate) or a head constant, or "
+             "Diag(exp(g)) or (I − s·k·kᵀ)·Diag(exp(g)) with g a per-key gate; B_t = b·k·vᵀ; o_t = Sᵀ·q")
 
 
 def classify(ir: RecurrenceIR) -> RecurrenceIR:
@@ -57,6 +60,7 @@ def classify(ir: RecurrenceIR) -> RecurrenceIR:
         else:
             transition.append((coeff, factors[:-1]))
 
+    transition, diag = _strip_diagonal(transition, refuse)
     # A_t = c·I + r·x xᵀ  →  d = c, s = −r/c
     ident = sp.Add(*[c for c, f in transition if not f])
     rank1 = [(c, f) for c, f in transition if f]
@@ -65,6 +69,10 @@ def classify(ir: RecurrenceIR) -> RecurrenceIR:
     decay, decay_name = _decay(ident, kinds, consts)
     if decay is None:
         refuse(f"the decay factor of A_t is {ident}, which is not 1, exp(<gate>) or a head constant")
+    if diag is not None:
+        if decay != "none":
+            refuse(f"A_t has the per-key decay {diag} and the decay factor {ident}; one decay is supported")
+        decay, decay_name = "key_gate", diag.gate.name
     delta_key, s = None, None
     if rank1:
         keys = {f for _, f in rank1}
@@ -102,6 +110,24 @@ def classify(ir: RecurrenceIR) -> RecurrenceIR:
         write_key=wf[0].name, write_value=wf[1].arg.name, write_coeff=b,
         query=of[1].name, output_coeff=c)
     return dataclasses.replace(ir, structure=structure)
+
+
+def _strip_diagonal(transition, refuse):
+    """A_t = M·D with D = Diag(exp(g)) of a per-key gate, rightmost in every term (it acts on the
+    state first): (the terms of M, D). (transition, None) when no term has a diagonal."""
+    diags = {f for _, fs in transition for f in fs if isinstance(f, DiagExp)}
+    if not diags:
+        return transition, None
+    if len(diags) > 1:
+        refuse(f"A_t has the diagonals {', '.join(sorted(map(str, diags)))}; one per-key decay is supported")
+    (diag,) = diags
+    for c, fs in transition:
+        if not fs or fs[-1] != diag or diag in fs[:-1]:
+            term = "·".join([str(c)] * (c != 1) + [str(f).replace(".T", "ᵀ") for f in fs]) or "1"
+            where = "is applied after the delta factor" if diag in fs else "is missing"
+            refuse(f"the per-key decay {diag} {where} in the term {term}·S of A_t; it must act on the state "
+                   f"first in every term, A_t = {diag} or (I − s·k·kᵀ)·{diag}")
+    return [(c, fs[:-1]) for c, fs in transition], diag
 
 
 def _decay(d, kinds, consts):

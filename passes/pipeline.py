@@ -8,7 +8,9 @@
     schedule   Partition      → KernelIR       (buffers placed, statements ordered)
 
 The lowering to TileLang (passes/lower_tilelang.py) needs a shape class, so it runs when an op is
-first called with concrete shapes (or for `qla-compile --emit tilelang` with a default class).
+first called with concrete shapes (or for `qla-compile --emit tilelang` with a default class). A
+chunk program the lowering has no rules for (passes/lowerable.py: a per-key gate's) stops the
+pipeline before `partition`; `Program.no_kernels` says why, and the CPU backend still runs it.
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
@@ -42,6 +44,7 @@ from .autodiff import derive_backward
 from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
+from .lowerable import unsupported
 from .partition import Partition, partition
 from .schedule import HEAD_DIMS, schedule
 from .rewrites import CHUNK_PASSES
@@ -75,6 +78,8 @@ class Program:
     head_dims: tuple = HEAD_DIMS
     _derived: dict = field(default_factory=dict, repr=False)
     checked: dict = field(default_factory=dict)  # check mode: pass -> relative errors (o, final state)
+    # why the chunk program has no kernels (passes/lowerable.py): the pipeline stopped before partition
+    no_kernels: str | None = None
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
@@ -218,17 +223,24 @@ class Program:
         The backward recomputes the forward from its inputs and the states entering each chunk;
         what the training forward stored (self.stored()) its kernels load instead."""
         if "backward_program" not in self._derived:
+            self._need_kernels("backward program: ")
             back = self.backward
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)]
             self._derived["backward_program"] = \
                 self._scheduled(back, [("autodiff", back)], "backward program: ", provided=provided)
         return self._derived["backward_program"]
 
+    def _need_kernels(self, where: str) -> None:
+        """Refuse to schedule a program the pipeline found no kernels for (passes/lowerable.py)."""
+        if self.no_kernels is not None:
+            raise PassError("partition", f"{where}{self.no_kernels}")
+
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
                    **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
         schedule (for this program's head-dim tiles): a Program whose stages are `before` and those
         two (`into`, if given). A failure names the pass."""
+        self._need_kernels(where)
         prog = into or Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before),
                                head_dims=self.head_dims)
         ir = chunk
@@ -334,6 +346,11 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
     ir = path
     checker = None
     for p in passes(chunk_size):
+        if p.name == "partition" and (why := unsupported(ir)) is not None:
+            prog.no_kernels = f"{prog.recurrence.path}: {why}"
+            if stop_after in ("partition", "schedule"):
+                raise PassError(p.name, prog.no_kernels)
+            break
         ir = _run_pass(p, ir)
         prog._keep(p.name, ir)
         if isinstance(ir, ChunkIR) and check:

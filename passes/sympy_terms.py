@@ -8,6 +8,11 @@ from __future__ import annotations
 import sympy as sp
 from sympy.matrices.expressions.matexpr import MatrixExpr
 
+from qla_compiler.spec import DiagExp
+
+# the matrix atoms a term is a product of
+ATOMS = (sp.MatrixSymbol, sp.Identity, DiagExp)
+
 Term = tuple[sp.Expr, tuple]  # (scalar coefficient, matrix factors left to right)
 
 
@@ -18,7 +23,7 @@ class NotATerm(ValueError):
 def shape(expr) -> tuple:
     """The shape of a matrix expression, checking every product and sum (sympy does not for
     symbolic dimensions). Raises ValueError naming the mismatch."""
-    if isinstance(expr, sp.MatrixSymbol) or isinstance(expr, sp.Identity):
+    if isinstance(expr, ATOMS):
         return expr.shape
     if isinstance(expr, sp.Transpose):
         r, c = shape(expr.arg)
@@ -40,7 +45,7 @@ def shape(expr) -> tuple:
             raise ValueError(f"shape mismatch in sum: {got} in {_s(expr)}")
         return shapes[0]
     if isinstance(expr, MatrixExpr):
-        raise NotATerm(f"unsupported matrix operation {type(expr).__name__}: {_s(expr)}")
+        raise NotATerm(_unsupported(expr))
     raise ValueError(f"expected a matrix expression, got the scalar {_s(expr)}")
 
 
@@ -58,9 +63,9 @@ def terms(expr) -> list[Term]:
         else:
             coeff, factors = sp.Integer(1), (p,)
         for f in factors:
-            if not isinstance(f, (sp.MatrixSymbol, sp.Identity, sp.Transpose)) or (
+            if not isinstance(f, (*ATOMS, sp.Transpose)) or (
                     isinstance(f, sp.Transpose) and not isinstance(f.arg, sp.MatrixSymbol)):
-                raise NotATerm(f"unsupported matrix operation {type(f).__name__}: {_s(f)}")
+                raise NotATerm(_unsupported(f))
         out.append((sp.sympify(coeff), tuple(f for f in factors if not isinstance(f, sp.Identity))))
     return out
 
@@ -68,6 +73,14 @@ def terms(expr) -> list[Term]:
 def count(factors: tuple, symbol: sp.MatrixSymbol) -> int:
     """How often `symbol` (or its transpose) occurs among the factors of a term."""
     return sum(1 for f in factors if f == symbol or f == symbol.T)
+
+
+def _unsupported(expr) -> str:
+    msg = f"unsupported matrix operation {type(expr).__name__}: {_s(expr)}"
+    if isinstance(expr, (sp.DiagMatrix, sp.DiagonalMatrix, sp.HadamardProduct)):
+        msg += ("; a diagonal decay is written exp(g) with a per-key gate g = gate('g', per='key') "
+                "(exp(g) is Diag(e^g))")
+    return msg
 
 
 def _s(expr) -> str:

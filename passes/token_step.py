@@ -3,7 +3,8 @@ token, for decoding: S_t = d_t (I − s_t x_t x_tᵀ) S_{t−1} + b_t x_t y_tᵀ
 
 Per token, with the state block S (K×BV, float32) in registers:
 
-    S ← d · S                          the decay (a gate e^g, or a head constant)
+    S ← d · S                          the decay (a gate e^g, a head constant, or Diag(e^g) of a
+                                       per-key gate, which decays row i by e^{g_i})
     u ← xᵀ S                           (BV) only with the delta factor
     S ← S + x (b·y − s·u)ᵀ             (I − s x xᵀ) d S + b x yᵀ, one rank-1 update
     o ← scale · c · Sᵀ q               (BV)
@@ -30,8 +31,9 @@ from qla_compiler.ir.recurrence import RecurrenceIR
 
 # per-token tensors as the op packs them: keys per query/key head, values and scalars per value head
 _LAYOUT = {"key": (("1", "T", "H", "K"), "io"), "value": (("1", "T", "HV", "V"), "io"),
-           "scalar": (("1", "T", "HV"), "float32"), "gate": (("1", "T", "HV"), "float32")}
-_SHAPE = {"key": ("K",), "value": ("BV",), "scalar": ("1",), "gate": ("1",)}
+           "scalar": (("1", "T", "HV"), "float32"), "gate": (("1", "T", "HV"), "float32"),
+           "key_gate": (("1", "T", "HV", "K"), "float32")}
+_SHAPE = {"key": ("K",), "value": ("BV",), "scalar": ("1",), "gate": ("1",), "key_gate": ("K",)}
 
 READ_SLOT = Tensor("read_slot", ("N",), "int32", "in",
                    "the pool slot each sequence starts from; -1: the zero state; -2: padding, nothing runs")
@@ -97,6 +99,10 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
         body.append(Stmt("ewise", "state", (), (("expr", ("mul", ("exp", ("buf", bufs[st.decay_name], "0")), S)), ij)))
     elif st.decay == "head_constant":
         body.append(Stmt("ewise", "state", (), (("expr", ("mul", ("exp", ("head", st.decay_name)), S)), ij)))
+    elif st.decay == "key_gate":  # Diag(e^g) S: row i of the state decays by its key's gate
+        body.append(Stmt("ewise", "state", (), (("expr", ("mul", ("exp", ("buf", bufs[st.decay_name], "i")), S)), ij)))
+    elif st.decay != "none":
+        raise PassError("token_step", f"no token-step form for the decay {st.decay!r}")
     write = _mul(_coeff(st.write_coeff, bufs), ("buf", y, "j"))
     if st.delta:
         body += [Stmt("ewise", "xS", (), (("expr", ("mul", ("buf", x, "i"), S)), ij)),

@@ -7,7 +7,9 @@ so this pass does, by abstract interpretation over two small lattices:
     sign:  '≤0', '≥0' or '?'          (gates are ≤ 0 by declaration; head constants γ ≤ 1)
     order: 'dec', 'inc', 'flat', '?'  (along the chunk: a cumsum of ≤ 0 values never increases)
 
-masked_diff of a non-increasing vector is ≤ 0; last(x) − x of a non-increasing x is ≤ 0.
+masked_diff of a non-increasing vector is ≤ 0; last(x) − x of a non-increasing x is ≤ 0. A C×K
+block (a per-key gate's) is ordered along the chunk in each of its columns, and its masked_diff
+(C×C×K) and last (K) are taken per column, so the same rules prove e^{γ_ik − γ_jk} ≤ 1.
 A program with an exponential of anything else is refused, naming the node.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ def analyse(ir: ChunkIR) -> dict:
         a = [info[x] for x in n.args]
         sign, order = ANY, ANY
         if n.op == "input":
-            sign = NEG if n.attr["kind"] == "gate" else ANY
+            sign = NEG if n.attr["kind"] in ("gate", "key_gate") else ANY
         elif n.op == "head_log":
             sign = NEG
         elif n.op == "const":

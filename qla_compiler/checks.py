@@ -36,7 +36,7 @@ def _tensor(name, x, ndim, what):
 
 
 def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) -> Dims:
-    """inputs: name -> tensor, kinds: name -> key|value|scalar|gate (in the spec's order)."""
+    """inputs: name -> tensor, kinds: name -> key|value|scalar|gate|key_gate (in the spec's order)."""
     keys = [n for n in kinds if kinds[n] == "key"]
     values = [n for n in kinds if kinds[n] == "value"]
     for n in keys:
@@ -67,6 +67,12 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
             if tuple(inputs[n].shape) != (B, T, HV):
                 raise ValueError(f"{n}: expected shape {[B, T, HV]}, got {list(inputs[n].shape)}"
                                  + _head_first(n, inputs[n], (B, T, HV), "[B, HV, T]"))
+    for n, kind in kinds.items():
+        if kind == "key_gate":
+            _tensor(n, inputs[n], 4, f"[B={B}, T={T}, HV={HV}, K={K}] (a gate per key dimension)")
+            if tuple(inputs[n].shape) != (B, T, HV, K):
+                raise ValueError(f"{n}: expected shape {[B, T, HV, K]} (a gate per key dimension), got "
+                                 f"{list(inputs[n].shape)}" + _head_first(n, inputs[n], (B, T, HV, K), "[B, HV, T, K]"))
     first = inputs[keys[0]]
     dt = first.dtype
     for n in keys + values:
@@ -80,7 +86,7 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
     for n, kind in kinds.items():  # the premise of every decay computation: log-gates are ≤ 0
-        if kind == "gate" and inputs[n].device.type == "cpu" and inputs[n].numel() and bool((inputs[n] > 0).any()):
+        if kind in ("gate", "key_gate") and inputs[n].device.type == "cpu" and inputs[n].numel() and bool((inputs[n] > 0).any()):
             raise ValueError(f"{n}: a log-space gate must be ≤ 0 (a decay), but its largest value is "
                              f"{float(inputs[n].max()):g}")
 

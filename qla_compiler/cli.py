@@ -75,9 +75,18 @@ def main(argv=None) -> int:
     if args.emit == "recurrence":
         text = str(prog.recurrence)
     elif args.emit in ("chunk", "backward", "affine", "kernel", "tilelang", "cuda"):
-        stage = {"chunk": prog.chunk, "backward": prog.backward, "affine": prog.affine}.get(args.emit, prog.kernels)
+        try:
+            # (derived on demand: --emit chunk needs neither the backward nor the affine program)
+            stage = {"chunk": lambda: prog.chunk, "backward": lambda: prog.backward,
+                     "affine": lambda: prog.affine}.get(args.emit, lambda: prog.kernels)()
+        except PassError as e:
+            print(f"qla-compile: error: {e}", file=sys.stderr)
+            return 1
         if stage is None:
-            print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
+            if prog.no_kernels and args.emit in ("kernel", "tilelang", "cuda"):
+                print(f"qla-compile: error: --emit {args.emit}: no kernels: {prog.no_kernels}", file=sys.stderr)
+            else:
+                print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
         try:
             chosen = [f for f in ("backward", "training", "token_step") if getattr(args, f)]
@@ -237,6 +246,8 @@ def summary(prog) -> str:
     if prog.target == "cpu":
         lines.append("kernels: none for target cpu (the ChunkIR interpreter runs the chunk program; "
                      "--target sm90 for the kernels)")
+    elif prog.no_kernels is not None:
+        lines.append(f"kernels: none — {prog.no_kernels}")
     elif prog.kernels is not None:
         lines.append(f"kernels: {', '.join(k.name for k in prog.kernels.kernels)}  "
                      "(--emit kernel, --emit tilelang, --emit cuda)")

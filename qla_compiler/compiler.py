@@ -30,13 +30,13 @@ def resolve_spec(spec) -> Path:
         >>> resolve_spec("gdnx")
         Traceback (most recent call last):
         ...
-        qla_compiler.errors.SpecError: gdnx: no such spec file, and no shipped spec of that name (did you mean gdn? shipped specs: gdn, delta_net, simple_gla, retnet, linear_attn)
+        qla_compiler.errors.SpecError: gdnx: no such spec file, and no shipped spec of that name (did you mean gdn? shipped specs: gdn, delta_net, simple_gla, retnet, linear_attn, gla, kda)
     """
     p = Path(spec)
     if p.suffix != ".py" and str(spec) in NAMES:
         return shipped_spec(str(spec))
     if not p.exists():
-        close = difflib.get_close_matches(p.stem, NAMES, n=3, cutoff=0.5)
+        close = difflib.get_close_matches(p.stem, NAMES, n=3, cutoff=0.6)  # (0.5: "delta" ~ "kda")
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         what = "cannot read the spec: no such file" if p.suffix == ".py" else \
             "no such spec file, and no shipped spec of that name"

@@ -10,8 +10,9 @@ Arguments are the spec's inputs in the spec's order (positional or by name), the
 (packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel=None` (a number
 of segments: each sequence is cut into that many, which run at once; qla_compiler/context_parallel.py).
 Returns `(o, final_state or None)`; o has v's dtype and shape [B, T, HV, V]; the state is float32
-(float64 for float64 inputs). CUDA tensors in bf16/fp16 run the generated kernels, everything else
-the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in float64 with the same
+(float64 for float64 inputs). CUDA tensors in bf16/fp16 run the generated kernels (a spec the sm90
+lowering cannot take yet, a per-key gate's, refuses them with a PassError saying why), everything
+else the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in float64 with the same
 arguments (less context_parallel).
 
 On CPU tensors the op is differentiable (torch.autograd): the chunk program's evaluation is one
@@ -31,6 +32,7 @@ import torch
 
 from .checks import Dims, check_inputs
 from .context_parallel import check_segments, run_segments
+from .errors import PassError
 from .ir.chunk_interp import run_backward, run_chunks
 from .ir.recurrence_interp import run_recurrence
 from .layout import expand_heads, from_chunks, gather, packed_cu_seqlens, scatter, sequence_bounds, to_chunks
@@ -93,6 +95,9 @@ class CompiledOp:
         v = inputs[self.value_name]
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
+            if self.program.kernels is None:  # (a per-key gate: passes/lowerable.py)
+                raise PassError("partition", f"{self.program.no_kernels or 'the program has no kernels'} "
+                                f"(got {v.dtype} CUDA tensors, which run the kernels)")
             if _wants_grad(*inputs.values(), initial_state):
                 from .kernels.backward import KernelStep  # tilelang is imported only when kernels run
 

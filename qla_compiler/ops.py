@@ -1,7 +1,8 @@
 """Ready-made ops for the shipped specs, with FLA's names.
 
-    >>> from qla_compiler.ops import chunk_gated_delta_rule
+    >>> from qla_compiler.ops import chunk_gated_delta_rule, chunk_kda
     >>> o, final = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)   # doctest: +SKIP
+    >>> o, final = chunk_kda(q, k, v, g_per_key, beta, use_qk_l2norm_in_kernel=True)  # doctest: +SKIP
     >>> o, pool = fused_recurrent_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool,
     ...     ssm_state_indices=slots, inplace_final_state=True, output_final_state=True)  # doctest: +SKIP
 
@@ -36,6 +37,10 @@ chunk_delta_rule = _make("delta_net", "chunk_delta_rule")
 chunk_simple_gla = _make("simple_gla", "chunk_simple_gla")
 chunk_retention = _make("retnet", "chunk_retention")
 chunk_linear_attn = _make("linear_attn", "chunk_linear_attn")
+# per-key gates, g [B, T, H, K]: on the CPU backend (and float32/float64 CUDA tensors) for now;
+# bf16/fp16 CUDA tensors are refused, the sm90 lowering has no rule for them yet (passes/lowerable.py)
+chunk_gla = _make("gla", "chunk_gla")
+chunk_kda = _make("kda", "chunk_kda")
 
 # the token-step ops, for decoding (qla_compiler/recurrent.py)
 fused_recurrent_gated_delta_rule = _make("gdn", "fused_recurrent_gated_delta_rule", recurrent=True)

@@ -7,11 +7,13 @@ A spec file declares its per-token inputs, the K×V state and one `recurrence(st
     q, k = key("q"), key("k")          # K-vectors per token and query/key head
     v = value("v")                     # V-vector per token and value head
     g = gate("g")                      # log-space decay per token and value head (≤ 0)
+                                       # (gate("g", per="key"): one per key dimension too; see gate)
     beta = scalar("beta")              # a scalar per token and value head
     S = state()                        # the K×V state
     recurrence(step=exp(g) * (I - beta * k * k.T) * S + beta * k * v.T, output=S.T * q)
 
-`*` is the matrix product (sympy's), `.T` the transpose, `I` the K×K identity. The op scales the
+`*` is the matrix product (sympy's), `.T` the transpose, `I` the K×K identity, `exp(g)` of a
+per-key gate the K×K diagonal Diag(e^{g}). The op scales the
 output by `scale` (default K^-1/2), as FLA does. Declarations are recorded with their line so that
 errors in later passes can point back at the spec.
 """
@@ -24,12 +26,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import sympy as sp
+from sympy.matrices.expressions.matexpr import MatrixExpr
 
 from .errors import SpecError
 
 K, V = sp.symbols("K V", integer=True, positive=True)
 I = sp.Identity(K)
-exp = sp.exp
 
 # Names an input cannot take: the op's keyword options, and names the generated kernels use for
 # their own parameters, sizes, loop variables and buffers (qla_compiler/op.py, passes/schedule.py,
@@ -101,8 +103,71 @@ def scalar(name: str) -> sp.Symbol:
     return _input(name, "scalar", sp.Symbol(name, real=True))
 
 
-def gate(name: str) -> sp.Symbol:
-    """A log-space decay per token and value head (g ≤ 0), passed as [B, T, HV]; use as exp(g)."""
+class KeyGate(sp.MatrixSymbol):
+    """A per-key log-space gate: a K-vector (K×1) whose exp is a diagonal matrix, not a scalar."""
+
+
+class DiagExp(MatrixExpr):
+    """Diag(e^{g}) of a per-key gate g: the K×K diagonal decay of GLA and KDA. Symmetric, so its
+    transpose is itself; the recurrence interpreter builds it from g, the classify pass reads
+    `gate` (the meaning is this class and its argument, not a name)."""
+
+    is_commutative = False
+
+    def __new__(cls, gate):
+        return sp.Basic.__new__(cls, gate)
+
+    @property
+    def gate(self) -> KeyGate:
+        return self.args[0]
+
+    @property
+    def shape(self):
+        return (self.gate.shape[0], self.gate.shape[0])
+
+    def _eval_transpose(self):
+        return self
+
+    def _sympystr(self, printer):
+        return f"Diag(exp({printer._print(self.gate)}))"
+
+    def _latex(self, printer):
+        return r"\operatorname{Diag}(e^{%s})" % printer._print(self.gate)
+
+
+def exp(x):
+    """e^x of a scalar (a gate: exp(g)); of a per-key gate, the diagonal Diag(e^{g}).
+
+        exp(g) * S        # scalar gate: e^{g} S;  per-key gate: Diag(e^{g}) S (row k scaled by e^{g_k})
+    """
+    if isinstance(x, KeyGate):
+        return DiagExp(x)
+    if isinstance(x, MatrixExpr):
+        msg = (f"exp of the matrix {x} is not a decay: exp() takes a scalar (exp(g) of a gate) or a per-key "
+               "gate (g = gate('g', per='key'): exp(g) is Diag(e^g))")
+        if _current.get() is None:
+            raise ValueError(msg)
+        decl, line = _record()
+        raise SpecError(msg, decl.path, line)
+    return sp.exp(x)
+
+
+def gate(name: str, per: str = "head"):
+    """A log-space decay (g ≤ 0); use as exp(g).
+
+    per="head" (the default): one per token and value head, passed as [B, T, HV]; exp(g) is a scalar.
+    per="key": one per token, value head and key dimension, passed as [B, T, HV, K]; exp(g) is the
+    K×K diagonal Diag(e^{g}), which decays row k of the state by e^{g_k} (GLA, KDA):
+
+        g = gate("g", per="key")
+        recurrence(step=exp(g) * S + k * v.T, output=S.T * q)                          # GLA
+        recurrence(step=(I - beta * k * k.T) * exp(g) * S + beta * k * v.T, output=S.T * q)  # KDA
+    """
+    if per == "key":
+        return _input(name, "key_gate", KeyGate(name, K, 1))
+    if per != "head":
+        decl, line = _record()
+        raise SpecError(f"gate {name!r}: per must be 'head' or 'key', got {per!r}", decl.path, line)
     return _input(name, "gate", sp.Symbol(name, nonpositive=True))
 
 

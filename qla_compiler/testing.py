@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 def random_inputs(op, *, B=1, T=64, H=1, HV=1, K=16, V=16, cu_seqlens=None, dtype=torch.float64,
                   gate=None, beta=None, initial_state=False, device="cpu", seed=0) -> dict:
-    """Keyword arguments for `op`: unit-norm keys, normal values, β in (0, 1), log-gates in
-    [log 0.9, 0] by default (or filled with `gate` / `beta` when given as a number)."""
+    """Keyword arguments for `op`: unit-norm keys, normal values, β in (0, 1), log-gates
+    logsigmoid(N(3, 1)) (per key too, for a per-key gate) by default, or filled with `gate` /
+    `beta` when given as a number."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, kind in op.kinds.items():
@@ -24,9 +25,10 @@ def random_inputs(op, *, B=1, T=64, H=1, HV=1, K=16, V=16, cu_seqlens=None, dtyp
             x = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
         elif kind == "value":
             x = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
-        elif kind == "gate":
-            x = (torch.full((B, T, HV), float(gate), dtype=torch.float64) if gate is not None
-                 else F.logsigmoid(torch.randn(B, T, HV, generator=gen, dtype=torch.float64) + 3.0))
+        elif kind in ("gate", "key_gate"):
+            shape = (B, T, HV) if kind == "gate" else (B, T, HV, K)
+            x = (torch.full(shape, float(gate), dtype=torch.float64) if gate is not None
+                 else F.logsigmoid(torch.randn(shape, generator=gen, dtype=torch.float64) + 3.0))
         else:
             x = (torch.full((B, T, HV), float(beta), dtype=torch.float64) if beta is not None
                  else torch.rand(B, T, HV, generator=gen, dtype=torch.float64))

@@ -6,7 +6,10 @@
 """
 from pathlib import Path
 
-NAMES = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
+# the specs the sm90 lowering turns into kernels; gla and kda (per-key gates) run on the CPU
+# backend only for now: the lowering has no rule for their per-key decay blocks (issue 18)
+WITH_KERNELS = ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn")
+NAMES = (*WITH_KERNELS, "gla", "kda")
 
 
 def path(name: str) -> Path:

@@ -20,7 +20,7 @@ from qla_compiler.passes.verify_exponents import verify_exponents
 from qla_compiler.testing import input_grads, random_inputs, rel_err
 
 TOL = 1e-8
-GATED = ("gdn", "simple_gla")
+GATED = ("gdn", "simple_gla", "gla", "kda")
 
 CASES = {
     # name: (keyword arguments for random_inputs, the final state gets a gradient)

@@ -24,7 +24,7 @@ def test_context_parallel_matches_reference(ops, spec, segments):
     assert rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
 
 
-@pytest.mark.parametrize("spec", ["gdn", "simple_gla"])
+@pytest.mark.parametrize("spec", ["gdn", "simple_gla", "gla", "kda"])
 def test_context_parallel_under_strong_decay(ops, spec):
     args = random_inputs(ops[spec], T=330, H=2, HV=4, K=8, V=8, gate=-16.0, initial_state=True)
     o, S = ops[spec](**args, context_parallel=3)

@@ -15,7 +15,7 @@ def _empty(cu):
 
 
 @pytest.mark.parametrize("cu", LAYOUTS, ids=str)
-@pytest.mark.parametrize("spec", ["gdn", "simple_gla"])
+@pytest.mark.parametrize("spec", ["gdn", "simple_gla", "gla", "kda"])
 def test_interpreter(ops, spec, cu):
     op = ops[spec]
     args = random_inputs(op, T=150, H=1, HV=2, K=8, V=8, cu_seqlens=cu, initial_state=True, seed=0)

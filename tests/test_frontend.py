@@ -12,6 +12,8 @@ EXPECTED = {
     "simple_gla": (("q", "k", "v", "g"), "gate", False, "1"),
     "retnet": (("q", "k", "v"), "head_constant", False, "1"),
     "linear_attn": (("q", "k", "v"), "none", False, "1"),
+    "gla": (("q", "k", "v", "g"), "key_gate", False, "1"),
+    "kda": (("q", "k", "v", "g", "beta"), "key_gate", True, "beta"),
 }
 
 

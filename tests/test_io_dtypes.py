@@ -20,7 +20,7 @@ def _inputs(op, io, dtypes=None, dim=16):
 
 
 @pytest.mark.parametrize("io", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("spec", ["gdn", "simple_gla", "delta_net"])
+@pytest.mark.parametrize("spec", ["gdn", "simple_gla", "delta_net", "gla", "kda"])
 def test_io_dtype_gates_scalars_and_state_on_the_cpu(ops, spec, io):
     op = ops[spec]
     args = _inputs(op, io)

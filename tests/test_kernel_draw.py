@@ -3,7 +3,7 @@ embedded in _repr_html_."""
 import pytest
 
 import qla_compiler
-from conftest import SPECS, svg_texts
+from conftest import KERNEL_SPECS as SPECS, svg_texts
 from qla_compiler.ir.kernel_draw import crossings, draw, to_svg
 
 pytest.importorskip("matplotlib")

@@ -17,7 +17,7 @@ from qla_compiler.kernels.runtime import lower_to_cuda
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import _reads, schedule
-from qla_compiler.specs import NAMES
+from qla_compiler.specs import WITH_KERNELS as NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
 

@@ -10,7 +10,8 @@ from qla_compiler.passes.chunk import G_FLOOR
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 from qla_compiler.testing import input_grads, random_inputs, rel_err
 
-GATED = ["gdn", "simple_gla"]
+GATED = ["gdn", "simple_gla", "gla", "kda"]  # (per-key gates: the reset at every key of a head)
+KERNEL_GATED = ["gdn", "simple_gla"]  # the gated specs with sm90 kernels
 CU = [0, 70, 75, 260]  # packed: a partial chunk, a 5-token sequence, a sequence of three chunks
 # (token, value head or all): mid-chunk, the batch's first token (which padding reads), a
 # sequence's first token, a chunk's first token inside a sequence, a 5-token sequence's last token
@@ -51,7 +52,8 @@ def test_a_reset_gives_the_reference_forward_and_backward(ops, spec, value, cp):
         assert rel_err(grads[n], ref[n]) <= 1e-8, n
     # at a reset, d e^g = e^g dg = 0 through the reference; the floor's derivative is 0 there too
     resets = args["g"] == value
-    assert int(resets.sum()) == sum(2 if h is None else 1 for _, h in RESETS)
+    keys = args["g"].shape[3] if args["g"].dim() == 4 else 1  # a per-key gate resets every key
+    assert int(resets.sum()) == keys * sum(2 if h is None else 1 for _, h in RESETS)
     assert not grads["g"][resets].any() and not ref["g"][resets].any()
 
 
@@ -79,7 +81,7 @@ def test_a_reset_in_float32(ops, spec):
         assert rel_err(grads[n], ref[n]) <= 1e-4, n
 
 
-@pytest.mark.parametrize("spec", GATED)
+@pytest.mark.parametrize("spec", KERNEL_GATED)
 def test_a_reset_through_the_gpu_host_code_with_emulated_kernels(ops, spec):
     """The GPU path's host code with every forward and backward kernel emulated in float64
     (qla_compiler/emulate.py): each kernel's share of the program, the floor in the prep, its

@@ -14,7 +14,7 @@ from qla_compiler.kernels.runtime import lower_to_cuda
 from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.testing import random_inputs, rel_err
 
-SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn"]
+SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn", "gla", "kda"]
 TOL = 1e-10  # float64 inputs: the interpreter and the recurrence differ only by rounding order
 
 
@@ -189,14 +189,16 @@ def test_emit_token_step_kernel(capsys):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("K, state", [(128, "float32"), (128, "bfloat16"), (100, "bfloat16"), (256, "float32")])
-def test_token_step_compiles_for_sm90a_without_spills(K, state, tmp_path):
+@pytest.mark.parametrize("spec, K, state", [("gdn", 128, "float32"), ("gdn", 128, "bfloat16"), ("gdn", 100, "bfloat16"),
+                                             ("gdn", 256, "float32"), ("kda", 128, "float32")])
+def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
+    """(KDA's per-key gate too: its chunk program has no sm90 kernels yet, its token step does.)"""
     from test_lowering import _ptxas_spills
 
     from qla_compiler.kernels.token_step import shape_class
     from qla_compiler.checks import Dims
 
-    program = qla_compiler.compile_spec("gdn").token_step_program
+    program = qla_compiler.compile_spec(spec).token_step_program
     dims = Dims(1, 1, 16, 64, K, K, 1)
     shape = shape_class(dims, torch.bfloat16, getattr(torch, state), 0.1)
     assert isinstance(shape, ShapeClass) and shape.state == state
