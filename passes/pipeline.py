@@ -334,7 +334,10 @@ def identity(name: str) -> str:
 
 
 def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: str | None = None,
-                 print_after: Callable | None = None, check: bool = False) -> Program:
+                 print_after: Callable | None = None, checker: Callable | None = None) -> Program:
+    """The passes in order. `checker(recurrence)`, if given, makes the check run after every chunk
+    pass: `.check(pass name, ChunkIR)` returns its errors, kept in Program.checked
+    (qla_compiler/check_mode.py: compile_spec(check=True) passes it)."""
     if target not in TARGETS:
         raise ValueError(f"target: expected one of {', '.join(TARGETS)}, got {target!r}")
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
@@ -344,7 +347,7 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
         raise ValueError(f"stop_after: no pass named {stop_after!r}; passes: {', '.join(names)}")
     prog = Program(str(path), target, chunk_size)
     ir = path
-    checker = None
+    check = None
     for p in passes(chunk_size):
         if p.name == "partition" and (why := unsupported(ir)) is not None:
             prog.no_kernels = f"{prog.recurrence.path}: {why}"
@@ -353,11 +356,9 @@ def run_pipeline(path, target: str = "sm90", chunk_size: int = 64, stop_after: s
             break
         ir = _run_pass(p, ir)
         prog._keep(p.name, ir)
-        if isinstance(ir, ChunkIR) and check:
-            from .check import Checker  # the numerical check needs torch; plain compiles do not
-
-            checker = checker or Checker(prog.recurrence)
-            prog.checked[p.name] = checker.check(p.name, ir)
+        if isinstance(ir, ChunkIR) and checker is not None:
+            check = check or checker(prog.recurrence)
+            prog.checked[p.name] = check.check(p.name, ir)
         if print_after is not None:
             print_after(p.name, ir)
         if p.name == stop_after:

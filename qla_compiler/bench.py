@@ -4,6 +4,8 @@
     qla-bench --rows 2/8:1x32768 --plot bench.png
     qla-bench --backward             # forward + backward per call (training)
     qla-bench --rows 16/64:8x4096:100   # head dims K = V = 100 (K×V: e.g. 128x64)
+    qla-bench --decode               # the token step (op.recurrent) beside FLA's fused_recurrent, one token
+                                     # per sequence; each row also prints the time to move the states once
     python benchmarks/bench_gdn.py   # the same
 
 Two times per call, as the baseline table reports them:
@@ -19,6 +21,9 @@ import sys
 
 ROWS = ["2/8:1x32768", "2/8:1x8192", "2/8:8x4096", "4/16:1x32768", "4/16:8x4096", "8/32:1x32768",
         "16/64:1x32768", "16/64:1x2048", "16/64:8x4096"]
+# decoding: batches of 1, 32 and 256 one-token sequences (issue 19's rows)
+DECODE_ROWS = [f"{h}:{n}x1" for h in ("16/64", "2/8") for n in (1, 32, 256)]
+H200_BYTES_PER_MS = 4.3e9  # HBM3e, ~4.3 TB/s as measured for copies (shared/gpu notes)
 
 
 def parse_row(row: str):
@@ -97,6 +102,24 @@ def eager_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def state_floor_ms(HV: int, K: int, V: int, n_seqs: int) -> float:
+    """The time to read and write every sequence's float32 state once at HBM speed: a token
+    step's floor."""
+    return 2 * n_seqs * HV * K * V * 4 / H200_BYTES_PER_MS
+
+
+def decode_libraries(only=None):
+    import qla_compiler.ops as qla_ops
+
+    libs = {"qla": qla_ops.fused_recurrent_gated_delta_rule}
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
+        libs["FLA"] = fla_step
+    except ImportError as e:
+        print(f"FLA not importable: {e}", file=sys.stderr)
+    return {k: v for k, v in libs.items() if not only or k in only}
+
+
 def libraries(cp=None, only=None, backward=False):
     import functools
 
@@ -122,12 +145,12 @@ def libraries(cp=None, only=None, backward=False):
     return libs
 
 
-def run(rows, plot=None, cp=None, only=None, backward=False):
+def run(rows, plot=None, cp=None, only=None, backward=False, decode=False):
     import torch
 
-    libs = libraries(cp, only, backward)
+    libs = decode_libraries(only) if decode else libraries(cp, only, backward)
     results = []
-    what = "forward + backward" if backward else "forward"
+    what = "token step (decode)" if decode else "forward + backward" if backward else "forward"
     print(f"# GDN {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, ms per call")
     for row in rows:
         H, HV, lens = parse_row(row)
@@ -148,7 +171,8 @@ def run(rows, plot=None, cp=None, only=None, backward=False):
             except Exception as e:  # noqa: BLE001 - one failing library must not hide the others
                 print(f"{row} {name}: {type(e).__name__}: {e}", file=sys.stderr)
         results.append(res)
-        print(_line(res, libs), flush=True)
+        floor = f"  (the states once: {state_floor_ms(HV, K, V, len(lens)):.4f} ms)" if decode else ""
+        print(_line(res, libs) + floor, flush=True)
     print(_table(results, libs))
     if plot:
         _plot(results, libs, plot)
@@ -200,8 +224,9 @@ def _plot(results, libs, path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="qla-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", nargs="*", default=ROWS,
-                    help="h_qk/h_v:NxL[:K[xV]], e.g. 2/8:1x32768 or 16/64:8x4096:100 (K = V = 128 by default)")
+    ap.add_argument("--rows", nargs="*", default=None,
+                    help="h_qk/h_v:NxL[:K[xV]], e.g. 2/8:1x32768 or 16/64:8x4096:100 (K = V = 128 by default); "
+                         "default: the baseline table's nine rows (--decode: DECODE_ROWS)")
     ap.add_argument("--plot", metavar="PNG", help="save a bar chart of the GPU times")
     ap.add_argument("--cp", type=int, metavar="SEGMENTS",
                     help="also time qla with context parallelism, each sequence in SEGMENTS segments")
@@ -209,6 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
+    ap.add_argument("--decode", action="store_true",
+                    help="time the token step (op.recurrent) beside FLA's fused_recurrent_gated_delta_rule; "
+                         "rows default to batches of 1, 32 and 256 one-token sequences")
     ap.add_argument("--block-v", type=int, choices=(16, 32, 64),
                     help="the scan's V-block, for every row (default: kernels/forward.py's block_v choice)")
     args = ap.parse_args(argv)
@@ -218,7 +246,8 @@ def main(argv=None) -> int:
         forward.scan_stages = lambda BV: args.scan_stages
     if args.block_v:
         forward.choose_block_v = lambda V, HV, N, device: min(args.block_v, V)
-    run(args.rows, args.plot, args.cp, args.only, args.backward)
+    rows = args.rows or (DECODE_ROWS if args.decode else ROWS)
+    run(rows, args.plot, args.cp, args.only, args.backward, args.decode)
     return 0
 
 

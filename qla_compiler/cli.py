@@ -216,7 +216,7 @@ def check_report(prog) -> str:
         >>> print(check_report(compile_spec("linear_attn", check=True)).splitlines()[-1])
           worst: ... every pass within 1e-10
     """
-    from .passes.check import TOLERANCE
+    from .check_mode import TOLERANCE
 
     if not prog.checked:
         return "check: nothing to check (the pipeline stopped before the chunk program)"

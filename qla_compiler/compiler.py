@@ -44,9 +44,15 @@ def resolve_spec(spec) -> Path:
     return p
 
 
-def compile_spec(spec, target: str = "sm90", chunk_size: int = 64, **options) -> Program:
-    """Run the pipeline and return every stage (see passes.pipeline.run_pipeline for options)."""
-    return run_pipeline(resolve_spec(spec), target=target, chunk_size=chunk_size, **options)
+def compile_spec(spec, target: str = "sm90", chunk_size: int = 64, check: bool = False, **options) -> Program:
+    """Run the pipeline and return every stage (see passes.pipeline.run_pipeline for options);
+    `check`: run the interpreter against the reference after every chunk pass (check_mode.py)."""
+    checker = None
+    if check:
+        from .check_mode import Checker  # the numerical check needs torch; plain compiles do not
+
+        checker = Checker
+    return run_pipeline(resolve_spec(spec), target=target, chunk_size=chunk_size, checker=checker, **options)
 
 
 def compile(spec, target: str = "sm90", chunk_size: int = 64, check: bool = False) -> CompiledOp:

@@ -71,3 +71,12 @@ def test_block_v_option_forces_the_scans_v_block(monkeypatch):
     assert fwd.choose_block_v(128, 8, 1, None) == 64  # block_v alone picks 16 there
     with pytest.raises(SystemExit):  # the V-blocks the lowering builds: 16, 32, 64
         bench.main(["--block-v", "8"])
+
+
+def test_decode_rows_and_the_state_floor():
+    """--decode's rows are batches of one-token sequences; the floor is one read and one write of
+    every float32 state at HBM speed (256 × 64 heads × 128 × 128: 2.1 GB, ~0.5 ms)."""
+    from qla_compiler.bench import DECODE_ROWS, state_floor_ms
+
+    assert parse_row("16/64:256x1") == (16, 64, [1] * 256) and "16/64:256x1" in DECODE_ROWS
+    assert 0.45 < state_floor_ms(64, 128, 128, 256) < 0.55

@@ -3,7 +3,7 @@ import re
 
 import qla_compiler
 from qla_compiler.cli import main
-from qla_compiler.passes.check import TOLERANCE
+from qla_compiler.check_mode import TOLERANCE
 from qla_compiler.passes.pipeline import pass_names
 
 

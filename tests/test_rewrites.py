@@ -51,7 +51,7 @@ def chunk_pass_names():
 
 
 def op_for(prog, ir: ChunkIR) -> CompiledOp:
-    """An op that runs one stage's chunk program (as passes/check.py does)."""
+    """An op that runs one stage's chunk program (as qla_compiler/check_mode.py does)."""
     return CompiledOp(Program(prog.path, "cpu", ir.chunk_size, prog.recurrence, ir))
 
 

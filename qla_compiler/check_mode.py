@@ -3,7 +3,8 @@
 Small random inputs (float64, a packed batch with a partial chunk and a 1-token sequence, grouped
 value heads, an initial state); the first pass whose program disagrees is named in the error.
 `check` returns the relative errors it measured, which the pipeline keeps per pass
-(`Program.checked`, printed by `qla-compile --check`).
+(`Program.checked`, printed by `qla-compile --check`). It lives beside the op it runs, not among
+the passes: compile_spec(check=True) hands it to the pipeline (run_pipeline's `checker`).
 
     >>> from qla_compiler import compile_spec
     >>> prog = compile_spec("gdn", check=True)
@@ -12,8 +13,8 @@ value heads, an initial state); the first pass whose program disagrees is named 
 """
 from __future__ import annotations
 
-from qla_compiler.errors import PassError
-from qla_compiler.ir.recurrence import RecurrenceIR
+from .errors import PassError
+from .ir.recurrence import RecurrenceIR
 
 TOLERANCE = 1e-10
 
@@ -26,10 +27,9 @@ class Checker:
     def check(self, pass_name: str, chunk) -> tuple:
         """The relative errors (o, final state) of `chunk` run by the interpreter against the
         reference; a PassError naming `pass_name` where one exceeds TOLERANCE."""
-        from qla_compiler.op import CompiledOp
-        from qla_compiler.testing import random_inputs, rel_err
-
-        from .pipeline import Program
+        from .op import CompiledOp
+        from .passes.pipeline import Program
+        from .testing import random_inputs, rel_err
 
         C = chunk.chunk_size
         op = CompiledOp(Program("<check>", "cpu", C, self.recurrence, chunk))
