@@ -36,6 +36,13 @@ class Sizes:
     G: int
     C: int = 64
     head_logs: dict = field(default_factory=dict)
+    # None: every buffer exact (float64). Else the io dtype (torch.bfloat16, torch.float16): each
+    # buffer is rounded to its own dtype whenever a statement writes it (io, float32, tf32), as on
+    # the GPU, so the interpreter predicts the kernels' rounding error. Products accumulate exactly
+    # (the GPU's float32 accumulation adds less than the rounding of their operands), and the
+    # triangular inverse is exact before its float32 result is rounded (its tf32 merges' error is
+    # bounded in kernels/tri_inverse.py).
+    rounding: torch.dtype | None = None
 
     def of(self, dim: str) -> int:
         return {"C": self.C, "K": self.K, "V": self.V, "BV": self.BV, "1": 1}[dim]
@@ -59,6 +66,7 @@ class _Run:
         self.params = {p.name: p for p in kernel.params}
         self.buf = {b.name: torch.zeros(n, *[sizes.of(d) for d in b.shape], dtype=F64, device=self.dev)
                     for b in kernel.buffers}
+        self.dtypes = {b.name: b.dtype for b in kernel.buffers}
         self.scan = kernel.loop is not None
 
     # ---- global memory ---------------------------------------------------------------------------
@@ -270,10 +278,23 @@ class _Run:
         self._write_state(self.g[s.dst], slot.clamp(min=0), b[s.srcs[0]])
         self.at.active = active
 
+    def _round(self, name: str):
+        dtype = self.dtypes.get(name)
+        x = self.buf[name]
+        if dtype == "io":
+            self.buf[name] = x.to(self.sz.rounding).to(F64)
+        elif dtype == "float32":
+            self.buf[name] = x.float().to(F64)
+        elif dtype == "tfloat32":  # 10 mantissa bits, rounded to nearest
+            bits = x.float().view(torch.int32)
+            self.buf[name] = ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(F64)
+
     def block(self, stmts):
         for s in stmts:
             try:
                 self.stmt(s)
+                if self.sz.rounding is not None and s.dst in self.buf:
+                    self._round(s.dst)
             except InterpretError:
                 raise
             except Exception as err:  # name the statement: the message alone rarely says which

@@ -26,17 +26,18 @@ class KernelEmulator:
     their order), the names and shapes of the tensors between kernels, the slots of the per-chunk
     states, the wiring in kernels/forward.py and kernels/backward.py."""
 
-    def __init__(self, op, cu_seqlens: torch.Tensor, scale: float):
-        """op: a CompiledOp; cu_seqlens: the whole sequences'; scale: the op's scale. `calls` lists
-        (kernel, value width) in launch order; `seen[kernel]` holds copies of the tensors the last
-        launch of that kernel read and wrote."""
-        self.op, self.cu, self.scale = op, cu_seqlens, scale
+    def __init__(self, op, cu_seqlens: torch.Tensor, scale: float, rounding: torch.dtype | None = None):
+        """op: a CompiledOp; cu_seqlens: the whole sequences'; scale: the op's scale; rounding: the
+        io dtype whose rounding the buffers get as on the GPU (ir/kernel_interp.Sizes), None for
+        exact. `calls` lists (kernel, value width) in launch order; `seen[kernel]` holds copies of
+        the tensors the last launch of that kernel read and wrote."""
+        self.op, self.cu, self.scale, self.rounding = op, cu_seqlens, scale, rounding
         self.calls, self.shapes, self.seen = [], [], {}
 
     def __call__(self, program, shape):
         self.shapes.append(shape)
         sizes = Sizes(K=shape.KP, V=shape.VP, BV=shape.BV, HV=shape.HV, G=shape.G, C=program.chunk_size,
-                      head_logs=self.op._head_logs(shape.HV))
+                      head_logs=self.op._head_logs(shape.HV), rounding=self.rounding)
         return {k.name: self._kernel(k, shape, sizes) for k in program.kernels.kernels}
 
     def _kernel(self, kernel, shape, sizes):
@@ -49,7 +50,8 @@ class KernelEmulator:
 
 
 @contextlib.contextmanager
-def emulated_kernels(op, cu_seqlens: torch.Tensor, scale: float, block_v: int = 32):
+def emulated_kernels(op, cu_seqlens: torch.Tensor, scale: float, block_v: int = 32,
+                     rounding: torch.dtype | None = None):
     """Within it, the GPU path's host code (kernels/forward.py, kernels/backward.py) runs with every
     kernel emulated (yields the KernelEmulator), the V-block fixed at `block_v`, the launch rules of
     an H200.
@@ -61,7 +63,7 @@ def emulated_kernels(op, cu_seqlens: torch.Tensor, scale: float, block_v: int = 
 
     from .kernels import forward as fwd
 
-    emu = KernelEmulator(op, cu_seqlens, scale)
+    emu = KernelEmulator(op, cu_seqlens, scale, rounding)
     with mock.patch.object(fwd, "load_kernels", emu), \
             mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: block_v), \
             mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):  # (no GPU here)
@@ -90,7 +92,7 @@ def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=Non
     return dict(o=o, final=final, d_o=d_o, d_final=d_final, grads=grads, d_h0=d_h0, emulator=emu, scale=scale)
 
 
-def emulated_kernel_step(op, args: dict, seed: int = 2) -> dict:
+def emulated_kernel_step(op, args: dict, seed: int = 2, rounding: torch.dtype | None = None) -> dict:
     """The GPU path as autograd runs it, every kernel emulated: kernels/backward.KernelStep on
     `args` (as `testing.random_inputs` makes them, in any dtypes), then backward() of a random
     weighting of o and the final state; and the same through the spec's float64 reference. Returns
@@ -102,7 +104,7 @@ def emulated_kernel_step(op, args: dict, seed: int = 2) -> dict:
     inputs, dims, scale = op._prepare((), {n: leaves[n] for n in op.input_names}, None, leaves["initial_state"],
                                       args["cu_seqlens"], False)
     gen = torch.Generator().manual_seed(seed)
-    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale):
+    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=rounding):
         o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], leaves["initial_state"],
                                     *[inputs[n] for n in op.input_names])
         w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
