@@ -101,6 +101,8 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
     kernel = None
     if not (op.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)):
         kernel = _interpreted(program, dims, scale, op._head_logs(dims.HV))
+    elif initial_state is not None and initial_state.dtype == torch.float64:
+        raise ValueError("initial_state: the GPU token step takes float32, bf16 or fp16 states, got float64")
     o = host.run(program, inputs, op.kinds, dims, scale, op._head_logs(dims.HV), cu, slot_tensors, kernel)
     return o, returned
 
