@@ -86,12 +86,12 @@ class _Run:
     def read_block(self, name):
         """The chunk's rows of a per-token tensor; rows past the tensor and columns past its head dim
         read zeros (TMA fills them; a masked load writes them)."""
-        x = self.g[name][0].to(F64)
+        x = self.g[name][0]
         rows, cols = self._rows(), self._columns(name)
         ok = (rows < x.shape[0])[:, :, None] & (cols < x.shape[2])[:, None, :]
         r = rows.clamp(max=x.shape[0] - 1)[:, :, None]
         c = cols.clamp(max=x.shape[2] - 1)[:, None, :]
-        return torch.where(ok, x[r, self._head(name)[:, None, None], c], 0.0)
+        return torch.where(ok, x[r, self._head(name)[:, None, None], c].to(F64), 0.0)
 
     def write_block(self, name, value):
         x = self.g[name]
@@ -109,9 +109,9 @@ class _Run:
         K = self.sz.K
         rows = torch.arange(K, device=self.dev)
         ok = (rows < x.shape[2])[None, :, None] & (points_cols < x.shape[3])[:, None, :]
-        v = x.to(F64)[first[:, None, None], self.at.i_hv[:, None, None], rows.clamp(max=x.shape[2] - 1)[None, :, None],
-                      points_cols.clamp(max=x.shape[3] - 1)[:, None, :]]
-        return torch.where(ok, v, 0.0)
+        v = x[first[:, None, None], self.at.i_hv[:, None, None], rows.clamp(max=x.shape[2] - 1)[None, :, None],
+              points_cols.clamp(max=x.shape[3] - 1)[:, None, :]]  # (gathered before the cast: a pool is large)
+        return torch.where(ok, v.to(F64), 0.0)
 
     def _state_cols(self, width):
         base = self.at.v0 if self.scan else torch.zeros_like(self.at.i_hv)
