@@ -16,7 +16,8 @@ from qla_compiler.cli import main, parse_shape
 from qla_compiler.kernels.runtime import lower_to_cuda
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 from qla_compiler.passes.partition import partition
-from qla_compiler.passes.schedule import _reads, schedule
+from qla_compiler.passes.schedule import schedule
+from qla_compiler.passes.schedule_memory import reads
 from qla_compiler.specs import WITH_KERNELS as NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
@@ -319,7 +320,7 @@ def test_out_kernels_split_by_live_shared_memory(monkeypatch):
     assert sorted(r for k in outs for r in k.outputs) == sorted(whole.outputs)
     for k in outs:
         assert {p.name for p in k.params if p.role == "out"} == set(k.outputs)
-        assert max(sched._live_shared({b.name: b for b in k.buffers}, k.body, dims)) <= 120 * 1024 or len(k.outputs) == 1
+        assert max(sched.live_shared({b.name: b for b in k.buffers}, k.body, dims)) <= 120 * 1024 or len(k.outputs) == 1
         assert len(k.body) < len(whole.body)
 
 
@@ -359,10 +360,10 @@ def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
         for i, st in enumerate(body):
             if st.op != "load":
                 continue
-            first = next(j for j in range(i + 1, len(body)) if st.dst in _reads(body[j]) | {body[j].dst})
+            first = next(j for j in range(i + 1, len(body)) if st.dst in reads(body[j]) | {body[j].dst})
             assert all(body[j].op in ("load", "load_vec", "load_chunk_state") for j in range(i + 1, first)), \
                 f"{k.name}: {st} is loaded before it is needed"
-            assert not any(st.dst in _reads(body[j]) | {body[j].dst} for j in range(i)), \
+            assert not any(st.dst in reads(body[j]) | {body[j].dst} for j in range(i)), \
                 f"{k.name}: {st.dst} used before its load"
     prep = kirs[0].kernels[0]
     if name == "gdn":  # v is needed only after the inverse: its block does not exist during it
@@ -393,13 +394,13 @@ def test_split_phase_loads_issue_early_and_wait_right_before_the_reader(name):
                 assert bool(st.attr.get("sync")) == any(not x.attr.get("async") for x in body[:i]), \
                     f"{k.name}: {st} has no barrier before it"
                 wait = next(j for j in range(i + 1, len(body)) if body[j].op == "wait_load" and body[j].dst == st.dst)
-                assert not any(st.dst in _reads(body[j]) | {body[j].dst} for j in list(range(i)) + list(range(i + 1, wait))), \
+                assert not any(st.dst in reads(body[j]) | {body[j].dst} for j in list(range(i)) + list(range(i + 1, wait))), \
                     f"{k.name}: {st.dst} is touched between its issue and its wait"
                 after = wait + 1
                 if st.op == "load":
                     assert body[after].op == "zero_pad" and body[after].attr["only_partial"], f"{k.name}: {st.dst} not padded"
                     after += 1
-                readers = [j for j in range(after, len(body)) if st.dst in _reads(body[j]) | {body[j].dst}]
+                readers = [j for j in range(after, len(body)) if st.dst in reads(body[j]) | {body[j].dst}]
                 assert readers and all(body[j].op in ("wait_load", "zero_pad") or body[j].op.startswith("load")
                                        for j in range(after, readers[0])), f"{k.name}: {st.dst} waited for too early"
         if name == "gdn" and kir.kernels[0].name == "gdn_prep":

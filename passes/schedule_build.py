@@ -1,0 +1,373 @@
+"""schedule's statement builder: one kernel's buffers and statements from a set of ChunkIR nodes,
+by the placement rules schedule.py's docstring lists (what lives where, what is inlined, which
+fragment a sum accumulates in)."""
+from __future__ import annotations
+
+import networkx as nx
+
+from qla_compiler.errors import PassError
+from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.chunk_ops import EXPONENTIALS
+from qla_compiler.ir.kernel import Buffer, Stmt
+from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE
+
+BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
+# names the generated module already uses (TileLang's `T`, the size constants, loop variables)
+RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "N", "NP1", "CH",
+            "Tok", "i", "j", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
+
+
+def _dims(shape, tiled: bool) -> tuple:
+    return tuple("BV" if (d == "V" and tiled) else d for d in shape)
+
+
+class Builder:
+    """Builds one kernel's buffers and statements from a set of ChunkIR nodes."""
+
+    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
+        self.ir, self.nodes, self.loaded, self.tiled = ir, set(nodes), set(loaded), tiled
+        self.dims = dims  # the size of each dim name that shared memory and registers are budgeted at
+        self.pipelined = tiled  # the V-blocked kernel is also the pipelined one
+        self.buffers: dict[str, Buffer] = {}
+        self.place: dict[str, str] = {}  # node -> buffer holding its value
+        self.loads, self.copies, self.body = [], [], []
+        self.users = {n: [u.name for u in ir.users(n) if u.name in self.nodes] for n in self.nodes}
+        self.io_copy: dict[str, str] = {}  # node -> the shared io-dtype copy made for a wgmma
+
+    def buf(self, name, shape, dtype, scope) -> str:
+        name = ident(name)
+        name = f"{name}_f" if name in RESERVED else name
+        if name not in self.buffers:
+            self.buffers[name] = Buffer(name, _dims(shape, self.tiled), dtype, scope)
+        return name
+
+    # ---- expressions -------------------------------------------------------------------------
+    def ex(self, name: str, idx: tuple):
+        n = self.ir.node(name)
+        if name in self.place:
+            b = self.buffers[self.place[name]]
+            if n.shape == ():  # a scalar computed by a reduction lives in a 1-element buffer
+                return ("buf", b.name, "0")
+            return ("buf", b.name, *idx[-len(b.shape):]) if b.shape else ("buf", b.name)
+        op, a = n.op, n.args
+
+        def sub(arg):
+            s = self.ir.node(arg).shape
+            return () if s == () else idx
+
+        if op in ("add", "sub", "mul"):
+            return (op, self.ex(a[0], sub(a[0])), self.ex(a[1], sub(a[1])))
+        if op in ("clamp_min", "above"):  # max(x, min); its derivative, 1 where x > min
+            return ("max" if op == "clamp_min" else op, self.ex(a[0], idx), ("lit", float(n.attr["min"])))
+        if op == "neg" or op in EXPONENTIALS:
+            inner = self.ir.node(a[0])
+            if op != "neg" and inner.op == "masked_diff" and a[0] not in self.place:
+                sel = "select_lower" if inner.attr["mask"] == "lower" else "select_strict"
+                diff = self._diff(inner, idx)
+                return (sel, idx[0], idx[1], (op, diff), ("lit", 0.0))
+            return (op, self.ex(a[0], idx))
+        if op == "scale_rows":
+            return ("mul", self.ex(a[0], (idx[0],)), self.ex(a[1], idx))
+        if op == "scale_cols":
+            return ("mul", self.ex(a[0], idx), self.ex(a[1], (idx[1],)))
+        if op == "masked_diff":
+            sel = "select_lower" if n.attr["mask"] == "lower" else "select_strict"
+            return (sel, idx[0], idx[1], self._diff(n, idx), ("lit", -1e30))
+        if op == "causal_mask":
+            sel = "select_lower" if n.attr["mask"] == "lower" else "select_strict"
+            return (sel, idx[0], idx[1], ("lit", 1.0), ("lit", 0.0))
+        if op == "tril":
+            sel = "select_strict" if n.attr.get("strict") else "select_lower"
+            return (sel, idx[0], idx[1], self.ex(a[0], idx), ("lit", 0.0))
+        if op == "const":
+            return ("lit", float(n.attr["value"]))
+        if op == "param":
+            return ("param", n.attr["name"])
+        if op == "head_log":
+            return ("head", n.attr["name"])
+        if op == "last":
+            return self.ex(a[0], ("n_valid - 1",))
+        if op == "positions":
+            return ("min_pos", idx[0])
+        if op == "at_last":  # the scalar at the chunk's last token, zero elsewhere
+            return ("select_last", idx[0], self.ex(a[0], ()), ("lit", 0.0))
+        if op == "valid":
+            return ("select_valid", idx[0], ("lit", 1.0), ("lit", 0.0))
+        raise PassError("schedule", f"node {name} ({op}) must be materialised before it is used")
+
+    def _diff(self, n, idx):
+        x = n.args[0]
+        return ("sub", self.ex(x, (idx[0],)), self.ex(x, (idx[1],)))
+
+    # ---- statements -------------------------------------------------------------------------
+    def ewise(self, dst: str, name: str):
+        shape = self.buffers[dst].shape
+        idx = ("i", "j")[:len(shape)]
+        self.body.append(Stmt("ewise", dst, (), (("expr", self.ex(name, idx)), ("index", idx))))
+
+    def operand(self, name: str) -> str:
+        """A shared io-dtype buffer holding `name`, for wgmma."""
+        n = self.ir.node(name)
+        if name in self.place and self.buffers[self.place[name]].scope == "shared" \
+                and self.buffers[self.place[name]].dtype == "io":
+            return self.place[name]
+        if n.op == "state_in":
+            return "state_s"
+        src = self.reusable_block(name)
+        if src is not None:  # write over the loaded block it is computed from
+            reuse = self.place[src]
+            self.ewise(reuse, name)
+            del self.place[src]  # that buffer now holds `name`; a later read of src is an error
+            self.place[name] = reuse
+            return reuse
+        dst = self.buf(f"{name}_s", n.shape, "io", "shared")
+        if dst not in [s.dst for s in self.body]:
+            if name in self.place:  # a fragment: copy (and cast) it
+                self.body.append(Stmt("copy", dst, (self.place[name],)))
+            else:
+                self.ewise(dst, name)
+            self.io_copy[name] = dst
+        return dst
+
+    def low_part(self, args, operands):
+        """The operands of A·B_lo when a state-chain product pairs a spec input A (exact in the io
+        dtype) with a block B computed in float32: B ≈ B_hi + B_lo, two io roundings, so that
+        A·B_hi + A·B_lo carries ~16 bits of B instead of 8. The state chain sums these products
+        over every chunk (the backward's qᵀ(Γ ⊙ dO) sets d_S0's error); a tf32 product would need
+        both operands in float32: twice the shared memory and half the tensor-core rate."""
+        exact = [self.ir.node(a).op == "input" for a in args]
+        if exact.count(True) != 1:
+            return None
+        computed, hi = args[exact.index(False)], operands[exact.index(False)]
+        if self.io_copy.get(computed) != hi or computed in self.place:
+            return None  # loaded, or copied from a fragment: no float32 expression to split
+        idx = ("i", "j")
+        lo = self.buf(f"{hi.removesuffix('_s')}_lo_s", self.ir.node(computed).shape, "io", "shared")
+        residual = ("sub", self.ex(computed, idx), ("buf", hi, *idx))
+        self.body.append(Stmt("ewise", lo, (), (("expr", residual), ("index", idx))))
+        return tuple(lo if o == hi else o for o in operands)
+
+    def fragment(self, name: str) -> str:
+        """A float32 register fragment holding `name` (for a reduction)."""
+        if name in self.place and self.buffers[self.place[name]].scope == "fragment":
+            return self.place[name]
+        dst = self.buf(f"{name}_f", self.ir.node(name).shape, "float32", "fragment")
+        if dst not in [s.dst for s in self.body]:
+            self.ewise(dst, name)
+        return dst
+
+    def reusable_block(self, name: str):
+        """The loaded io block an element-wise `name` may overwrite: its only block-shaped input,
+        of the same shape, with every other reader already emitted. Shared memory decides how many
+        CTAs of a parallel kernel share an SM. Not in the pipelined scan, whose loaded buffers
+        belong to the producer."""
+        if self.pipelined or name in self.place:
+            return None
+        shape, blocks = self.ir.node(name).shape, set()
+
+        def walk(x):
+            if x in self.place:
+                if self.ir.node(x).shape == shape:
+                    blocks.add(x)
+                return
+            n = self.ir.node(x)
+            if n.op == "matmul" or n.op == "inv_unit_lower" or n.op == "cumsum":
+                blocks.add(None)  # not element-wise: not computed here
+                return
+            for a in n.args:
+                walk(a)
+        walk(name)
+        if len(blocks) != 1 or None in blocks:
+            return None
+        (src,) = blocks
+        buf = self.buffers[self.place[src]]
+        loaded = any(st.dst == buf.name for st in self.loads if st.op == "load")
+        if not loaded or buf.dtype != "io" or buf.shape != _dims(shape, self.tiled):
+            return None
+        readers = [u for u in self.users[src] if u != name]
+        if any(u not in self.place and not self._inlined_into(u, name) for u in readers):
+            return None
+        return src
+
+    def _inlined_into(self, node: str, target: str) -> bool:
+        """`node` is computed inside `target`'s expression (not placed, and `target` reads it)."""
+        return node in nx.ancestors(self.ir.graph, target) and node not in self.place
+
+    def overwrite_fragment(self, name: str) -> bool:
+        """Compute the element-wise `name` over the one fragment it reads, if that may be
+        overwritten (single_fragment); registers decide how many warps a parallel kernel needs."""
+        frag = self.single_fragment(name)
+        if frag is None:
+            return False
+        self.body.append(Stmt("ewise", self.place[frag], (),
+                              (("expr", self.ex(name, ("i", "j"))), ("index", ("i", "j")))))
+        self.place[name] = self.place[frag]
+        return True
+
+    def single_fragment(self, name: str):
+        """The one fragment an element-wise node reads, if it may be overwritten in place."""
+        frags = set()
+
+        def walk(x):
+            if x in self.place:
+                b = self.buffers[self.place[x]]
+                if b.scope == "fragment":
+                    frags.add(x)
+                return
+            for a in self.ir.node(x).args:
+                walk(a)
+        walk(name)
+        if len(frags) != 1:
+            return None
+        (f,) = frags
+        ok = self.ir.node(f).op == "state_in" or self.users[f] == [name]
+        return f if ok and self.ir.node(f).shape == self.ir.node(name).shape else None
+
+
+def _accumulation(ir: ChunkIR, nodes, loaded=()) -> dict:
+    """add(x, A·B) with A·B computed here and used only there: A·B accumulates onto x.
+    Returns {add: (x, matmul)}."""
+    out = {}
+    for name in nodes:
+        n = ir.node(name)
+        if n.op != "add":
+            continue
+        for x, m in (n.args, n.args[::-1]):
+            mm = ir.node(m)
+            if mm.op == "matmul" and m not in loaded and [u.name for u in ir.users(m)] == [name] \
+                    and ir.node(x).shape == n.shape:
+                out[name] = (x, m)
+                break
+    return out
+
+
+def check_v_columns(ir: ChunkIR, nodes) -> None:
+    for n in ir.of_op("matmul"):
+        if n.name not in nodes:
+            continue
+        a, b = (ir.node(x).shape for x in n.args)
+        inner = a[0] if n.attr.get("ta") else a[1]
+        if inner == "V":
+            raise PassError("schedule", f"{n.name} contracts over V; V-blocking the scan would be wrong")
+
+
+def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
+    """Statements for the node set; returns the builder (buffers, loads, body). The V-blocked
+    kernel is also the pipelined one (its loads run on a producer warpgroup)."""
+    b = Builder(ir, nodes, loaded, tiled, dims)
+    pipelined = tiled
+    order = [n for n in ir.order() if n.name in b.nodes]
+    acc = _accumulation(ir, [n.name for n in order], b.loaded)
+    fused_matmuls = {m for _, m in acc.values()}
+    in_place = {x for x, _ in acc.values()}
+
+    for n in order:  # loads first: they are the producer's work
+        src = global_name(ir, n.name)
+        per_chunk = n.op == "input" and n.attr.get("kind") == "saved_state"
+        if (n.op == "state_in" and n.name in b.loaded) or per_chunk:  # a state per chunk slot
+            b.place[n.name] = b.buf(f"{n.name}_s", n.shape, "io", "shared")
+            b.loads.append(Stmt("load_chunk_state", b.place[n.name], (src,)))
+        elif n.op == "input" or n.name in b.loaded:
+            kind = n.attr.get("kind", "vector" if n.shape == ("C",) else "block")
+            if kind in ("scalar", "gate", "vector"):
+                staged = b.buf(f"{n.name}_s", ("C",), "float32", "shared")
+                # a prefix sum of zero-padded gates holds its last value over the padding
+                pad = "hold" if n.op == "cumsum" else "zero"
+                b.loads.append(Stmt("load_vec", staged, (src,), (("pad", pad),)))
+                b.place[n.name] = staged
+                if pipelined:
+                    # TileLang 0.1.15 hands a vector loaded by the producer back to it too early
+                    # (after the chunk's first matmuls, before β's last use): read a private copy
+                    own = b.buf(f"{n.name}_c", ("C",), "float32", "shared")
+                    b.copies.append(Stmt("ewise", own, (), (("expr", ("buf", staged, "i")), ("index", ("i",)))))
+                    b.place[n.name] = own
+            else:
+                shape = BLOCK_INPUT_SHAPE.get(kind, n.shape)
+                b.place[n.name] = b.buf(f"{n.name}_s", shape, "io", "shared")
+                b.loads.append(Stmt("load", b.place[n.name], (src,)))
+        elif n.op == "state_in":
+            b.place[n.name] = b.buf("state", n.shape, "float32", "fragment")
+
+    for n in order:
+        name, op = n.name, n.op
+        if name in b.place:
+            continue
+        if op == "matmul":
+            if name in fused_matmuls:
+                continue  # emitted by its add
+            A, B = b.operand(n.args[0]), b.operand(n.args[1])
+            b.place[name] = b.buf(name, n.shape, "float32", "fragment")
+            b.body.append(Stmt("gemm", b.place[name], (A, B), tuple(sorted(n.attrs))))
+        elif op in ("cumsum", "rev_cumsum"):  # prefix sums, or suffix sums (a cumsum's VJP)
+            src = n.args[0]
+            if src not in b.place or b.buffers[b.place[src]].scope != "shared":
+                dst = b.buf(f"{src}_s", ("C",), "float32", "shared")
+                b.ewise(dst, src)
+                b.place[src] = dst
+            b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
+            b.body.append(Stmt("cumsum", b.place[name], (b.place[src],),
+                               (("reverse", True),) if op == "rev_cumsum" else ()))
+        elif op == "inv_unit_lower":
+            if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
+                raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")
+            A = b.buf(f"{n.args[0]}_s", n.shape, INVERSE_INPUT_DTYPE, "shared")
+            b.ewise(A, n.args[0])
+            b.place[name] = b.buf(name, n.shape, "float32", "fragment")
+            b.body.append(Stmt("inverse", b.place[name], (A,)))
+        elif name in acc:
+            x, m = acc[name]
+            mm = ir.node(m)
+            A, B = b.operand(mm.args[0]), b.operand(mm.args[1])
+            if x in b.place and b.buffers[b.place[x]].scope == "fragment":
+                frag = b.place[x]
+                attrs = tuple(sorted(mm.attrs)) + (("accumulate", True),)
+                # (the backward's chain only: there it set d_S0's error, 2.5–4× FLA's without it;
+                # the forwards' final states were within FLA's error, and each split costs a wgmma)
+                low = b.low_part(mm.args, (A, B)) if pipelined and frag == "state" and ir.reverse else None
+                b.body.append(Stmt("gemm", frag, (A, B), attrs))
+                if low is not None:
+                    b.body.append(Stmt("gemm", frag, low, attrs))
+                b.place[name] = frag
+            else:  # x is not in registers: the product gets its own fragment, the sum stays inline
+                b.place[m] = b.buf(m, mm.shape, "float32", "fragment")
+                b.body.append(Stmt("gemm", b.place[m], (A, B), tuple(sorted(mm.attrs))))
+        elif name in in_place and n.shape != ():
+            if not b.overwrite_fragment(name):  # several fragments feed it: a fresh one to accumulate onto
+                b.place[name] = b.fragment(name)
+        elif op in ("rowsum", "colsum", "sum_all"):
+            src = b.fragment(n.args[0])
+            shape = ir.node(n.args[0]).shape
+            # partial sums in registers (the rows', or the columns'), then shared for any thread to read
+            sums = []
+            if len(shape) == 2:
+                sums.append(b.buf(f"{name}_acc", (shape[1] if op == "colsum" else shape[0],), "float32", "fragment"))
+            if op == "sum_all":
+                sums.append(b.buf(f"{name}_acc1", ("1",), "float32", "fragment"))
+            b.place[name] = b.buf(f"{name}_s", ("1",) if op == "sum_all" else n.shape, "float32", "shared")
+            # one reduction per accumulator: rows (dim 1), columns (dim 0), then a vector (dim 0)
+            dims = {"rowsum": (1,), "colsum": (0,)}.get(op, (1, 0) if len(shape) == 2 else (0,))
+            b.body.append(Stmt("reduce", b.place[name], (src, *sums), (("dims", dims),)))
+        elif n.shape == ("C",) and op not in ("const", "valid", "positions") and not pipelined \
+                and not (op == "mul" and all(a in b.place for a in n.args)):
+            # (the pipelined scan inlines its per-token vectors instead: TileLang 0.1.15 puts the
+            # barrier after a C-wide write, which only half the consumer threads run, inside
+            # their branch, so the other half read the vector before it is written)
+            dst = b.buf(f"{name}_s", ("C",), "float32", "shared")
+            b.ewise(dst, name)
+            b.place[name] = dst
+    return b
+
+
+def ident(name: str) -> str:
+    """A node name as a Python identifier (autodiff names partial gradients `d_x.user`)."""
+    return name.replace(".", "_")
+
+
+def global_name(ir: ChunkIR, name: str) -> str:
+    """The global tensor a value crosses memory in: per-token rows, or one state per chunk."""
+    n = ir.node(name)
+    if n.op == "state_in" or (n.op == "input" and n.attr.get("kind") == "saved_state"):
+        return f"{ident(name)}_chunks"
+    if n.op == "input":
+        return name
+    return ident(name) if n.shape == ("C",) else f"{ident(name)}_rows"

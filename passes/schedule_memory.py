@@ -1,0 +1,156 @@
+"""schedule's budgets and liveness: the sizes a kernel is budgeted at, the shared memory and
+registers its live buffers take at each statement, and the placement of the parallel kernels' loads
+by that liveness (as early as the peak allows, waited for right before the reader)."""
+from __future__ import annotations
+
+from qla_compiler.ir.kernel import Buffer, Stmt
+from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH
+
+from .schedule_build import Builder
+
+THREADS = 128
+HEAD_DIMS = (128, 128)  # the head-dim tiles (K, V) a schedule serves by default (schedule's head_dims)
+
+
+# Shared memory a parallel kernel may use (H100/H200 allow 227 KB per CTA; the margin leaves room
+# for TileLang's own scratch, and for its allocator packing less tightly than live_shared counts).
+# An out kernel whose live blocks need more at their peak is split by output.
+SMEM_BUDGET = 200 * 1024
+# Registers per thread a parallel kernel's live fragments may fill at 128 threads (of 255; the rest
+# hold addresses and temporaries). A kernel that needs more runs on 256 threads, two warpgroups
+# splitting each wgmma's columns: GDN's backward out kernel (176 KB of live fragments) spilled
+# at 128 threads and took 15.4 ms on 16/64 × 32768, 6.9 ms at 256 (session 5, run B).
+FRAGMENT_REGISTERS = 224
+_DTYPE_BYTES = {"io": 2, "float32": 4, "tfloat32": 4, "int32": 4}
+
+
+def dim_sizes(head_dims: tuple = HEAD_DIMS) -> dict:
+    """The size of every dim name a buffer uses, at the largest class the schedule serves: the
+    head-dim tiles `head_dims`, the widest V-block, the chunk."""
+    K, V = head_dims
+    return {"C": 64, "K": K, "V": V, "BV": 64, "1": 1, "16": 16}
+
+
+def buffer_bytes(b: Buffer, dims: dict) -> int:
+    """A buffer's size at the sizes `dims` (dim_sizes)."""
+    n = _DTYPE_BYTES[b.dtype]
+    for d in b.shape:
+        n *= dims[d]
+    return n
+
+
+def smem_bytes(buffers, dims: dict) -> int:
+    """Shared memory of a kernel's buffers at the sizes `dims` (no reuse assumed)."""
+    return sum(buffer_bytes(b, dims) for b in buffers if b.scope == "shared")
+
+
+def zero_pad(b: Builder, only_partial: bool) -> list:
+    """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact).
+    For the pipelined scan, whose TMA loads cannot mask; `only_partial` skips full chunks."""
+    return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"), ("only_partial", only_partial)))
+            for s in b.loads if s.op == "load"]
+
+
+def place_loads(b: Builder, body: list, split_phase: bool) -> list:
+    """The parallel kernels' statements, with their loads placed by shared-memory liveness.
+
+    Without `split_phase` each block is loaded through registers right before its first reader,
+    its padding rows zeroed on the way, so that blocks whose lives do not overlap share shared
+    memory (the loads are synchronous: issuing them all first would hide no latency and keep every
+    block alive through the whole kernel).
+
+    With `split_phase` (the default, SPLIT_PHASE_LOADS) vectors are loaded first, and a block (the chunk's
+    rows of a per-token tensor, or the state entering the chunk) is a TMA copy in two phases:
+    issued as early as it fits under the kernel's peak of live shared memory, waited for right
+    before its first reader, so its latency overlaps the work in between. A partial chunk's rows
+    past the sequence belong to the next one (TMA cannot mask them): they are zeroed after the
+    wait. An issue after other work is marked `sync`: its memory may be what an earlier block
+    used, which other threads (or their wgmmas) may still be reading."""
+    def rows(ld):  # a synchronous block load, masked to the chunk's rows on the way
+        return Stmt(ld.op, ld.dst, ld.srcs, ld.attrs + (("rows", "n_valid"),)) if ld.op == "load" else ld
+
+    out, pending, issues = [], list(b.loads), []
+    for st in body:
+        touched = reads(st) | {st.dst}  # a write (a store staged in the block) needs the load first too
+        for ld in [ld for ld in pending if ld.dst in touched]:
+            pending.remove(ld)
+            if split_phase and ld.op in ("load", "load_chunk_state"):
+                issues.append(Stmt(ld.op, ld.dst, ld.srcs, ld.attrs + (("async", True),)))
+                out.append(Stmt("wait_load", ld.dst))
+                if ld.op == "load":
+                    out.append(Stmt("zero_pad", ld.dst, (), (("rows", "n_valid"), ("only_partial", True))))
+            else:
+                out.append(rows(ld))
+        out.append(st)
+    if not split_phase:
+        return [rows(ld) for ld in pending] + out
+    out = pending + out
+    # a vector is 256 bytes: all of them first, their global latencies overlapping each other's
+    vectors = [st for st in out if st.op == "load_vec"]
+    out = vectors + [st for st in out if st.op != "load_vec"]
+    for issue in issues:
+        at = _earliest_issue(b, out, issue.dst)
+        after_work = any(not st.attr.get("async") for st in out[:at])
+        out.insert(at, Stmt(issue.op, issue.dst, issue.srcs, issue.attrs + ((("sync", True),) if after_work else ())))
+    return out
+
+
+def _earliest_issue(b: Builder, stmts: list, name: str) -> int:
+    """Where the async load of block `name` may start: the first position from which, up to its
+    wait, twice the block fits under the peak of live shared memory the statements already have,
+    and not before the inverse (the usual peak). The margin and the stop are there because
+    TileLang's allocator packs less tightly than this estimate: with the block allowed right up
+    to the peak, GDN's backward prep took 8 KB more than it had, one CTA per SM less."""
+    size = smem_bytes([b.buffers[name]], b.dims)
+    live = live_shared(b.buffers, stmts, b.dims)
+    wait = next(i for i, st in enumerate(stmts) if st.op == "wait_load" and st.dst == name)
+    peak = max(live, default=0)
+    at = wait
+    while at > 0 and live[at - 1] + 2 * size <= peak and stmts[at - 1].op != "inverse":
+        at -= 1
+    return at
+
+
+def _live(buffers: dict, stmts: list, scope: str) -> list:
+    """The buffers of `scope` live at each statement (from first touch to last)."""
+    first, last = {}, {}
+    for i, st in enumerate(stmts):
+        for x in reads(st) | {st.dst}:
+            if x in buffers and buffers[x].scope == scope:
+                first.setdefault(x, i)
+                last[x] = i
+    return [[buffers[x] for x in first if first[x] <= i <= last[x]] for i in range(len(stmts))]
+
+
+def _live_fragments(buffers: dict, stmts: list, dims: dict) -> int:
+    """Peak bytes of fragments (registers, over all threads) live at once."""
+    return max((sum(buffer_bytes(b, dims) for b in bs) for bs in _live(buffers, stmts, "fragment")), default=0)
+
+
+def threads_for(b: Builder, body: list) -> int:
+    """A parallel kernel's threads: one warpgroup, or two where its live fragments would not fit
+    one's registers (FRAGMENT_REGISTERS)."""
+    return THREADS if _live_fragments(b.buffers, body, b.dims) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
+
+
+def live_shared(buffers: dict, stmts: list, dims: dict) -> list:
+    """Bytes of shared memory live at each statement: every shared buffer from its first touch
+    (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
+    live = [smem_bytes(bs, dims) for bs in _live(buffers, stmts, "shared")]
+    scratch = smem_bytes([Buffer("", shape, dt, scope) for scope, dt, shape in INVERSE_SCRATCH.values()], dims)
+    return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
+
+
+def reads(st: Stmt) -> set:
+    """The buffers a statement reads: its sources and every buffer its expression names."""
+    names = set(st.srcs)
+
+    def walk(e):
+        if isinstance(e, tuple):
+            if len(e) >= 2 and e[0] == "buf":
+                names.add(e[1])
+            for x in e:
+                walk(x)
+    for _, v in st.attrs:
+        walk(v)
+    return names
