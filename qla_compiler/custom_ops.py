@@ -13,8 +13,7 @@ from cu_seqlens, the gates' sign check, the launch rules' device query, TileLang
 new shape class. Each forward returns what its backward reads besides the inputs (the states
 entering each chunk; the tensors the training kernels store), as tensors whose shapes follow from
 the input shapes alone: one row per chunk slot, B·T/C + N of them (layout.chunk_slots). A
-compiled op is named in a graph by its key (CompiledOp.key, a hash of its programs), so a graph
-cached on disk finds the same op in another process.
+compiled op is named in a graph by its key (CompiledOp.key: custom_ops.register).
 
     >>> import torch, qla_compiler
     >>> from qla_compiler.testing import random_inputs
@@ -42,12 +41,16 @@ _OPS: dict = {}  # key -> CompiledOp
 
 
 def register(op) -> str:
-    """The key the custom ops know `op` by: its spec's name and a hash of its programs (two ops
-    compiled alike share it)."""
+    """The key the custom ops know `op` by: its spec's name, a hash of its programs, and how many
+    ops of that hash this process made before it (so each op runs its own program, whose kernels
+    and derived variants it holds, and a process that builds its ops in the same order names
+    them alike: a graph compiled and cached on disk by one process is found by the next)."""
     prog = op.program
-    h = hashlib.sha256("\n".join([prog.target, str(prog.chunk_size), str(prog.recurrence),
-                                  str(prog.chunk)]).encode()).hexdigest()[:16]
-    key = f"{op.name}_{h}"
+    text = [prog.target, str(prog.chunk_size), str(prog.head_dims), str(prog.recurrence), str(prog.chunk),
+            " ".join(n for n, _ in prog.stages)]
+    h = hashlib.sha256("\n".join(text).encode()).hexdigest()[:16]
+    n = sum(k.startswith(f"{op.name}_{h}_") for k in _OPS)
+    key = f"{op.name}_{h}_{n}"
     _OPS[key] = op
     return key
 
