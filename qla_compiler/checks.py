@@ -29,6 +29,10 @@ class Dims:
 
 
 def _tensor(name, x, ndim, what):
+    """`what`: the expected shape in words, or a function making it (formatting a size under
+    torch.compile would specialise the graph to it)."""
+    if not (torch.is_tensor(x) and x.dim() == ndim and x.dtype in FLOATS) and callable(what):
+        what = what()
     if not torch.is_tensor(x):
         raise ValueError(f"{name}: expected a tensor {what}, got {type(x).__name__}")
     if x.dim() != ndim:
@@ -66,7 +70,7 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale, re
                          f"heads of {keys[0]} (grouped value heads)")
     for n, kind in kinds.items():
         if kind in ("scalar", "gate"):
-            _tensor(n, inputs[n], 3, f"[B={B}, T={T}, HV={HV}]")
+            _tensor(n, inputs[n], 3, lambda: f"[B={B}, T={T}, HV={HV}]")
             if tuple(inputs[n].shape) != (B, T, HV):
                 raise ValueError(f"{n}: expected shape {[B, T, HV]}, got {list(inputs[n].shape)}"
                                  + _head_first(n, inputs[n], (B, T, HV), "[B, HV, T]"))

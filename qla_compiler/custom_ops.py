@@ -124,8 +124,9 @@ def interpret_backward(op: str, xs: list[Tensor], initial_state: Optional[Tensor
 def _(op, xs, initial_state, cu_seqlens, scale, states, d_o, d_final):
     cop = _OPS[op]
     d = dims_of(cop, xs, cu_seqlens)
-    dtype = initial_state.dtype if initial_state is not None else work_dtype(xs[0].dtype)
-    return [torch.empty_like(x) for x in xs], xs[0].new_empty(d.N, d.HV, d.K, d.V, dtype=dtype)
+    v = dict(zip(cop.input_names, xs))[cop.value_name]
+    dtype = initial_state.dtype if initial_state is not None else work_dtype(v.dtype)
+    return [torch.empty_like(x) for x in xs], v.new_empty(d.N, d.HV, d.K, d.V, dtype=dtype)
 
 
 def _interpret_setup(ctx, inputs, output):

@@ -8,7 +8,6 @@ first use is inside `torch.compile`: the compile runs as Python, not traced (see
 """
 from __future__ import annotations
 
-import sys
 import types
 
 from .compiler import compile as _compile
@@ -28,7 +27,7 @@ class _Built(types.ModuleType):
         return op
 
 
-_built = sys.modules.setdefault(f"{__name__}._built", _Built(f"{__name__}._built"))
+_built = _Built(f"{__name__}._built")
 
 
 def _op(name: str):

@@ -79,6 +79,24 @@ def test_compiled_training_step_equals_eager(ops_gdn, backend):
         assert _close(g, g_ref, backend), name
 
 
+def test_new_lengths_reuse_one_dynamic_graph(ops_gdn):
+    """Calls with new token counts and numbers of sequences: after the first recompile (dynamo
+    makes the sizes symbolic) one graph serves them all — nothing in the traced code specialises
+    on T or N — and each result is the eager call's."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    fn = _gdn(True, None, True)
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    for T, cu in ((150, [0, 1, 64, 150]), (120, [0, 50, 120]), (90, [0, 10, 30, 60, 90]), (180, [0, 90, 180])):
+        args = _args(ops_gdn, cu, True, T=T)
+        o, final = compiled(*args)
+        o_ref, final_ref = fn(*args)
+        assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    assert counter.frame_count == 2
+
+
 def test_context_parallel_compiles_around_two_interpreter_calls(ops_gdn):
     """context_parallel: the segment algebra between the two scans is plain torch in the graph."""
     torch._dynamo.reset()
