@@ -56,9 +56,16 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     training forward and the backward. `sms`: the GPU's SMs (None: this machine's GPU, else an
     H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`, `block_v`: what
     qla-bench --scan-stages and --block-v force instead of the launch rules."""
+    from .context_parallel import check_segments
     from .kernels import forward
 
     V = V or K
+    if H < 1 or HV % H:
+        raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
+    forward.check_head_dims(K, V)
+    check_segments(context_parallel)
+    if io not in forward.IO_DTYPES.values():
+        raise ValueError(f"io: the kernels take {' or '.join(forward.IO_DTYPES.values())}, got {io!r}")
     sms = sms or _this_gpus_sms()
     scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
     counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs

@@ -66,6 +66,14 @@ def test_parse_deployment_names_what_is_wrong():
             parse_deployment(text)
 
 
+def test_a_deployment_the_kernels_refuse_is_named_before_any_compile():
+    for kw, message in ((dict(H=2, HV=7, K=128), "multiple of the H=2"), (dict(H=1, HV=1, K=512), "K \\(the key"),
+                        (dict(H=1, HV=1, K=64, context_parallel=0), "context_parallel"),
+                        (dict(H=1, HV=1, K=64, io="float32"), "io: the kernels take")):
+        with pytest.raises(ValueError, match=message):
+            shape_classes("gdn", **kw)
+
+
 def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_path, monkeypatch):
     """The CLI in two fresh processes on one empty cache: the first compiles every kernel of the
     class (TileLang writes its cache entries; ~20 s on a CPU), the second finds them all and
