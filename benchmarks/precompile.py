@@ -8,9 +8,10 @@ benchmark will need can be compiled here (a few seconds each) and the GPU's minu
 (enter.sh unpacks the tar on the GPU node). --tar packs only the cache entries this run compiled or
 read, so stale kernels from earlier sources do not eat into the 64 MiB the device tool carries.
 
-or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64 (gdn.backward:... for the
-backward program's kernels, gdn.training:... for the forward a training step runs); their stages
-and scan warpgroups are the runtime's for one sequence.
+or name classes: spec:H/HV:K:io:BV (V = K), e.g. gdn:2/8:128:bfloat16:64; their stages and scan
+warpgroups are the runtime's for one sequence. The shape classes and the compiling are the
+package's warm-up (qla_compiler/precompile.py, `qla-compile SPEC --precompile ...`); this script
+adds the classes of the GPU tests and of the benchmark, sharding and packing.
 """
 import argparse
 import dataclasses
@@ -20,52 +21,38 @@ import tarfile
 import time
 from pathlib import Path
 
-import qla_compiler
 from qla_compiler.bench import ROWS, parse_dims, parse_row
 from qla_compiler.kernels import forward
-from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
+from qla_compiler.precompile import Compile, compile_classes, shape_classes
 
 
-def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, sms=forward.H200_SMS, stages=None, bv=None, V=None):
-    """The shape classes one call compiles, each as (spec, class, the call's class without context
-    parallelism, which picks the program's variant: Program.for_shape): what kernels/forward.py
-    picks for these sizes (`bv`: the V-block qla-bench --block-v forces instead)."""
-    def launch(width, n):
-        shape = forward.scan_class(H, HV, K, width, n, io, sms, BV=min(bv, width) if bv else None)
-        return dataclasses.replace(shape, stages=stages) if stages else shape
-    plain = launch(V or K, n_seqs)
-    if not cp:
-        return [(spec, plain, plain)]
-    n = n_seqs * cp  # segments are scanned as sequences, once on [0 | v] (width K + V), once on v
-    return [(spec, launch(w, n), plain) for w in (2 * K, K)]
-
-
-def _with_training(items) -> list:
-    """The classes, each also for its spec's training forward and backward program (training runs
-    both at one class)."""
-    return items + [(f"{spec}.{part}", *rest) for part in ("training", "backward") for spec, *rest in items]
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, stages=None, bv=None, V=None, training=False):
+    """The shape classes calls at these sizes launch, on an H200 (qla_compiler/precompile.py;
+    `bv`: the V-block qla-bench --block-v forces instead of the launch rules)."""
+    return shape_classes(spec, H=H, HV=HV, K=K, V=V, io=io, n_seqs=n_seqs, context_parallel=cp, sms=forward.H200_SMS,
+                         training=training, stages=stages, block_v=bv)
 
 
 def for_gpu_tests():
     """The classes tests/test_gpu_*.py use (keep in step with those files)."""
     out = []
     for n in (8, 2, 1, 3):  # test_gpu_forward's GDN cases, and test_gpu_backward's (the same classes)
-        out += _with_training(classes("gdn", 2, 8, 128, n))
-    out += _with_training(classes("gdn", 1, 2, 64, 3, io="float16"))  # fp16, K = V = 64
+        out += classes("gdn", 2, 8, 128, n, training=True)
+    out += classes("gdn", 1, 2, 64, 3, io="float16", training=True)  # fp16, K = V = 64
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
-        out += _with_training(classes(spec, 2, 2, 128, 3))
+        out += classes(spec, 2, 2, 128, 3, training=True)
     # test_gpu_kernels' CASES, BV = 32: every spec at three classes, the delta rule's also in padded tiles
     kernel_cases = [(spec, *c) for spec in ("gdn", "delta_net", "simple_gla", "linear_attn")
                     for c in ((2, 8, 128, 128), (2, 2, 128, 128), (1, 2, 64, 64))]
     kernel_cases += [(spec, *c) for spec in ("gdn", "delta_net") for c in ((2, 4, 100, 60), (1, 2, 16, 48))]
     for spec, H, HV, K, V in kernel_cases:
         shape = ShapeClass(H=H, HV=HV, K=K, V=V, BV=32)  # the whole program, as the test runs it
-        out += _with_training([(spec, shape, None)])
+        out += [Compile(spec, part, shape, None) for part in ("forward", "training", "backward")]
         wide = dataclasses.replace(shape, scan_warpgroups=2)  # the forward scan on two warpgroups
-        out += [(spec, wide, None), (f"{spec}.training", wide, None)]
+        out += [Compile(spec, "forward", wide, None), Compile(spec, "training", wide, None)]
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
-        out += _with_training(classes("gdn", 2, 8, 128, 3, cp=s))
+        out += classes("gdn", 2, 8, 128, 3, cp=s, training=True)
     return out
 
 
@@ -74,10 +61,10 @@ def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):
     for row in rows:
         H, HV, lens = parse_row(row)
         K, V = parse_dims(row)
-        items = classes("gdn", H, HV, K, len(lens), stages=stages, bv=bv, V=V)
+        # (qla-bench --backward: the training step's programs too)
+        out += classes("gdn", H, HV, K, len(lens), stages=stages, bv=bv, V=V, training=backward)
         if cp:
-            items += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv)
-        out += _with_training(items) if backward else items  # qla-bench --backward: both programs
+            out += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv, training=backward)
     return out
 
 
@@ -115,10 +102,10 @@ def pack_used(cache: Path, since: float, out: str) -> None:
 
 
 def parse(item):
+    """spec:H/HV:K:io:BV (V = K) -> the class of one sequence, forced to that V-block."""
     spec, heads, K, io, BV = item.split(":")
     H, HV = map(int, heads.split("/"))
-    shape = forward.scan_class(H, HV, int(K), int(K), 1, io, forward.H200_SMS, BV=int(BV))  # as for one sequence
-    return spec, shape, shape
+    return classes(spec, H, HV, int(K), 1, io=io, bv=int(BV))
 
 
 def main(argv):
@@ -138,25 +125,13 @@ def main(argv):
     cache, start = Path(os.environ.get("TILELANG_CACHE_DIR", Path.home() / ".tilelang" / "cache")), time.time()
     if args.tar:
         forget_reads(cache)
-    todo = [parse(i) for i in args.items] + (for_gpu_tests() if args.tests else []) \
+    todo = [c for i in args.items for c in parse(i)] + (for_gpu_tests() if args.tests else []) \
         + (for_bench(args.cp, args.rows, args.scan_stages, args.backward, args.block_v) if args.bench else [])
     todo = list(dict.fromkeys(todo))
     if args.shard:
         i, n = map(int, args.shard.split("/"))
         todo = todo[i::n]
-    for spec, shape, runs_as in todo:
-        t = time.time()
-        name, _, variant = spec.partition(".")  # "gdn.backward": the backward program's kernels
-        program = qla_compiler.compile_spec(name)
-        program = program.for_shape(runs_as) if runs_as else program
-        program = {"": program, "training": program.training_program,
-                   "backward": program.backward_program}[variant]
-        kernels = load_kernels(program, shape)
-        for k in program.kernels.kernels:
-            # a value width other than the call's is context parallelism's widened scan: only the scan runs at it
-            if k.loop or runs_as is None or shape.V == runs_as.V:
-                kernels[k.name]
-        print(f"{spec} {shape}: {time.time() - t:.1f}s", flush=True)
+    compile_classes(todo)
     if args.tar:
         pack_used(cache, start, args.tar)
 

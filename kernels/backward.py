@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from qla_compiler.layout import chunk_slots
+from qla_compiler.passes.lower_tilelang import tile_width
+
 from .forward import run_kernels
 
 
@@ -50,39 +53,30 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     return grads, d_h0
 
 
-class KernelStep(torch.autograd.Function):
-    """The GPU path as one differentiable function: the forward kernels (keeping what the backward
-    reads), then on backward the backward kernels. Gradients come back in each input's dtype.
-    `segments`: context parallelism for both scans (None: off).
+def kept(program) -> list:
+    """The tensors the training forward's kernels make that the backward kernels read, by name in
+    kernel order: what a training forward keeps for its backward (`program`: the call's variant,
+    forward.program_for). The rest the backward reads — the inputs, the chunk map, cu_seqlens — it
+    rebuilds from the call's arguments (forward.call_tensors)."""
+    reads = reads_from_forward(program)
+    return [p.name for k in program.training_program.kernels.kernels for p in k.params
+            if p.role == "out" and p.name in reads]
 
-        >>> o, final = KernelStep.apply(op, dims, scale, None, cu_seqlens, h0, *inputs)   # doctest: +SKIP
-    """
 
-    @staticmethod
-    def forward(ctx, op, dims, scale, segments, cu_seqlens, h0, *inputs):
-        from .forward import forward, program_for
-
-        named = dict(zip(op.input_names, inputs))
-        v = named[op.value_name]
-        program = program_for(op.program, dims, v.dtype, v.device)
-        o, final, kept = forward(program, named, op.kinds, dims, scale, h0, cu_seqlens, op._head_logs(dims.HV),
-                                 segments, keep=True)
-        # hold on only to what the backward kernels read (U, for one, is not),
-        # through save_for_backward: an in-place write to an input before backward() is an error
-        # there, not a silently wrong gradient, and saved-tensor hooks (offloading) apply
-        reads = reads_from_forward(program)
-        ctx.kept_names = [n for n in kept if n in reads]
-        ctx.save_for_backward(*[kept[n] for n in ctx.kept_names])
-        ctx.op, ctx.program, ctx.dims, ctx.scale, ctx.segments = op, program, dims, scale, segments
-        ctx.dtypes = [x.dtype for x in inputs]
-        return o, final
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_o, d_final):
-        op = ctx.op
-        kept = dict(zip(ctx.kept_names, ctx.saved_tensors))
-        grads, d_h0 = backward(ctx.program, kept, op.kinds, ctx.dims, ctx.scale, d_o, d_final, ctx.segments)
-        d_inputs = [grads[n].to(dt) if need else None
-                    for n, dt, need in zip(op.input_names, ctx.dtypes, ctx.needs_input_grad[6:])]
-        return None, None, None, None, None, (d_h0 if ctx.needs_input_grad[5] else None), *d_inputs
+def kept_shapes(program, dims, io, segments=None) -> list:
+    """(shape, dtype) of each of `kept(program)`, from the call's dims alone (what the forward's
+    launches allocate; the custom op's fake implementation)."""
+    names = set(kept(program))
+    C = program.chunk_size
+    KP, VP = tile_width(dims.K), tile_width(dims.V)
+    out = []
+    for k in program.training_program.kernels.kernels:
+        n_seqs = dims.N * (segments or 1) if k.loop else dims.N  # the scan runs segments as sequences
+        sizes = {"1": 1, "T": dims.B * dims.T, "HV": dims.HV, "H": dims.H, "C": C, "N": n_seqs,
+                 "CH": chunk_slots(dims.B, dims.T, dims.N, C), "K": dims.K, "V": dims.V}
+        for p in k.params:
+            if p.role == "out" and p.name in names:
+                tiles = dict(K=KP, V=VP) if p.padded else {}
+                shape = tuple(dict(sizes, **tiles)[d] for d in p.shape)
+                out.append((shape, io if p.dtype == "io" else torch.float32))
+    return out

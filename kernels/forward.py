@@ -200,6 +200,21 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     every global tensor by name (what kernels/backward.py needs: the packed inputs, the chunk map,
     the state entering every chunk, the prep's results), from the kernels of the training program
     (which also store the triangular inverses for the backward)."""
+    check_call(dims, keep, context_parallel)
+    v_name = next(n for n, k in kinds.items() if k == "value")
+    io = inputs[v_name].dtype
+    device = inputs[v_name].device
+    program = program_for(program, dims, io, device)
+    if keep:
+        program = program.training_program
+    tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size)
+    final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
+    o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
+    return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+
+
+def check_call(dims, keep: bool, context_parallel) -> None:
+    """What the kernels refuse, from the shapes alone (a ValueError naming the argument)."""
     check_head_dims(dims.K, dims.V)
     if keep and max(dims.K, dims.V) > TRAINING_HEAD_DIM:
         raise ValueError(f"{'K (the key head dim)' if dims.K > TRAINING_HEAD_DIM else 'V (the value head dim)'} = "
@@ -209,28 +224,26 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     if context_parallel and (tile_width(dims.K) != dims.K or tile_width(dims.V) != dims.V):
         raise ValueError(f"context_parallel: the GPU kernels run it only where K and V are powers of two "
                          f"(got K = {dims.K}, V = {dims.V}); leave it None")
-    v_name = next(n for n, k in kinds.items() if k == "value")
-    io = inputs[v_name].dtype
-    device = inputs[v_name].device
-    program = program_for(program, dims, io, device)
-    if keep:
-        program = program.training_program
-    C = program.chunk_size
+
+
+def call_tensors(inputs: dict, kinds: dict, dims, initial_state, cu_seqlens, head_logs: dict, C: int):
+    """The kernels' tensors that are the call's own, by parameter name — the inputs packed
+    [1, B·T, ...] (gates and scalars in float32), each head constant's logs, the chunk map and
+    each sequence's first chunk slot — with cu_seqlens as int32 and the initial state as float32.
+    (The backward rebuilds them from the same arguments rather than keeping them.)"""
+    device = next(iter(inputs.values())).device
     total = dims.B * dims.T
-    packed = {}
+    tensors = {}
     for n, x in inputs.items():
         x = x.reshape(1, total, *x.shape[2:])
-        packed[n] = x.contiguous() if kinds[n] in ("key", "value") else x.to(torch.float32).contiguous()
+        tensors[n] = x.contiguous() if kinds[n] in ("key", "value") else x.to(torch.float32).contiguous()
     cu, cmap, offsets = sequence_layout(dims, cu_seqlens, device, C)
     h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=device, dtype=torch.float32)
           if initial_state is None else initial_state.to(torch.float32).contiguous())
-    tensors = dict(packed)
     for name, logs in head_logs.items():
         tensors[f"log_{name}"] = _on_device(tuple(logs), device)
     tensors["chunk_map"], tensors["chunk_offsets"] = cmap, offsets
-    final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
-    o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
-    return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+    return tensors, cu, h0
 
 
 def program_for(program, dims, io, device):

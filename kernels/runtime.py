@@ -91,6 +91,11 @@ class Kernels:
         self._module = import_module(self.path)
 
     def __getitem__(self, name: str):
+        return self.get(name)
+
+    def get(self, name: str, progress: bool = True):
+        """The kernel `name`, compiled (or read from TileLang's cache) on first use; `progress`:
+        print a line to stderr before and after (the warm-up prints its own)."""
         if name not in self._compiled:
             import logging
 
@@ -99,11 +104,13 @@ class Kernels:
             # TileLang logs every compile and cache hit; qla prints its own progress line instead
             logging.getLogger("tilelang").setLevel(logging.ERROR)
             s, t = self.shape, time.time()
-            print(f"qla: compiling {name} (H={s.H} HV={s.HV} K={s.K} V={s.V} BV={s.BV} {s.io}) ...",
-                  file=sys.stderr, flush=True)
+            if progress:
+                print(f"qla: compiling {name} (H={s.H} HV={s.HV} K={s.K} V={s.V} BV={s.BV} {s.io}) ...",
+                      file=sys.stderr, flush=True)
             self._compiled[name] = tilelang.compile(getattr(self._module, name), target=TARGET,
                                                     execution_backend=BACKEND)
-            print(f"qla: {name} ready in {time.time() - t:.1f}s  ({self.path})", file=sys.stderr, flush=True)
+            if progress:
+                print(f"qla: {name} ready in {time.time() - t:.1f}s  ({self.path})", file=sys.stderr, flush=True)
         return self._compiled[name]
 
 

@@ -2,7 +2,9 @@
 
 The checks read only shapes, dtypes and devices, plus the values of cu_seqlens and of the gates
 when they live on the CPU; values on the GPU are not read (that would synchronise the host, and
-break CUDA-graph capture), so `check_cu_seqlens_values` is separate.
+break CUDA-graph capture), so `check_cu_seqlens_values` is separate. Under torch.compile the
+values are not read here either (a graph break): `check_values` runs inside the custom op
+instead (qla_compiler/custom_ops.py), where they are at hand.
 """
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ class Dims:
 
 
 def _tensor(name, x, ndim, what):
+    """`what`: the expected shape in words, or a function making it (formatting a size under
+    torch.compile would specialise the graph to it)."""
+    if not (torch.is_tensor(x) and x.dim() == ndim and x.dtype in FLOATS) and callable(what):
+        what = what()
     if not torch.is_tensor(x):
         raise ValueError(f"{name}: expected a tensor {what}, got {type(x).__name__}")
     if x.dim() != ndim:
@@ -35,8 +41,9 @@ def _tensor(name, x, ndim, what):
         raise ValueError(f"{name}: expected a floating dtype (bf16, fp16, fp32, fp64), got {x.dtype}")
 
 
-def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) -> Dims:
-    """inputs: name -> tensor, kinds: name -> key|value|scalar|gate|key_gate (in the spec's order)."""
+def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale, read_values: bool = True) -> Dims:
+    """inputs: name -> tensor, kinds: name -> key|value|scalar|gate|key_gate (in the spec's order).
+    `read_values=False`: shapes, dtypes and devices only (check_values is left to the caller)."""
     keys = [n for n in kinds if kinds[n] == "key"]
     values = [n for n in kinds if kinds[n] == "value"]
     for n in keys:
@@ -63,7 +70,7 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
                          f"heads of {keys[0]} (grouped value heads)")
     for n, kind in kinds.items():
         if kind in ("scalar", "gate"):
-            _tensor(n, inputs[n], 3, f"[B={B}, T={T}, HV={HV}]")
+            _tensor(n, inputs[n], 3, lambda: f"[B={B}, T={T}, HV={HV}]")
             if tuple(inputs[n].shape) != (B, T, HV):
                 raise ValueError(f"{n}: expected shape {[B, T, HV]}, got {list(inputs[n].shape)}"
                                  + _head_first(n, inputs[n], (B, T, HV), "[B, HV, T]"))
@@ -85,10 +92,8 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
-    for n, kind in kinds.items():  # the premise of every decay computation: log-gates are ≤ 0
-        if kind in ("gate", "key_gate") and inputs[n].device.type == "cpu" and inputs[n].numel() and bool((inputs[n] > 0).any()):
-            raise ValueError(f"{n}: a log-space gate must be ≤ 0 (a decay), but its largest value is "
-                             f"{float(inputs[n].max()):g}")
+    if read_values:
+        check_gate_values(inputs, kinds)
 
     N = B
     if cu_seqlens is not None:
@@ -102,7 +107,7 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
         if cu_seqlens.device != first.device:
             raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but the inputs are on {first.device}")
         N = cu_seqlens.numel() - 1
-        if cu_seqlens.device.type == "cpu":
+        if cu_seqlens.device.type == "cpu" and read_values:
             check_cu_seqlens_values(cu_seqlens, T)
     if initial_state is not None:
         if not torch.is_tensor(initial_state) or initial_state.dtype not in FLOATS:
@@ -113,6 +118,22 @@ def check_inputs(inputs: dict, kinds: dict, initial_state, cu_seqlens, scale) ->
         if initial_state.device != first.device:
             raise ValueError(f"initial_state: on {initial_state.device}, but the inputs are on {first.device}")
     return Dims(B, T, H, HV, K, V, N)
+
+
+def check_values(inputs: dict, kinds: dict, cu_seqlens, T: int) -> None:
+    """What check_inputs reads of the values (on the CPU): the gates, then cu_seqlens."""
+    check_gate_values(inputs, kinds)
+    if cu_seqlens is not None and cu_seqlens.device.type == "cpu":
+        check_cu_seqlens_values(cu_seqlens, T)
+
+
+def check_gate_values(inputs: dict, kinds: dict) -> None:
+    """The premise of every decay computation: log-gates are ≤ 0 (read on the CPU only)."""
+    for n, kind in kinds.items():
+        if kind in ("gate", "key_gate") and inputs[n].device.type == "cpu" and inputs[n].numel() \
+                and bool((inputs[n] > 0).any()):
+            raise ValueError(f"{n}: a log-space gate must be ≤ 0 (a decay), but its largest value is "
+                             f"{float(inputs[n].max()):g}")
 
 
 def _head_first(name: str, x, expected: tuple, layout: str) -> str:

@@ -14,6 +14,8 @@
     qla-compile specs/gdn.py --emit kernel --backward       # the backward program's kernels
     qla-compile specs/gdn.py --emit kernel --training       # the forward a training step runs
     qla-compile specs/gdn.py --emit kernel --token-step     # the decoding kernel (op.recurrent)
+    qla-compile gdn --precompile H=16,HV=64,K=128,V=128,io=bfloat16 --training
+                                 # compile a deployment's kernels into the disk cache ahead of time
 """
 from __future__ import annotations
 
@@ -48,7 +50,13 @@ def main(argv=None) -> int:
                     help="with --emit kernel/tilelang/cuda: the token-step kernel for decoding (op.recurrent)")
     ap.add_argument("--training", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the forward's kernels as a training step runs "
-                         "them (they also store what the backward loads, e.g. T_r)")
+                         "them (they also store what the backward loads, e.g. T_r); with --precompile: also "
+                         "the kernels a training step runs (that forward and the backward)")
+    ap.add_argument("--precompile", action="append", metavar="DEPLOYMENT",
+                    help="compile the kernels that calls at these sizes launch into the on-disk cache, a line "
+                         "per kernel (qla_compiler/precompile.py; no GPU needed): H=..,HV=..,K=..[,V=..][,io=bfloat16|"
+                         "float16][,N=a or a-b sequences per call; default every number][,cp=segments][,sms=the "
+                         "GPU's SMs; default this machine's GPU, else an H200's]; repeatable")
     ap.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass")
     ap.add_argument("--print-after-all", nargs="?", const="diff", choices=("diff", "full"),
                     help="after every pass, print what it changed: for a rewrite of the chunk program the "
@@ -58,6 +66,8 @@ def main(argv=None) -> int:
                     help="run the interpreter against the reference after every pass; report each "
                          "pass's relative error and the worst")
     args = ap.parse_args(argv)
+    if args.precompile:
+        return run_precompile(args)
 
     from .compiler import compile_spec  # (after parsing: --help imports none of the compiler)
 
@@ -167,6 +177,31 @@ def parse_shape(text: str):
         return dataclasses.replace(shape, **{f: fields[f] for f in ("stages", "scan_warpgroups") if f in fields})
     except ValueError as e:
         raise ValueError(f"--shape: {e}") from None
+
+
+def run_precompile(args) -> int:
+    """--precompile: the warm-up (qla_compiler/precompile.py) of each deployment given."""
+    import time
+
+    from .precompile import compile_classes, parse_deployment, shape_classes
+
+    t = time.time()
+    try:
+        if args.emit or args.target != "sm90" or args.chunk_size != 64:
+            raise ValueError("--precompile compiles the sm90 kernels the op runs (chunk size 64): "
+                             "leave out --emit, --target and --chunk-size")
+        todo = [c for d in args.precompile for c in shape_classes(args.spec, training=args.training,
+                                                                    **parse_deployment(d))]
+        done = compile_classes(list(dict.fromkeys(todo)))
+    except (SpecError, PassError, ValueError) as e:
+        print(f"qla-compile: error: {e}", file=sys.stderr)
+        return 1
+    from .kernels.runtime import cache_dir
+
+    compiled = sum(c for *_, c in done)
+    print(f"{len(done)} kernels of {len(todo)} shape classes: {compiled} compiled, {len(done) - compiled} "
+          f"found in the cache, {time.time() - t:.1f}s (generated modules in {cache_dir()})")
+    return 0
 
 
 def _emit(what: str, prog, shape) -> str:

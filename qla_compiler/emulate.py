@@ -57,7 +57,7 @@ def emulated_kernels(op, cu_seqlens: torch.Tensor, scale: float, block_v: int = 
     an H200.
 
         >>> with emulated_kernels(op, cu, scale) as emu:                       # doctest: +SKIP
-        ...     o, final = KernelStep.apply(op, dims, scale, None, cu, h0, *inputs)
+        ...     o, final = op._run_kernels(inputs, scale, h0, cu, None)
     """
     from unittest import mock
 
@@ -93,20 +93,18 @@ def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=Non
 
 
 def emulated_kernel_step(op, args: dict, seed: int = 2, rounding: torch.dtype | None = None) -> dict:
-    """The GPU path as autograd runs it, every kernel emulated: kernels/backward.KernelStep on
+    """The GPU path as autograd runs it, every kernel emulated (`rounding`: KernelEmulator's): the
+    custom op qla::run_kernels on
     `args` (as `testing.random_inputs` makes them, in any dtypes), then backward() of a random
     weighting of o and the final state; and the same through the spec's float64 reference. Returns
     o, final, grads (by input, initial_state included) and o_ref, final_ref, grads_ref."""
-    from .kernels.backward import KernelStep
-
     leaves = {n: x.detach().clone().requires_grad_() for n, x in args.items()
               if torch.is_tensor(x) and x.is_floating_point()}
     inputs, dims, scale = op._prepare((), {n: leaves[n] for n in op.input_names}, None, leaves["initial_state"],
                                       args["cu_seqlens"], False)
     gen = torch.Generator().manual_seed(seed)
     with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=rounding):
-        o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], leaves["initial_state"],
-                                    *[inputs[n] for n in op.input_names])
+        o, final = op._run_kernels(inputs, scale, leaves["initial_state"], args["cu_seqlens"], None)
         w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
         ((o.float() * w_o).sum() + (final * w_s).sum()).backward()
     ref = {n: (x.detach().double().requires_grad_() if n in leaves else x) for n, x in args.items()}

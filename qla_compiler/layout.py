@@ -61,3 +61,27 @@ def from_chunks(x: torch.Tensor) -> torch.Tensor:
     """[N, H, NC, C, ...] -> [N, NC·C, H, ...]."""
     N, H, NC, C = x.shape[:4]
     return x.movedim(1, 3).reshape(N, NC * C, H, *x.shape[4:])
+
+
+def chunk_slots(B: int, T: int, N: int, C: int) -> int:
+    """How many chunks the sequences of B·T tokens can have at most: T·B/C + N (what a tensor
+    with one row per chunk is allocated for, from the shapes alone; kernels/forward.chunk_map)."""
+    return B * T // C + N
+
+
+def pack_chunks(x: torch.Tensor, lengths: torch.Tensor, C: int, slots: int) -> torch.Tensor:
+    """x [N, H, NC, ...] per (sequence, chunk) -> [slots, H, ...]: each sequence's real chunks in
+    token order (as chunk_map counts them), zero rows after; the chunks past a sequence's end are
+    dropped."""
+    real = torch.arange(x.shape[2], device=x.device) < (lengths[:, None] + C - 1) // C
+    rows = x.movedim(2, 1)[real]
+    return torch.cat([rows, rows.new_zeros(slots - rows.shape[0], *rows.shape[1:])])
+
+
+def unpack_chunks(packed: torch.Tensor, lengths: torch.Tensor, C: int, NC: int) -> torch.Tensor:
+    """The inverse of pack_chunks on the real chunks: [slots, H, ...] -> [N, H, NC, ...], zero in
+    the chunks past each sequence's end."""
+    real = torch.arange(NC, device=packed.device) < (lengths[:, None] + C - 1) // C
+    out = packed.new_zeros(lengths.shape[0], packed.shape[1], NC, *packed.shape[2:])
+    out.movedim(2, 1)[real] = packed[:int(real.sum())]  # (contiguous as pack_chunks' x was)
+    return out

@@ -15,14 +15,16 @@ lowering cannot take yet, a per-key gate's, refuses them with a PassError saying
 else the ChunkIR interpreter; `op.reference(...)` runs the spec's own recurrence in float64 with the same
 arguments (less context_parallel).
 
-On CPU tensors the op is differentiable (torch.autograd): the chunk program's evaluation is one
-autograd.Function whose forward runs the interpreter saving only the state entering each chunk, and
-whose backward runs the backward chunk program (passes/autodiff.py) as a reverse scan. Everything
-around it — l2-normalising q/k, expanding q/k heads to the value heads, packing/unpacking sequences,
-dtype casts — is plain torch, so autograd differentiates it. On CUDA bf16/fp16 tensors that require
-grad the same holds with kernels (kernels/backward.KernelStep): the forward kernels keep what the
-backward kernels read, and backward() runs the backward program's kernels (context-parallel too,
-when the forward was).
+On CPU tensors the op is differentiable (torch.autograd): the interpreter is one custom op,
+qla::interpret (qla_compiler/custom_ops.py), whose forward saves only the state entering each
+chunk, and whose backward, qla::interpret_backward, runs the backward chunk program
+(passes/autodiff.py) as a reverse scan. Everything around it — l2-normalising q/k, context
+parallelism's segments, dtype casts — is plain torch, so autograd differentiates it. On CUDA
+bf16/fp16 tensors the same holds with kernels (qla::run_kernels): the training forward's kernels
+keep what the backward kernels read, and backward() runs the backward program's kernels
+(context-parallel too, when the forward was). The custom ops have fake implementations, so
+`torch.compile(fullgraph=True)` traces a call with no graph break (forward and backward); the op
+itself (`qla_compiler.compile`) is built outside the compiled region.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ import math
 
 import torch
 
+from . import custom_ops
 from .checks import Dims, check_inputs
 from .context_parallel import check_segments, run_segments
 from .errors import PassError
-from .ir.chunk_interp import run_backward, run_chunks
 from .ir.recurrence_interp import run_recurrence
-from .layout import expand_heads, from_chunks, gather, packed_cu_seqlens, scatter, sequence_bounds, to_chunks
+from .layout import expand_heads, gather, packed_cu_seqlens, scatter, sequence_bounds
 
 OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
            "context_parallel")
@@ -50,6 +52,7 @@ class CompiledOp:
         self.kinds = {i.name: i.kind for i in rec.inputs}
         self.__doc__ = f"{rec.name}({', '.join(self.input_names)}, " + ", ".join(
             f"{o}=..." for o in OPTIONS) + ")\n\n" + (__doc__ or "")
+        self.key = custom_ops.register(self)  # how the custom ops name it in a graph
 
     @property
     def value_name(self) -> str:
@@ -80,7 +83,9 @@ class CompiledOp:
     def _prepare(self, args, named, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
                  context_parallel=None):
         inputs = self._bind(args, named)
-        dims = check_inputs(inputs, self.kinds, initial_state, cu_seqlens, scale)
+        # under torch.compile reading values is a graph break: the custom op checks them instead
+        dims = check_inputs(inputs, self.kinds, initial_state, cu_seqlens, scale,
+                            read_values=not torch.compiler.is_compiling())
         check_segments(context_parallel)
         if use_qk_l2norm_in_kernel:
             inputs = {n: (_l2norm(x) if self.kinds[n] == "key" else x) for n, x in inputs.items()}
@@ -98,21 +103,12 @@ class CompiledOp:
             if self.program.kernels is None:  # (a per-key gate: passes/lowerable.py)
                 raise PassError("partition", f"{self.program.no_kernels or 'the program has no kernels'} "
                                 f"(got {v.dtype} CUDA tensors, which run the kernels)")
-            if _wants_grad(*inputs.values(), initial_state):
-                from .kernels.backward import KernelStep  # tilelang is imported only when kernels run
-
-                o, final = KernelStep.apply(self, dims, scale, context_parallel, cu_seqlens, initial_state,
-                                            *[inputs[n] for n in self.input_names])
-            else:
-                from .kernels.forward import forward
-
-                o, final = forward(self.program, inputs, self.kinds, dims, scale, initial_state, cu_seqlens,
-                                   self._head_logs(dims.HV), context_parallel)
+            o, final = self._run_kernels(inputs, scale, initial_state, cu_seqlens, context_parallel)
         elif context_parallel is not None:
             o, final = self._interpret_segments(inputs, dims, scale, initial_state, cu_seqlens, work,
                                                 context_parallel)
         else:
-            o, final = self._interpret(inputs, dims, scale, initial_state, cu_seqlens, work)
+            o, final = self._interpret(inputs, scale, initial_state, cu_seqlens)
         return o.to(v.dtype), (final.to(work) if output_final_state else None)
 
     def recurrent(self, *args, **options):
@@ -160,59 +156,25 @@ class CompiledOp:
               if initial_state is None else initial_state.to(work))
 
         def scan(values, cu_, h0_):
-            d = Dims(1, total, dims.H, dims.HV, dims.K, values[v_name].shape[-1], cu_.numel() - 1)
-            return self._interpret({**packed, **values}, d, scale, h0_, cu_, work)
+            return self._interpret({**packed, **values}, scale, h0_, cu_)
 
         o, final = run_segments(scan, {v_name: packed[v_name]}, cu, h0, segments, self.program.chunk_size)
         return o.view(dims.B, dims.T, dims.HV, dims.V), final
 
-    def _interpret(self, inputs, dims: Dims, scale, initial_state, cu_seqlens, work):
-        chunk = self.program.chunk
-        C = chunk.chunk_size
-        device = _device(inputs)
-        starts, lengths = sequence_bounds(dims.B, dims.T, cu_seqlens, device=device)
-        NC = max(1, math.ceil(int(lengths.max()) / C))
-        blocks = {n: to_chunks(gather(self._heads(n, x, dims).to(work), starts, lengths, NC * C), C)
-                  for n, x in inputs.items()}
-        chunk_lengths = (lengths[:, None] - C * torch.arange(NC, device=device)).clamp(0, C)
-        head_consts = self._head_logs(dims.HV)
-        h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=work, device=device)
-              if initial_state is None else initial_state.to(work))
-        params = {"scale": scale}
-        if _wants_grad(h0, *blocks.values()):
-            names = list(blocks)
-            o, final = _ChunkScan.apply((self, names, chunk_lengths, params, head_consts), h0,
-                                        *[blocks[n] for n in names])
-        else:
-            o, final = run_chunks(chunk, blocks, chunk_lengths, params, head_consts, h0)
-        return scatter(from_chunks(o), starts, lengths, dims.B, dims.T), final
-
-
-class _ChunkScan(torch.autograd.Function):
-    """(h0, input blocks) -> (o blocks, final state) by the chunk program; backward by its VJP program.
-
-    Saves its inputs and the state entering each chunk, nothing else: the backward program
-    recomputes every other forward value from those."""
-
-    @staticmethod
-    def forward(ctx, how, h0, *blocks):
-        op, names, lengths, params, head_consts = how
-        o, final, states = run_chunks(op.program.chunk, dict(zip(names, blocks)), lengths, params,
-                                      head_consts, h0, save_states=True)
-        ctx.how = how
-        ctx.save_for_backward(states, *blocks)
+    def _interpret(self, inputs, scale, initial_state, cu_seqlens):
+        """The ChunkIR interpreter (qla::interpret): (o, final state) in the work dtype."""
+        xs = [inputs[n] for n in self.input_names]
+        o, final, _ = torch.ops.qla.interpret(self.key, xs, initial_state, cu_seqlens, scale,
+                                              _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
         return o, final
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_o, d_final):
-        op, names, lengths, params, head_consts = ctx.how
-        states, *blocks = ctx.saved_tensors
-        grads, d_h0 = run_backward(op.program.backward, dict(zip(names, blocks)), lengths, params,
-                                   head_consts, states, d_o, d_final)
-        d_blocks = [(grads[n] if n in grads else torch.zeros_like(b)) if need else None
-                    for n, b, need in zip(names, blocks, ctx.needs_input_grad[2:])]
-        return None, (d_h0 if ctx.needs_input_grad[1] else None), *d_blocks
+    def _run_kernels(self, inputs, scale, initial_state, cu_seqlens, segments):
+        """The generated kernels (qla::run_kernels); with inputs that need gradients, the training
+        forward, keeping what the backward kernels read."""
+        xs = [inputs[n] for n in self.input_names]
+        o, final, _ = torch.ops.qla.run_kernels(self.key, xs, initial_state, cu_seqlens, scale, segments,
+                                                _wants_grad(initial_state, *xs))
+        return o, final
 
 
 def _wants_grad(*tensors) -> bool:

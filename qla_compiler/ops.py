@@ -6,23 +6,41 @@
     >>> o, pool = fused_recurrent_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool,
     ...     ssm_state_indices=slots, inplace_final_state=True, output_final_state=True)  # doctest: +SKIP
 
-Each op compiles its spec on first use (and caches the result for the process).
+Each op compiles its spec on first use (and caches the result for the process), also when that
+first use is inside `torch.compile`: the compile runs as Python, not traced (see `_built`).
 """
 from __future__ import annotations
 
-import functools
+import types
 
 from .compiler import compile as _compile
 
 
-@functools.lru_cache(maxsize=None)
+class _Built(types.ModuleType):
+    """The compiled op of each shipped spec, as an attribute by the spec's name, compiled on first
+    access. A module on purpose: dynamo reads a module's attributes by a real getattr, so the first
+    access under torch.compile runs the compile (sympy, file reads) as Python and traces none of
+    it, where a cache function (functools.lru_cache) would be traced and break the graph."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        op = _compile(name, target="sm90")
+        setattr(self, name, op)
+        return op
+
+
+_built = _Built(f"{__name__}._built")
+
+
 def _op(name: str):
-    return _compile(name, target="sm90")
+    """The compiled op of the shipped spec `name`."""
+    return getattr(_built, name)
 
 
 def _make(name: str, fla_name: str, recurrent: bool = False):
     def op(*args, **kwargs):
-        compiled = _op(name)
+        compiled = getattr(_built, name)
         return (compiled.recurrent if recurrent else compiled)(*args, **kwargs)
 
     op.__name__ = op.__qualname__ = fla_name

@@ -116,7 +116,8 @@ def test_the_chunk_program_is_one_autograd_function(ops):
         if f is not None and f not in seen:
             seen.add(f)
             todo += [g for g, _ in f.next_functions]
-    assert sum(type(f).__name__ == "_ChunkScanBackward" for f in seen) == 1
+    # one node: the custom op qla::interpret's backward (qla_compiler/custom_ops.py)
+    assert sum("qla_interpret" in type(f).__name__ for f in seen) == 1
     with torch.no_grad():  # no grad wanted: the plain interpreter, no saved states
         assert op(**args)[0].grad_fn is None
 

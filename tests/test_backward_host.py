@@ -39,7 +39,7 @@ def test_backward_wiring_matches_autograd_of_the_reference(ops, spec, cp):
 
 
 def test_kernel_step_carries_gradients_through_autograd(ops):
-    """KernelStep (the GPU path as an autograd.Function) with emulated kernels, inside a torch
+    """qla::run_kernels (the GPU path as a custom op with autograd) with emulated kernels, inside a torch
     autograd graph: the gradients of a loss reach every input in its own dtype."""
     op = ops["gdn"]
     args = random_inputs(op, T=150, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 70, 150], initial_state=True,
@@ -53,8 +53,6 @@ def test_kernel_step_carries_gradients_through_autograd(ops):
 def test_kernel_step_refuses_an_input_written_in_place_before_backward(ops):
     """What the backward kernels read is saved through save_for_backward: writing an input in place
     between the forward and backward() raises instead of giving silently wrong gradients."""
-    from qla_compiler.kernels.backward import KernelStep
-
     op = ops["gdn"]
     args = random_inputs(op, T=70, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 70], initial_state=True,
                          dtype=torch.bfloat16)
@@ -62,8 +60,7 @@ def test_kernel_step_refuses_an_input_written_in_place_before_backward(ops):
     inputs, dims, scale = op._prepare((), {**{n: args[n] for n in op.input_names}, "k": k}, None,
                                       args["initial_state"], args["cu_seqlens"], False)
     with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale):
-        o, final = KernelStep.apply(op, dims, scale, None, args["cu_seqlens"], args["initial_state"],
-                                    *[inputs[n] for n in op.input_names])
+        o, final = op._run_kernels(inputs, scale, args["initial_state"], args["cu_seqlens"], None)
         with torch.no_grad():
             k.mul_(2.0)
         with pytest.raises(RuntimeError, match="inplace"):

@@ -19,7 +19,8 @@ def test_table_reports_times_and_ratios():
 
 def test_backward_mode_times_a_training_step_through_the_kernel_path():
     """--backward: every input of the timed call becomes a leaf that receives a gradient, through
-    the kernel path's KernelStep (what the op runs for CUDA inputs; emulated here on the CPU)."""
+    the kernel path's custom op qla::run_kernels (what the op runs for CUDA inputs; emulated here
+    on the CPU)."""
     from unittest import mock
 
     import torch
@@ -27,7 +28,6 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
     from qla_compiler.bench import with_backward
     from qla_compiler.emulate import KernelEmulator
     from qla_compiler.kernels import forward as fwd
-    from qla_compiler.kernels.backward import KernelStep
     from qla_compiler.ops import _op
     from qla_compiler.testing import random_inputs
 
@@ -35,7 +35,7 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
         named = {n: a.pop(n) for n in op.input_names}
         h0, cu = a.pop("initial_state"), a.pop("cu_seqlens")
         inputs, dims, scale = op._prepare((), named, None, h0, cu, False)
-        return KernelStep.apply(op, dims, scale, None, cu, h0, *[inputs[n] for n in op.input_names])
+        return op._run_kernels(inputs, scale, h0, cu, None)
 
     op = _op("gdn")
     args = random_inputs(op, T=100, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 30, 100], initial_state=True,

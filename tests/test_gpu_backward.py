@@ -1,5 +1,5 @@
 """Gradients through the sm90 kernels on the GPU (the op, as training calls it: the forward
-kernels keep what the backward kernels read, kernels/backward.KernelStep), against torch autograd
+kernels keep what the backward kernels read, qla::run_kernels, qla_compiler/custom_ops.py), against torch autograd
 through the spec's float64 recurrence on the same bf16 inputs, and against FLA's own gradients on
 those inputs.
 

@@ -52,7 +52,7 @@ def test_mixed_dtypes_on_the_cpu(ops, io, dtypes, state):
 
 @pytest.mark.parametrize("io", [torch.float16, torch.bfloat16])
 def test_io_dtype_gates_scalars_and_state_through_the_gpu_host_code(ops, io):
-    """KernelStep (the GPU path, kernels/forward.py and kernels/backward.py) with every kernel
+    """qla::run_kernels (the GPU path, kernels/forward.py and kernels/backward.py) with every kernel
     emulated in float64: β, g and the initial state in the io dtype are converted to the kernels'
     float32 by plain torch ops, and each gradient comes back in its input's dtype."""
     op = ops["gdn"]

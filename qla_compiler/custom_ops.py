@@ -1,0 +1,261 @@
+"""The op's two backends as torch.library custom ops: what torch.compile sees of a call.
+
+`torch.compile(fullgraph=True)` traces CompiledOp.__call__ — binding, the shape checks, the
+l2-norm, context parallelism's segment algebra, all plain torch — down to one of two custom ops,
+each with a fake implementation (its outputs' shapes and dtypes from its inputs' alone) and a
+backward that is a custom op too:
+
+    qla::interpret, qla::interpret_backward      the ChunkIR interpreter (CPU; float32/float64)
+    qla::run_kernels, qla::run_kernels_backward  the generated kernels (CUDA bf16/fp16)
+
+What needs host values or compiles runs inside them, where dynamo does not look: sequence lengths
+from cu_seqlens, the gates' sign check, the launch rules' device query, TileLang's compile of a
+new shape class. Each forward returns what its backward reads besides the inputs (the states
+entering each chunk; the tensors the training kernels store), as tensors whose shapes follow from
+the input shapes alone: one row per chunk slot, B·T/C + N of them (layout.chunk_slots). A
+compiled op is named in a graph by its key (CompiledOp.key: custom_ops.register).
+
+    >>> import torch, qla_compiler
+    >>> from qla_compiler.testing import random_inputs
+    >>> op = qla_compiler.compile("gdn")
+    >>> args = random_inputs(op, T=40, H=1, HV=2, K=8, V=8, dtype=torch.float32)
+    >>> f = torch.compile(lambda a: op(**a), fullgraph=True, backend="eager")
+    >>> o, final = f(args)
+    >>> torch.equal(o, op(**args)[0])
+    True
+    >>> torch._dynamo.reset()  # (before doctest clears the globals the compiled frame is guarded on)
+"""
+import hashlib
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .checks import Dims
+from .ir.chunk_interp import run_backward, run_chunks
+from .layout import chunk_slots, from_chunks, gather, pack_chunks, scatter, sequence_bounds, to_chunks, unpack_chunks
+
+_OPS: dict = {}  # key -> CompiledOp
+
+
+def register(op) -> str:
+    """The key the custom ops know `op` by: its spec's name, a hash of its programs, and how many
+    ops of that hash this process made before it (so each op runs its own program, whose kernels
+    and derived variants it holds, and a process that builds its ops in the same order names
+    them alike: a graph compiled and cached on disk by one process is found by the next)."""
+    prog = op.program
+    text = [prog.target, str(prog.chunk_size), str(prog.head_dims), str(prog.recurrence), str(prog.chunk),
+            " ".join(n for n, _ in prog.stages)]
+    h = hashlib.sha256("\n".join(text).encode()).hexdigest()[:16]
+    n = sum(k.startswith(f"{op.name}_{h}_") for k in _OPS)
+    key = f"{op.name}_{h}_{n}"
+    _OPS[key] = op
+    return key
+
+
+def dims_of(op, xs, cu_seqlens) -> Dims:
+    """The call's dims from its inputs' shapes (the op checked them: checks.check_inputs)."""
+    named = dict(zip(op.input_names, xs))
+    B, T, H, K = named[next(n for n in op.input_names if op.kinds[n] == "key")].shape
+    HV, V = named[op.value_name].shape[2:]
+    return Dims(B, T, H, HV, K, V, B if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+
+
+def work_dtype(io: torch.dtype) -> torch.dtype:
+    """What the interpreter computes in: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if io == torch.float64 else torch.float32
+
+
+# ---- the interpreter ------------------------------------------------------------------------------
+@torch.library.custom_op("qla::interpret", mutates_args=())
+def interpret(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+              scale: float, save_states: bool, check_values: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(o [B, T, HV, V], final state [N, HV, K, V], the states entering each chunk [slots, HV, K, V]
+    with `save_states`, else empty), in the work dtype; `check_values`: the value checks the op
+    left out (under torch.compile)."""
+    cop = _OPS[op]
+    named, dims = dict(zip(cop.input_names, xs)), dims_of(cop, xs, cu_seqlens)
+    if check_values:
+        checks.check_values(named, cop.kinds, cu_seqlens, dims.T)
+    run = _Chunked(cop, named, dims, initial_state, cu_seqlens)
+    out = run_chunks(cop.program.chunk, run.blocks, run.chunk_lengths, {"scale": scale}, run.head_consts, run.h0,
+                     save_states=save_states)
+    states = pack_chunks(out[2], run.lengths, run.C, run.slots) if save_states else run.h0.new_empty(0)
+    return run.unchunk(out[0]), out[1], states
+
+
+@interpret.register_fake
+def _(op, xs, initial_state, cu_seqlens, scale, save_states, check_values):
+    cop = _OPS[op]
+    d = dims_of(cop, xs, cu_seqlens)
+    v = dict(zip(cop.input_names, xs))[cop.value_name]
+    work = work_dtype(v.dtype)
+    slots = chunk_slots(d.B, d.T, d.N, cop.program.chunk_size)
+    return (v.new_empty(d.B, d.T, d.HV, d.V, dtype=work), v.new_empty(d.N, d.HV, d.K, d.V, dtype=work),
+            v.new_empty((slots, d.HV, d.K, d.V) if save_states else (0,), dtype=work))
+
+
+@torch.library.custom_op("qla::interpret_backward", mutates_args=())
+def interpret_backward(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                       scale: float, states: Tensor, d_o: Tensor, d_final: Optional[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """(the gradient of each input, in its dtype; of the initial state [N, HV, K, V]) by the backward
+    chunk program from the cotangents of o and the final state."""
+    cop = _OPS[op]
+    named, dims = dict(zip(cop.input_names, xs)), dims_of(cop, xs, cu_seqlens)
+    run = _Chunked(cop, named, dims, initial_state, cu_seqlens)
+    if states.numel() == 0:
+        raise ValueError("qla::interpret_backward: the forward was called with save_states=False")
+    entering = unpack_chunks(states, run.lengths, run.C, run.NC)
+    d_final = torch.zeros_like(run.h0) if d_final is None else d_final.to(run.work)
+    grads, d_h0 = run_backward(cop.program.backward, run.blocks, run.chunk_lengths, {"scale": scale},
+                               run.head_consts, entering, run.chunk(d_o.to(run.work)), d_final)
+    d_xs = []
+    for n, x in named.items():
+        g = run.unchunk(grads[n]) if n in grads else torch.zeros(x.shape, dtype=run.work, device=x.device)
+        if cop.kinds[n] == "key" and dims.HV != dims.H:  # expand_heads' adjoint: a group's sum
+            g = g.view(dims.B, dims.T, dims.H, dims.HV // dims.H, dims.K).sum(3)
+        d_xs.append(g.to(x.dtype))
+    return d_xs, d_h0.to(initial_state.dtype if initial_state is not None else run.work)
+
+
+@interpret_backward.register_fake
+def _(op, xs, initial_state, cu_seqlens, scale, states, d_o, d_final):
+    cop = _OPS[op]
+    d = dims_of(cop, xs, cu_seqlens)
+    v = dict(zip(cop.input_names, xs))[cop.value_name]
+    dtype = initial_state.dtype if initial_state is not None else work_dtype(v.dtype)
+    return [torch.empty_like(x) for x in xs], v.new_empty(d.N, d.HV, d.K, d.V, dtype=dtype)
+
+
+def _interpret_setup(ctx, inputs, output):
+    op, xs, initial_state, cu_seqlens, scale, _, _ = inputs
+    ctx.op, ctx.scale = op, scale
+    ctx.save_for_backward(initial_state, cu_seqlens, output[2], *xs)
+
+
+def _interpret_grad(ctx, d_o, d_final, _):
+    initial_state, cu_seqlens, states, *xs = ctx.saved_tensors
+    d_xs, d_h0 = interpret_backward(ctx.op, xs, initial_state, cu_seqlens, ctx.scale, states, d_o, d_final)
+    return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None
+
+
+interpret.register_autograd(_interpret_grad, setup_context=_interpret_setup)
+
+
+class _Chunked:
+    """One call's inputs as the interpreter takes them: per (sequence, value head, chunk) blocks in
+    the work dtype, each chunk's length, the head constants, the initial state."""
+
+    def __init__(self, op, named: dict, dims: Dims, initial_state, cu_seqlens):
+        v = named[op.value_name]
+        self.work, self.dims, self.C = work_dtype(v.dtype), dims, op.program.chunk_size
+        self.starts, self.lengths = sequence_bounds(dims.B, dims.T, cu_seqlens, device=v.device)
+        self.NC = max(1, math.ceil(int(self.lengths.max()) / self.C))
+        self.slots = chunk_slots(dims.B, dims.T, dims.N, self.C)
+        self.blocks = {n: self.chunk(op._heads(n, x, dims).to(self.work)) for n, x in named.items()}
+        self.chunk_lengths = (self.lengths[:, None] - self.C * torch.arange(self.NC, device=v.device)).clamp(0, self.C)
+        self.head_consts = op._head_logs(dims.HV)
+        self.h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=self.work, device=v.device)
+                   if initial_state is None else initial_state.to(self.work))
+
+    def chunk(self, x: Tensor) -> Tensor:
+        """[B, T, HV, ...] -> [N, HV, NC, C, ...], zero past each sequence's end."""
+        return to_chunks(gather(x, self.starts, self.lengths, self.NC * self.C), self.C)
+
+    def unchunk(self, x: Tensor) -> Tensor:
+        """[N, HV, NC, C, ...] -> [B, T, HV, ...] on the real tokens (chunk's adjoint there)."""
+        return scatter(from_chunks(x), self.starts, self.lengths, self.dims.B, self.dims.T)
+
+
+# ---- the kernels ----------------------------------------------------------------------------------
+@torch.library.custom_op("qla::run_kernels", mutates_args=())
+def run_kernels(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                scale: float, segments: Optional[int], keep: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(o [B, T, HV, V] in the io dtype, final state [N, HV, K, V] float32, with `keep` what the
+    backward kernels read of the training forward's tensors: kernels/backward.kept)."""
+    from .kernels.backward import kept
+    from .kernels.forward import forward, program_for
+
+    cop = _OPS[op]
+    named, dims = dict(zip(cop.input_names, xs)), dims_of(cop, xs, cu_seqlens)
+    out = forward(cop.program, named, cop.kinds, dims, scale, initial_state, cu_seqlens, cop._head_logs(dims.HV),
+                  segments, keep=keep)
+    # (context parallelism's final state is a view across segments: the fake's strides are dense)
+    o, final = out[0], out[1].contiguous()
+    if not keep:
+        return o, final, []
+    v = named[cop.value_name]
+    return o, final, [out[2][n] for n in kept(program_for(cop.program, dims, v.dtype, v.device))]
+
+
+@run_kernels.register_fake
+def _(op, xs, initial_state, cu_seqlens, scale, segments, keep):
+    from .kernels.backward import kept_shapes
+    from .kernels.forward import check_call
+
+    cop = _OPS[op]
+    d = dims_of(cop, xs, cu_seqlens)
+    v = dict(zip(cop.input_names, xs))[cop.value_name]
+    check_call(d, keep, segments)
+    made = [v.new_empty(shape, dtype=dtype) for shape, dtype in
+            kept_shapes(_variant(cop, d, v), d, v.dtype, segments)] if keep else []
+    return v.new_empty(d.B, d.T, d.HV, d.V), v.new_empty(d.N, d.HV, d.K, d.V, dtype=torch.float32), made
+
+
+@torch.library.custom_op("qla::run_kernels_backward", mutates_args=())
+def run_kernels_backward(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                         scale: float, segments: Optional[int], made: list[Tensor], d_o: Tensor,
+                         d_final: Optional[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """(the gradient of each input, in its dtype; of the initial state) by the backward program's
+    kernels, from what run_kernels(keep=True) kept (`made`) and the call's own tensors rebuilt."""
+    from .kernels.backward import backward, kept
+    from .kernels.forward import call_tensors, program_for
+
+    cop = _OPS[op]
+    named, dims = dict(zip(cop.input_names, xs)), dims_of(cop, xs, cu_seqlens)
+    v = named[cop.value_name]
+    program = program_for(cop.program, dims, v.dtype, v.device)
+    if len(made) != len(kept(program)):
+        raise ValueError("qla::run_kernels_backward: the forward was called with keep=False")
+    tensors, cu, _ = call_tensors(named, cop.kinds, dims, initial_state, cu_seqlens, cop._head_logs(dims.HV),
+                                  program.chunk_size)
+    tensors.update(zip(kept(program), made), cu_seqlens=cu)
+    grads, d_h0 = backward(program, tensors, cop.kinds, dims, scale, d_o, d_final, segments)
+    return ([grads[n].to(x.dtype) for n, x in named.items()],
+            d_h0.to(initial_state.dtype) if initial_state is not None else d_h0)
+
+
+@run_kernels_backward.register_fake
+def _(op, xs, initial_state, cu_seqlens, scale, segments, made, d_o, d_final):
+    d = dims_of(_OPS[op], xs, cu_seqlens)
+    dtype = initial_state.dtype if initial_state is not None else torch.float32
+    return [torch.empty_like(x) for x in xs], xs[0].new_empty(d.N, d.HV, d.K, d.V, dtype=dtype)
+
+
+def _variant(cop, d: Dims, v: Tensor):
+    """The program variant a call runs (kernels/forward.program_for), chosen on the head counts,
+    head dims and sequences as ints: under dynamic shapes the fake specialises on them (the variant
+    depends on them through the V-block), never on T."""
+    from .kernels.forward import program_for
+
+    static = Dims(d.B, d.T, *(int(x) for x in (d.H, d.HV, d.K, d.V, d.N)))
+    return program_for(cop.program, static, v.dtype, v.device)
+
+
+def _kernels_setup(ctx, inputs, output):
+    op, xs, initial_state, cu_seqlens, scale, segments, _ = inputs
+    ctx.op, ctx.scale, ctx.segments, ctx.n = op, scale, segments, len(xs)
+    ctx.save_for_backward(initial_state, cu_seqlens, *xs, *output[2])
+
+
+def _kernels_grad(ctx, d_o, d_final, _):
+    initial_state, cu_seqlens, *rest = ctx.saved_tensors
+    xs, made = rest[:ctx.n], rest[ctx.n:]
+    d_xs, d_h0 = run_kernels_backward(ctx.op, xs, initial_state, cu_seqlens, ctx.scale, ctx.segments, made,
+                                      d_o, d_final)
+    return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None
+
+
+run_kernels.register_autograd(_kernels_grad, setup_context=_kernels_setup)

@@ -1,0 +1,204 @@
+"""Warm-up: compile ahead of time the kernels a deployment's calls will launch, so that no call
+compiles (TileLang's nvcc runs take seconds per kernel) at serve time.
+
+A deployment is described by its head counts and dims, its io dtype and, optionally, the numbers
+of sequences per call (N; by default every number) and its context parallelism: the shape classes
+its calls launch follow from the runtime's own launch rules (kernels/forward.scan_class; the
+V-block and the scan's warpgroups depend on N through the SM count). Everything is compiled into
+the on-disk caches (`$QLA_CACHE_DIR`, `$TILELANG_CACHE_DIR`: kernels/runtime.py); TileLang needs
+no GPU for it, so a CPU machine can fill the cache that the GPU machines then read. A later
+process finds every kernel there and compiles nothing; running the same warm-up at its start-up
+also loads them (and the spec's compile), so its first call does no host-side compiling either.
+
+    qla-compile gdn --precompile H=16,HV=64,K=128,V=128,io=bfloat16 [--training]
+
+    >>> import qla_compiler
+    >>> [(s.part, s.shape.BV) for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8])]
+    [('forward', 16), ('forward', 64)]
+    >>> qla_compiler.warmup("gdn", [dict(H=2, HV=8, K=128, V=128)])     # doctest: +SKIP
+    [1/6] gdn_prep     forward H=2 HV=8 K=128 V=128 BV=16 bfloat16: compiled in 4.1s
+    ...
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .passes.lower_tilelang import ShapeClass
+
+PARTS = ("forward", "training", "backward")  # the program: as inference runs it; a training step's two
+FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "sms")
+
+
+@dataclass(frozen=True)
+class Compile:
+    """One shape class of one of a spec's programs to compile: `part` names the program (the
+    forward, or a training step's forward or backward), `shape` the class its kernels are
+    launched at, `runs_as` the call's class without context parallelism (it picks the program's
+    variant: Program.for_shape; None: the program as compiled), `kernels` which of its kernels
+    run at this class: all, the scan alone, or all but the scan (context parallelism runs the
+    scan by segments, at classes of its own)."""
+    spec: str
+    part: str
+    shape: ShapeClass
+    runs_as: ShapeClass | None
+    kernels: str = "all"  # | "scan" | "parallel"
+
+
+def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
+                  context_parallel: int | None = None, sms: int | None = None, training: bool = False,
+                  scale: float | None = None, stages: int | None = None, block_v: int | None = None) -> list:
+    """What calls of `spec` with these heads and head dims launch, as a list of Compile: at each
+    number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
+    count), with `context_parallel` segments also the segment scans, with `training` also the
+    training forward and the backward. `sms`: the GPU's SMs (None: this machine's GPU, else an
+    H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`, `block_v`: what
+    qla-bench --scan-stages and --block-v force instead of the launch rules."""
+    from .context_parallel import check_segments
+    from .kernels import forward
+
+    V = V or K
+    if H < 1 or HV % H:
+        raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
+    forward.check_head_dims(K, V)
+    check_segments(context_parallel)
+    if io not in forward.IO_DTYPES.values():
+        raise ValueError(f"io: the kernels take {' or '.join(forward.IO_DTYPES.values())}, got {io!r}")
+    sms = sms or _this_gpus_sms()
+    scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
+    counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs
+
+    def launch(width, n):
+        shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=min(block_v, width) if block_v else None)
+        return dataclasses.replace(shape, stages=stages) if stages else shape
+
+    out = []
+    for n in counts:
+        plain = launch(V, n)
+        runs_as = dataclasses.replace(plain, scale=None)
+        out.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if context_parallel else "all"))
+        if context_parallel:  # segments are scanned as sequences: on [0 | v] (width K + V), then on v
+            out += [Compile(str(spec), "forward", launch(w, n * context_parallel), runs_as, "scan")
+                    for w in (K + V, V)]
+    if training:
+        out += [dataclasses.replace(c, part=part) for part in PARTS[1:] for c in list(out)]
+    return list(dict.fromkeys(out))
+
+
+def parse_deployment(text: str) -> dict:
+    """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=8][,sms=132]' -> shape_classes' keywords
+    (N: a number of sequences per call or a range a-b; V defaults to K).
+
+        >>> parse_deployment("H=2,HV=8,K=128,N=1-4,cp=8")
+        {'H': 2, 'HV': 8, 'K': 128, 'n_seqs': [1, 2, 3, 4], 'context_parallel': 8}
+    """
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in FIELDS:
+            raise ValueError(f"--precompile: unknown field {key!r} (fields: {', '.join(FIELDS)})")
+        try:
+            if key == "io":
+                if value not in ("bfloat16", "float16"):
+                    raise ValueError(f"--precompile: io must be bfloat16 or float16, got {value!r}")
+                out["io"] = value
+            elif key == "N":
+                a, _, b = value.partition("-")
+                out["n_seqs"] = list(range(int(a), int(b or a) + 1))
+            else:
+                out[{"cp": "context_parallel"}.get(key, key)] = int(value)
+        except ValueError as e:
+            if str(e).startswith("--precompile"):
+                raise
+            raise ValueError(f"--precompile: {key} must be an integer{' or a range a-b' if key == 'N' else ''}, "
+                             f"got {value!r}") from None
+    missing = [f for f in ("H", "HV", "K") if f not in out]
+    if missing:
+        raise ValueError(f"--precompile: missing {', '.join(missing)} (e.g. H=16,HV=64,K=128,V=128,io=bfloat16)")
+    return out
+
+
+def compile_classes(todo: list, log=print) -> list:
+    """Compile every kernel of each Compile into the on-disk caches, printing a line per kernel
+    (compiled, or found in TileLang's cache). Returns (kernel, Compile, seconds, compiled) per kernel."""
+    from .kernels.runtime import load_kernels
+
+    done, total = [], sum(len(_kernel_names(c)) for c in todo)
+    for c in todo:
+        program = _program(c)
+        kernels = load_kernels(program, c.shape)
+        for name in _kernel_names(c, program):
+            before, t = _tilelang_entries(), time.time()
+            kernels.get(name, progress=False)
+            compiled = _tilelang_entries() != before
+            done.append((name, c, time.time() - t, compiled))
+            s = c.shape
+            log(f"[{len(done)}/{total}] {name:<{max(len(name), 24)}} {c.part} H={s.H} HV={s.HV} K={s.K} V={s.V} "
+                f"BV={s.BV} {s.io}: {'compiled' if compiled else 'cached'} in {done[-1][2]:.1f}s")
+    return done
+
+
+def warmup(spec, shapes: list, training: bool = False, log=print) -> list:
+    """Compile the kernels that calls of `spec` (a shipped spec's name, a spec file, or a compiled
+    op) at each of `shapes` launch — each a dict of shape_classes' keywords or a string as
+    parse_deployment reads it — into the on-disk caches; with `training` also what a training
+    step runs. Returns what compile_classes returns.
+
+        >>> warmup("gdn", ["H=16,HV=64,K=128,V=128,io=bfloat16"], training=True)   # doctest: +SKIP
+    """
+    spec = getattr(spec, "key", spec)  # a compiled op: by its key (custom_ops.register)
+    todo = []
+    for s in shapes:
+        kw = parse_deployment(s) if isinstance(s, str) else dict(s)
+        todo += shape_classes(spec, training=training, **kw)
+    return compile_classes(list(dict.fromkeys(todo)), log)
+
+
+_COMPILED: dict = {}  # spec file -> its op
+
+
+def _program(c: Compile):
+    """The program a Compile names, of the op the process calls (a compiled op by its key, ops'
+    shared op for a shipped spec): the kernels it loads are then the ones that op's calls find in
+    memory, not only on disk."""
+    from . import ops
+    from .compiler import compile as compile_op
+    from .custom_ops import _OPS
+    from .specs import NAMES
+
+    if c.spec in _OPS:
+        op = _OPS[c.spec]
+    elif c.spec in NAMES:
+        op = ops._op(c.spec)
+    else:
+        op = _COMPILED.get(c.spec) or _COMPILED.setdefault(c.spec, compile_op(c.spec))
+    program = op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
+    return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
+
+
+def _kernel_names(c: Compile, program=None) -> list:
+    program = program or _program(c)
+    return [k.name for k in program.kernels.kernels if c.kernels == "all" or (c.kernels == "scan") == bool(k.loop)]
+
+
+def _tilelang_entries() -> int:
+    """How many files TileLang's disk cache holds (a compile adds some; a cache hit none)."""
+    import tilelang
+
+    root = Path(tilelang.env.TILELANG_CACHE_DIR)
+    return sum(1 for f in root.rglob("*") if f.is_file() and ".staging" not in f.parts) if root.exists() else 0
+
+
+def _this_gpus_sms() -> int:
+    from .kernels import forward
+
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return forward.sm_count(torch.device("cuda"))
+    except ImportError:
+        pass
+    return forward.H200_SMS

@@ -1,0 +1,116 @@
+"""The warm-up (qla_compiler/precompile.py): the shape classes it compiles are exactly those the
+runtime's calls launch (recorded through the GPU path's host code with emulated kernels), and
+`qla-compile SPEC --precompile` fills an empty cache, after which a second process compiles
+nothing."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qla_compiler import ops
+from qla_compiler.emulate import KernelEmulator
+from qla_compiler.kernels import forward as fwd
+from qla_compiler.precompile import _kernel_names, _program, parse_deployment, shape_classes
+from qla_compiler.testing import random_inputs
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("cp", [None, 2])
+@pytest.mark.parametrize("heads, cu", [((1, 2), [0, 30, 100]), ((2, 8), [0, 10, 20, 40, 60, 100])])
+def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads, cu):
+    """Every (program, shape class, kernel) a call loads — the forward; with training also a
+    training step's forward and backward; with context parallelism the segment scans too — is one
+    the warm-up of its deployment compiles, and the warm-up compiles nothing no call loads."""
+    op = ops._op("gdn")
+    H, HV = heads
+    a = random_inputs(op, T=100, H=H, HV=HV, K=64, V=64, cu_seqlens=cu, initial_state=True, dtype=torch.bfloat16)
+    emu, launched = KernelEmulator(op, a["cu_seqlens"], 64 ** -0.5), set()
+
+    def recording(program, shape):
+        kernels = emu(program, shape)
+        return {n: (lambda *xs, n=n, k=k: (launched.add((id(program.kernels), shape, n)), k(*xs)))
+                for n, k in kernels.items()}
+
+    monkeypatch.setattr(fwd, "load_kernels", recording)
+    monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)  # the warm-up's default, here
+    for grad in (False, True) if training else (False,):  # inference, and a training step
+        leaves = {n: a[n].detach().requires_grad_(grad) for n in (*op.input_names, "initial_state")}
+        inputs = {n: leaves[n] for n in op.input_names}
+        o, final = op._run_kernels(inputs, 64 ** -0.5, leaves["initial_state"], a["cu_seqlens"], cp)
+        if grad:
+            (o.float().sum() + final.sum()).backward()
+
+    todo = shape_classes("gdn", H=H, HV=HV, K=64, n_seqs=len(cu) - 1, context_parallel=cp, training=training)
+    warmed = {(id(_program(c).kernels), c.shape, n) for c in todo for n in _kernel_names(c)}
+    assert launched == warmed
+
+
+def test_every_number_of_sequences_by_default():
+    """Without N the warm-up covers any batch: the classes of 1 … SMs + 1 sequences, past which
+    the launch rules no longer change."""
+    every = shape_classes("gdn", H=2, HV=8, K=128)
+    assert {c.shape.BV for c in every} == {16, 32, 64}
+    assert set(shape_classes("gdn", H=2, HV=8, K=128, n_seqs=list(range(1, 1000)))) == set(every)
+
+
+def test_parse_deployment_names_what_is_wrong():
+    assert parse_deployment("H=16,HV=64,K=128,V=128,io=bfloat16,N=8,sms=78") == dict(
+        H=16, HV=64, K=128, V=128, io="bfloat16", n_seqs=[8], sms=78)
+    for text, message in (("H=2,HV=8", "missing K"), ("H=2,HV=8,K=128,BV=64", "unknown field 'BV'"),
+                          ("H=2,HV=8,K=x", "K must be an integer"), ("H=2,HV=8,K=64,N=1-x", "or a range"),
+                          ("H=2,HV=8,K=64,io=float32", "io must be bfloat16 or float16")):
+        with pytest.raises(ValueError, match=message):
+            parse_deployment(text)
+
+
+def test_a_deployment_the_kernels_refuse_is_named_before_any_compile():
+    for kw, message in ((dict(H=2, HV=7, K=128), "multiple of the H=2"), (dict(H=1, HV=1, K=512), "K \\(the key"),
+                        (dict(H=1, HV=1, K=64, context_parallel=0), "context_parallel"),
+                        (dict(H=1, HV=1, K=64, io="float32"), "io: the kernels take")):
+        with pytest.raises(ValueError, match=message):
+            shape_classes("gdn", **kw)
+
+
+def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_path, monkeypatch):
+    """The CLI in two fresh processes on one empty cache: the first compiles every kernel of the
+    class (TileLang writes its cache entries; ~20 s on a CPU), the second finds them all and
+    compiles none (no file of the cache changes). Then qla_compiler.warmup in this process: it
+    too compiles nothing, and leaves the kernels loaded for the op's calls."""
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tilelang"), QLA_CACHE_DIR=str(tmp_path / "qla"),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "qla_compiler.cli", "simple_gla", "--precompile", "H=1,HV=1,K=64,N=1"]
+
+    def run():
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    def cache():
+        return {f: f.stat().st_mtime_ns for f in Path(tmp_path).rglob("*") if f.is_file()}
+
+    first = run()
+    assert [line.split()[1] for line in first[:-1]] == ["simple_gla_prep", "simple_gla_scan", "simple_gla_out"]
+    assert all(": compiled in" in line for line in first[:-1])
+    assert first[-1].startswith("3 kernels of 1 shape classes: 3 compiled, 0 found in the cache")
+    files = cache()
+    assert any(f.suffix == ".cubin" for f in files) and any(f.suffix == ".py" for f in files)
+    second = run()
+    assert all(": cached in" in line for line in second[:-1])
+    assert second[-1].startswith("3 kernels of 1 shape classes: 0 compiled, 3 found in the cache")
+    assert cache() == files
+
+    import qla_compiler
+    from qla_compiler.kernels.runtime import load_kernels
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", env["TILELANG_CACHE_DIR"])
+    monkeypatch.setenv("QLA_CACHE_DIR", env["QLA_CACHE_DIR"])
+    lines = []
+    done = qla_compiler.warmup("simple_gla", ["H=1,HV=1,K=64,N=1"], log=lines.append)
+    assert [(name, compiled) for name, _, _, compiled in done] == \
+        [("simple_gla_prep", False), ("simple_gla_scan", False), ("simple_gla_out", False)]
+    assert len(lines) == 3 and cache() == files
+    c = done[0][1]  # what the op's first call at this class finds in memory: no lowering, no load
+    assert set(load_kernels(_program(c), c.shape)._compiled) == {name for name, *_ in done}

@@ -1,0 +1,201 @@
+"""torch.compile(fullgraph=True) of the chunk ops on the CPU backend: the op traces down to its
+custom ops (qla_compiler/custom_ops.py) with no graph break, forward and training step, and gives
+what the eager call gives. backend="eager" and "aot_eager" run the same torch ops as the eager
+call (bitwise equal); inductor fuses the plain torch around the custom ops (l2-norm, casts), so
+its results are compared to float32 rounding. fullgraph=True makes any graph break an error."""
+import pytest
+import torch
+
+from qla_compiler import ops
+from qla_compiler.emulate import emulated_kernels
+from qla_compiler.testing import random_inputs, rel_err
+
+BACKENDS = ["eager", "aot_eager", "inductor"]
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def _close(out, ref, backend):
+    if backend == "inductor":
+        return rel_err(out, ref) <= 1e-6
+    return torch.equal(out, ref)
+
+
+def _gdn(final_state, cu_seqlens, initial_state, l2norm=False):
+    def call(q, k, v, g, beta, h0, cu):
+        return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                          output_final_state=final_state, use_qk_l2norm_in_kernel=l2norm)
+    return call
+
+
+def _args(op, cu_seqlens=None, initial_state=False, T=150, seed=0):
+    a = random_inputs(op, T=T, H=2, HV=4, K=16, V=16, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                      dtype=torch.float32, seed=seed)
+    return [a[n] for n in op.input_names] + [a.get("initial_state"), a.get("cu_seqlens")]
+
+
+CASES = {  # final state, cu_seqlens, initial state
+    "dense": (False, None, False),
+    "final_state": (True, None, False),
+    "varlen_initial_state": (True, [0, 1, 64, 150], True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_forward_equals_eager(ops_gdn, backend, case):
+    torch._dynamo.reset()
+    final_state, cu, h0 = CASES[case]
+    fn = _gdn(final_state, cu, h0)
+    args = _args(ops_gdn, cu, h0)
+    o, final = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    o_ref, final_ref = fn(*args)
+    assert _close(o, o_ref, backend)
+    assert (final is None) == (final_ref is None) == (not final_state)
+    if final_state:
+        assert final.dtype == torch.float32 and _close(final, final_ref, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_training_step_equals_eager(ops_gdn, backend):
+    """loss.backward() through the compiled function: the backward custom op runs in the backward
+    graph, and every gradient — inputs, the initial state — is the eager call's."""
+    torch._dynamo.reset()
+    fn = _gdn(True, None, True, l2norm=True)
+    *xs, h0, cu = _args(ops_gdn, [0, 30, 150], True)
+    w = torch.randn(1, 150, 4, 16, generator=torch.Generator().manual_seed(3))
+
+    def step(f):
+        leaves = [x.detach().clone().requires_grad_() for x in [*xs, h0]]
+        o, final = f(*leaves, cu)
+        loss = (o * w).sum() + final.square().sum()
+        loss.backward()
+        return loss.detach(), [x.grad for x in leaves]
+
+    loss, grads = step(torch.compile(fn, fullgraph=True, backend=backend))
+    loss_ref, grads_ref = step(fn)
+    assert _close(loss, loss_ref, backend)
+    for name, g, g_ref in zip([*NAMES, "initial_state"], grads, grads_ref):
+        assert g is not None and g.dtype == g_ref.dtype, name
+        assert _close(g, g_ref, backend), name
+
+
+def test_new_lengths_reuse_one_dynamic_graph(ops_gdn):
+    """Calls with new token counts and numbers of sequences: after the first recompile (dynamo
+    makes the sizes symbolic) one graph serves them all — nothing in the traced code specialises
+    on T or N — and each result is the eager call's."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    fn = _gdn(True, None, True)
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    for T, cu in ((150, [0, 1, 64, 150]), (120, [0, 50, 120]), (90, [0, 10, 30, 60, 90]), (180, [0, 90, 180])):
+        args = _args(ops_gdn, cu, True, T=T)
+        o, final = compiled(*args)
+        o_ref, final_ref = fn(*args)
+        assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    assert counter.frame_count == 2
+
+
+def test_context_parallel_compiles_around_two_interpreter_calls(ops_gdn):
+    """context_parallel: the segment algebra between the two scans is plain torch in the graph."""
+    torch._dynamo.reset()
+
+    def fn(q, k, v, g, beta, h0, cu):
+        return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                          output_final_state=True, context_parallel=3)
+    args = _args(ops_gdn, [0, 100, 150], True)
+    o, final = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    o_ref, final_ref = fn(*args)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+def test_first_use_inside_torch_compile_is_not_traced():
+    """An op whose spec was never compiled in this process, first called inside the compiled
+    region (another spec, to show nothing is GDN's): its compile runs as Python, no graph break."""
+    torch._dynamo.reset()
+    ops._built.__dict__.pop("simple_gla", None)  # as in a fresh process
+
+    def fn(q, k, v, g):
+        return ops.chunk_simple_gla(q, k, v, g, output_final_state=True)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    a = random_inputs(ops._op("linear_attn"), T=100, H=1, HV=2, K=16, V=16, dtype=torch.float32)
+    g = -torch.rand(1, 100, 2, generator=torch.Generator().manual_seed(1))
+    ops._built.__dict__.pop("simple_gla", None)
+    o, final = compiled(a["q"], a["k"], a["v"], g)
+    assert "simple_gla" in ops._built.__dict__
+    o_ref, final_ref = fn(a["q"], a["k"], a["v"], g)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+def test_value_checks_still_raise_under_compile(ops_gdn):
+    """What the op reads of the values (the gates' sign, cu_seqlens) is checked inside the custom
+    op under torch.compile: the same ValueError as the eager call."""
+    torch._dynamo.reset()
+    fn = torch.compile(_gdn(True, None, False), fullgraph=True, backend="eager")
+    q, k, v, g, beta, h0, cu = _args(ops_gdn, [0, 50, 150])
+    with pytest.raises(ValueError, match="a log-space gate must be ≤ 0"):
+        fn(q, k, v, g.abs() + 0.5, beta, h0, cu)
+    with pytest.raises(ValueError, match="must not decrease"):
+        fn(q, k, v, g, beta, h0, torch.tensor([0, 100, 50, 150], dtype=torch.int32))
+
+
+def test_opcheck_interpreter_ops(ops_gdn):
+    """torch.library.opcheck: the schema (no aliasing), the fake implementation against the real
+    one, autograd registration and AOT dispatch (static and dynamic shapes) of qla::interpret,
+    and through its backward of qla::interpret_backward."""
+    xs = _args(ops_gdn, T=70)[:5]
+    h0 = torch.randn(2, 4, 16, 16)
+    cu = torch.tensor([0, 20, 70])
+    leaves = [x.detach().requires_grad_() for x in [*xs, h0]]  # a forward that saves for backward
+    torch.library.opcheck(torch.ops.qla.interpret.default, (ops_gdn.key, leaves[:5], leaves[5], cu, 0.25, True, True))
+    torch.library.opcheck(torch.ops.qla.interpret.default, (ops_gdn.key, xs, h0, cu, 0.25, False, False))
+
+
+def test_opcheck_kernel_ops_with_emulated_kernels(ops_gdn):
+    """The GPU path's custom ops, qla::run_kernels and its backward, on the CPU with every kernel
+    emulated (qla_compiler/emulate.py): the fake implementation gives the shapes and dtypes of what
+    the kernels make (what the training forward keeps included), and autograd is registered."""
+    op = ops_gdn
+    a = random_inputs(op, T=100, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 30, 100], initial_state=True,
+                      dtype=torch.bfloat16)
+    xs, h0, cu = [a[n] for n in op.input_names], a["initial_state"], a["cu_seqlens"]
+    leaves = [x.detach().requires_grad_() for x in [*xs, h0]]  # a training forward: it keeps
+    with emulated_kernels(op, cu, 64 ** -0.5):
+        for segments in (None, 2):  # context parallelism: both scans by segments
+            torch.library.opcheck(torch.ops.qla.run_kernels.default,
+                                  (op.key, leaves[:-1], leaves[-1], cu, 64 ** -0.5, segments, True))
+        torch.library.opcheck(torch.ops.qla.run_kernels.default, (op.key, xs, h0, cu, 64 ** -0.5, None, False))
+
+
+def test_compiled_kernel_path_training_step_with_emulated_kernels(ops_gdn):
+    """The GPU path's training step traced whole (aot_eager), its kernels emulated on the CPU: the
+    graph holds qla::run_kernels and qla::run_kernels_backward, and the gradients are the eager
+    call's."""
+    torch._dynamo.reset()
+    op = ops_gdn
+    a = random_inputs(op, T=100, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 30, 100], initial_state=True,
+                      dtype=torch.bfloat16)
+    scale = 64 ** -0.5
+
+    def fn(h0, cu, *xs):
+        return op._run_kernels(dict(zip(op.input_names, xs)), scale, h0, cu, None)
+
+    def step(f):
+        leaves = [a[n].detach().clone().requires_grad_() for n in ("initial_state", *op.input_names)]
+        o, final = f(leaves[0], a["cu_seqlens"], *leaves[1:])
+        (o.float().sum() + final.square().sum()).backward()
+        return o.detach(), [x.grad for x in leaves]
+
+    with emulated_kernels(op, a["cu_seqlens"], scale):
+        o, grads = step(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+        o_ref, grads_ref = step(fn)
+    assert torch.equal(o, o_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.dtype == g_ref.dtype and torch.equal(g, g_ref)
+
+
+@pytest.fixture(scope="module")
+def ops_gdn():
+    return ops._op("gdn")
