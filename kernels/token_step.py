@@ -19,6 +19,8 @@ import torch
 
 from qla_compiler.passes.lower_tilelang import ShapeClass, tile_width
 
+from .forward import _on_device
+
 _PLACEHOLDERS: dict = {}  # (device, dtype, HV, K, V) -> a one-slot pool nothing reads or writes
 
 
@@ -34,12 +36,14 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
     the pool it reads, the tensor it writes states into, and the final state the op returns."""
     i32 = dict(dtype=torch.int32, device=device)
     state_dtype = initial_state.dtype if initial_state is not None else torch.float32
-    pool = initial_state if initial_state is not None else _placeholder(dims.HV, dims.K, dims.V, state_dtype, device)
+    # (a pool written in place is contiguous, _check_pool says so; one only read may be a view)
+    pool = initial_state.contiguous() if initial_state is not None else \
+        _placeholder(dims.HV, dims.K, dims.V, state_dtype, device)
     none_per_token = torch.full((N, 1), -1, **i32)
     if indices is None:
         read = (torch.arange(N, **i32) if initial_state is not None else torch.full((N,), -1, **i32))
-        if output_final_state:
-            out = torch.zeros(N, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
+        if output_final_state:  # every sequence's final state is written (an empty one's too)
+            out = torch.empty(N, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
             return read, none_per_token, torch.arange(N, **i32), pool, out, out
         return read, none_per_token, torch.full((N,), -1, **i32), pool, pool, None
     idx = indices.to(**i32)
@@ -60,10 +64,15 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
     return read, idx.contiguous(), torch.full((N,), -1, **i32), pool, pool, (pool if output_final_state else None)
 
 
+def block_v(K_tile: int) -> int:
+    """The V-block: the state block, xS and qS live in registers (K×BV each)."""
+    return 16 if K_tile > 128 else 32
+
+
 def shape_class(dims, io: torch.dtype, state: torch.dtype, scale: float) -> ShapeClass:
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    BV = 16 if tile_width(dims.K) > 128 else 32  # the state block, xS and qS in registers (K×BV each)
-    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=BV, io=names[io], scale=scale, state=names[state])
+    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=block_v(tile_width(dims.K)), io=names[io],
+                      scale=scale, state=names[state])
 
 
 def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict, cu: torch.Tensor, slot_tensors,
@@ -81,7 +90,7 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
         tensors[n] = x.contiguous() if kinds[n] in ("key", "value") or kernel is not None else \
             x.to(torch.float32).contiguous()
     for name, logs in head_logs.items():
-        tensors[f"log_{name}"] = torch.tensor(logs, dtype=torch.float32, device=v.device)
+        tensors[f"log_{name}"] = _on_device(tuple(logs), v.device)
     o = torch.zeros(1, total, dims.HV, dims.V, dtype=v.dtype, device=v.device)
     tensors.update(cu_seqlens=cu.to(torch.int32), read_slot=read, write_slot=write, final_slot=final,
                    state_pool=pool, state_out=out, o=o)

@@ -340,7 +340,7 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
             col, width, dim = ("v0 + i", "BV", "V") if p.shape[3] == "V" else ("i", K, "K")
             ok = f"{col} < {dim}" if dim in r.tiles else None
             value = f"{s.srcs[0]}[0, bos + t, {head}, {col}]"
-            value = f"T.if_then_else({ok}, {value}, T.cast(0, IO))" if ok else value
+            value = f"T.if_then_else({ok}, {value}, T.cast(0, {_dtype(p.dtype)}))" if ok else value
             return [f"for i in T.Parallel({width}):", f"    {s.dst}[i] = {value}"]
         if s.op == "store_token":
             store = [f"{s.dst}[0, bos + t, i_hv, v0 + j] = T.cast({s.srcs[0]}[j], IO)"]

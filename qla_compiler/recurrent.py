@@ -31,6 +31,7 @@ import torch
 
 from .checks import check_inputs
 from .layout import packed_cu_seqlens
+from .op import _l2norm
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -69,9 +70,14 @@ def _check_pool(initial_state, indices, num_accepted, inplace, dims, device):
             raise ValueError(f"initial_state: expected {N} states (one per sequence) without ssm_state_indices, "
                              f"got {initial_state.shape[0]}")
         if initial_state.dtype not in STATE_DTYPES:
-            raise ValueError(f"initial_state: expected a float32, bf16 or fp16 pool, got {initial_state.dtype}")
+            raise ValueError(f"initial_state: expected a float32, bf16 or fp16 pool (float64 on the CPU), "
+                             f"got {initial_state.dtype}")
         if initial_state.device != device:
             raise ValueError(f"initial_state: on {initial_state.device}, but the inputs are on {device}")
+        if indices is not None and indices.device.type == "cpu" and indices.numel() \
+                and int(indices.max()) >= initial_state.shape[0]:  # (values on a GPU are not read: no sync)
+            raise ValueError(f"ssm_state_indices: slot {int(indices.max())} is past the pool's "
+                             f"{initial_state.shape[0]} slots")
         if inplace and not initial_state.is_contiguous():
             raise ValueError("initial_state: the pool must be contiguous to be written in place")
 
@@ -89,9 +95,8 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
                                        for x in (*inputs.values(), initial_state)):
         raise ValueError(f"{op.name}.recurrent: the token step is not differentiable (it is for decoding); "
                          "train with the chunk op, or call under torch.no_grad()")
-    if use_qk_l2norm_in_kernel:
-        inputs = {n: (torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) if op.kinds[n] == "key" else x)
-                  for n, x in inputs.items()}
+    if use_qk_l2norm_in_kernel:  # FLA's normalisation, as the chunk op and the reference do it
+        inputs = {n: (_l2norm(x) if op.kinds[n] == "key" else x) for n, x in inputs.items()}
     scale = dims.K ** -0.5 if scale is None else float(scale)
     v = inputs[op.value_name]
     *slot_tensors, returned = host.slots(dims.N, dims, device, initial_state, ssm_state_indices, num_accepted_tokens,
@@ -101,18 +106,26 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
     kernel = None
     if not (op.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)):
         kernel = _interpreted(program, dims, scale, op._head_logs(dims.HV))
-    elif initial_state is not None and initial_state.dtype == torch.float64:
-        raise ValueError("initial_state: the GPU token step takes float32, bf16 or fp16 states, got float64")
+    else:
+        from .kernels.forward import check_head_dims
+
+        check_head_dims(dims.K, dims.V)
+        if initial_state is not None and initial_state.dtype == torch.float64:
+            raise ValueError("initial_state: the GPU token step takes float32, bf16 or fp16 states, got float64")
     o = host.run(program, inputs, op.kinds, dims, scale, op._head_logs(dims.HV), cu, slot_tensors, kernel)
     return o, returned
 
 
 def _interpreted(program, dims, scale, head_logs):
-    """The token step run by the KernelIR interpreter, in float64, one V-block per head."""
+    """The token step run by the KernelIR interpreter, in float64, on the GPU's tiles and V-blocks
+    (kernels/token_step.block_v): padded head dims and V-blocks are exercised on the CPU too."""
     from .ir.kernel_interp import Sizes, run_kernel
+    from .kernels.token_step import block_v
+    from .passes.lower_tilelang import tile_width
 
     (k,) = program.kernels.kernels
-    sizes = Sizes(K=dims.K, V=dims.V, BV=dims.V, HV=dims.HV, G=dims.HV // dims.H, C=1, head_logs=head_logs)
+    K, V = tile_width(dims.K), tile_width(dims.V)
+    sizes = Sizes(K=K, V=V, BV=block_v(K), HV=dims.HV, G=dims.HV // dims.H, C=1, head_logs=head_logs)
 
     def run(*tensors):
         run_kernel(k, {p.name: x for p, x in zip(k.params, tensors)}, sizes, scale)

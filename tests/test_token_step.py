@@ -147,6 +147,7 @@ def test_speculative_decoding_matches_a_token_loop(ops):
     (dict(inplace_final_state=True), "inplace_final_state: needs ssm_state_indices"),
     (dict(ssm_state_indices=torch.zeros(5, 2, dtype=torch.long)), "inplace_final_state: speculative decoding"),
     (dict(num_accepted_tokens=torch.ones(5, dtype=torch.long)), "num_accepted_tokens: only with"),
+    (dict(ssm_state_indices=torch.tensor([0, 1, 9, 2, 3])), "ssm_state_indices: slot 9 is past the pool's 9 slots"),
 ])
 def test_bad_pool_arguments_are_named(ops, call, message):
     op = ops["gdn"]
@@ -204,3 +205,26 @@ def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
     assert isinstance(shape, ShapeClass) and shape.state == state
     spills = _ptxas_spills("\n".join(lower_to_cuda(program, shape).values()), tmp_path)
     assert len(spills) == 1 and spills[0] == ("0", "0"), spills
+
+
+def test_l2norm_in_kernel_as_the_chunk_op_does_it(ops):
+    """FLA's x·rsqrt(Σx² + 1e-6), as the chunk op and the reference normalise: keys of norm 1e-3
+    tell it from x / max(‖x‖, ε)."""
+    op = ops["gdn"]
+    args = _inputs(op, [0, 3, 9])
+    args["q"], args["k"] = args["q"] * 1e-3, args["k"] * 1e-3
+    o, final = op.recurrent(**args, use_qk_l2norm_in_kernel=True)
+    o_ref, final_ref = op.reference(**args, use_qk_l2norm_in_kernel=True)
+    assert rel_err(o, o_ref) <= TOL and rel_err(final, final_ref) <= TOL
+
+
+def test_a_pool_view_is_read_as_it_is(ops):
+    """A pool only read (not in place) may be a strided view: the kernel gets a dense copy."""
+    op = ops["gdn"]
+    args, pool = _decode_batch(op)
+    view = torch.randn(8, 16, 4, 9, dtype=torch.float64).permute(3, 2, 1, 0)  # [9, 4, 16, 8], strided
+    assert not view.is_contiguous()
+    idx = torch.tensor([3, 0, 8, 1, 5])
+    o, final = op.recurrent(**args, initial_state=view, ssm_state_indices=idx, output_final_state=True)
+    o_ref, s_ref = op.reference(**args, initial_state=view[idx].contiguous(), output_final_state=True)
+    assert rel_err(o, o_ref) <= TOL and rel_err(final, s_ref) <= TOL
