@@ -188,3 +188,16 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
     if bad is not None:
         raise ValueError(f"cu_seqlens: must not decrease, but cu_seqlens[{bad}] = {cu[bad]} "
                          f"and cu_seqlens[{bad + 1}] = {cu[bad + 1]}")
+
+
+def option_fields(text: str, fields, option: str) -> list:
+    """'A=1,B=x' -> [(A, '1'), (B, 'x')] for a CLI option whose value is a list of fields; an
+    unknown field is a ValueError naming the option and the fields it takes."""
+    out = []
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"{option}: unknown field {key!r} (fields: {', '.join(fields)})")
+        out.append((key, value))
+    return out
+

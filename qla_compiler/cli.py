@@ -149,11 +149,10 @@ def parse_shape(text: str):
     from .kernels.forward import H200_SMS, scan_class
     from .passes.lower_tilelang import check_head_dim, tile_width
 
+    from .checks import option_fields
+
     fields = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        if key not in FIELDS:
-            raise ValueError(f"--shape: unknown field {key!r} (fields: {', '.join(FIELDS)})")
+    for key, value in option_fields(text, FIELDS, "--shape"):
         try:
             fields[key] = value if key == "io" else int(value)
         except ValueError:

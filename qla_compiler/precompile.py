@@ -94,11 +94,10 @@ def parse_deployment(text: str) -> dict:
         >>> parse_deployment("H=2,HV=8,K=128,N=1-4,cp=8")
         {'H': 2, 'HV': 8, 'K': 128, 'n_seqs': [1, 2, 3, 4], 'context_parallel': 8}
     """
+    from .checks import option_fields
+
     out = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        if key not in FIELDS:
-            raise ValueError(f"--precompile: unknown field {key!r} (fields: {', '.join(FIELDS)})")
+    for key, value in option_fields(text, FIELDS, "--precompile"):
         try:
             if key == "io":
                 if value not in ("bfloat16", "float16"):
