@@ -226,22 +226,30 @@ def check_call(dims, keep: bool, context_parallel) -> None:
                          f"(got K = {dims.K}, V = {dims.V}); leave it None")
 
 
+def packed_inputs(inputs: dict, kinds: dict, dims, head_logs: dict, exact: bool = False) -> dict:
+    """The inputs packed [1, B·T, ...] by parameter name (gates and scalars in float32, as the
+    kernels read them; `exact`: as they are, for a stand-in), and each head constant's logs."""
+    device = next(iter(inputs.values())).device
+    total = dims.B * dims.T
+    tensors = {}
+    for n, x in inputs.items():
+        x = x.reshape(1, total, *x.shape[2:])
+        tensors[n] = x.contiguous() if kinds[n] in ("key", "value") or exact else x.to(torch.float32).contiguous()
+    for name, logs in head_logs.items():
+        tensors[f"log_{name}"] = _on_device(tuple(logs), device)
+    return tensors
+
+
 def call_tensors(inputs: dict, kinds: dict, dims, initial_state, cu_seqlens, head_logs: dict, C: int):
     """The kernels' tensors that are the call's own, by parameter name — the inputs packed
     [1, B·T, ...] (gates and scalars in float32), each head constant's logs, the chunk map and
     each sequence's first chunk slot — with cu_seqlens as int32 and the initial state as float32.
     (The backward rebuilds them from the same arguments rather than keeping them.)"""
     device = next(iter(inputs.values())).device
-    total = dims.B * dims.T
-    tensors = {}
-    for n, x in inputs.items():
-        x = x.reshape(1, total, *x.shape[2:])
-        tensors[n] = x.contiguous() if kinds[n] in ("key", "value") else x.to(torch.float32).contiguous()
+    tensors = packed_inputs(inputs, kinds, dims, head_logs)
     cu, cmap, offsets = sequence_layout(dims, cu_seqlens, device, C)
     h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=device, dtype=torch.float32)
           if initial_state is None else initial_state.to(torch.float32).contiguous())
-    for name, logs in head_logs.items():
-        tensors[f"log_{name}"] = _on_device(tuple(logs), device)
     tensors["chunk_map"], tensors["chunk_offsets"] = cmap, offsets
     return tensors, cu, h0
 

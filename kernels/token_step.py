@@ -19,7 +19,7 @@ import torch
 
 from qla_compiler.passes.lower_tilelang import ShapeClass, tile_width
 
-from .forward import _on_device
+from .forward import packed_inputs
 
 _PLACEHOLDERS: dict = {}  # (device, dtype, HV, K, V) -> a one-slot pool nothing reads or writes
 
@@ -39,29 +39,30 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
     # (a pool written in place is contiguous, _check_pool says so; one only read may be a view)
     pool = initial_state.contiguous() if initial_state is not None else \
         _placeholder(dims.HV, dims.K, dims.V, state_dtype, device)
-    none_per_token = torch.full((N, 1), -1, **i32)
+    def nowhere(*shape):
+        return torch.full(shape, -1, **i32)
+
+    if indices is not None and indices.dim() == 2:
+        # speculative decoding: start after the accepted tokens, keep the state after every token
+        first = (num_accepted.to(device=device, dtype=torch.long) - 1) if num_accepted is not None else \
+            torch.zeros(N, dtype=torch.long, device=device)
+        start = indices.to(**i32).gather(1, first.clamp(min=0)[:, None])[:, 0]
+        return torch.where(start >= 0, start, -2), indices.to(**i32).contiguous(), nowhere(N), pool, pool, \
+            (pool if output_final_state else None)
     if indices is None:
-        read = (torch.arange(N, **i32) if initial_state is not None else torch.full((N,), -1, **i32))
-        if output_final_state:  # every sequence's final state is written (an empty one's too)
-            out = torch.empty(N, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
-            return read, none_per_token, torch.arange(N, **i32), pool, out, out
-        return read, none_per_token, torch.full((N,), -1, **i32), pool, pool, None
-    idx = indices.to(**i32)
-    if idx.dim() == 1:
+        read = torch.arange(N, **i32) if initial_state is not None else nowhere(N)
+    else:
+        idx = indices.to(**i32)
         read = torch.where(idx >= 0, idx, -2)
-        if inplace:
-            return read, none_per_token, torch.where(idx >= 0, idx, -1), pool, pool, \
-                (pool if output_final_state else None)
-        if output_final_state:
-            out = torch.zeros(N, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
-            return read, none_per_token, torch.arange(N, **i32), pool, out, out
-        return read, none_per_token, torch.full((N,), -1, **i32), pool, pool, None
-    # speculative decoding: start after the accepted tokens, keep the state after every token
-    first = (num_accepted.to(device=device, dtype=torch.long) - 1) if num_accepted is not None else \
-        torch.zeros(N, dtype=torch.long, device=device)
-    start = idx.gather(1, first.clamp(min=0)[:, None])[:, 0]
-    read = torch.where(start >= 0, start, -2)
-    return read, idx.contiguous(), torch.full((N,), -1, **i32), pool, pool, (pool if output_final_state else None)
+    if inplace:  # (only with indices [N]: _check_pool)
+        return read, nowhere(N, 1), torch.where(idx >= 0, idx, -1), pool, pool, (pool if output_final_state else None)
+    if output_final_state:
+        # without indices every sequence's final state is written (an empty one's too); a padding
+        # entry's is not, and reads as zeros
+        out = (torch.empty if indices is None else torch.zeros)(N, dims.HV, dims.K, dims.V, dtype=state_dtype,
+                                                                 device=device)
+        return read, nowhere(N, 1), torch.arange(N, **i32), pool, out, out
+    return read, nowhere(N, 1), nowhere(N), pool, pool, None
 
 
 def block_v(K_tile: int) -> int:
@@ -82,16 +83,8 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
     read, write, final, pool, out = slot_tensors
     (k,) = program.kernels.kernels
     v = inputs[next(n for n, kind in kinds.items() if kind == "value")]
-    total = dims.B * dims.T
-    tensors = {}
-    for n, x in inputs.items():
-        x = x.reshape(1, total, *x.shape[2:])
-        # the compiled kernel reads gates and scalars in float32; a stand-in takes them as they are
-        tensors[n] = x.contiguous() if kinds[n] in ("key", "value") or kernel is not None else \
-            x.to(torch.float32).contiguous()
-    for name, logs in head_logs.items():
-        tensors[f"log_{name}"] = _on_device(tuple(logs), v.device)
-    o = torch.zeros(1, total, dims.HV, dims.V, dtype=v.dtype, device=v.device)
+    tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=kernel is not None)
+    o = torch.zeros(1, dims.B * dims.T, dims.HV, dims.V, dtype=v.dtype, device=v.device)
     tensors.update(cu_seqlens=cu.to(torch.int32), read_slot=read, write_slot=write, final_slot=final,
                    state_pool=pool, state_out=out, o=o)
     if kernel is None:
