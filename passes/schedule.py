@@ -35,7 +35,7 @@ from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, Tensor
 
 from .partition import Partition
-from .schedule_build import Builder, build, check_v_columns, global_name, ident
+from .schedule_build import Builder, build, check_v_columns, global_name
 from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, dim_sizes, live_shared, place_loads, reads,
                               smem_bytes, threads_for, zero_pad)
 
