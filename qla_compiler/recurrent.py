@@ -103,16 +103,17 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
                                          inplace_final_state, output_final_state)
     cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
     program = op.program.token_step_program
+    head_logs = op._head_logs(dims.HV)
     kernel = None
     if not (op.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)):
-        kernel = _interpreted(program, dims, scale, op._head_logs(dims.HV))
+        kernel = _interpreted(program, dims, scale, head_logs)
     else:
         from .kernels.forward import check_head_dims
 
         check_head_dims(dims.K, dims.V)
         if initial_state is not None and initial_state.dtype == torch.float64:
             raise ValueError("initial_state: the GPU token step takes float32, bf16 or fp16 states, got float64")
-    o = host.run(program, inputs, op.kinds, dims, scale, op._head_logs(dims.HV), cu, slot_tensors, kernel)
+    o = host.run(program, inputs, op.kinds, dims, scale, head_logs, cu, slot_tensors, kernel)
     return o, returned
 
 
