@@ -130,6 +130,15 @@ def _on_device(values: tuple, device) -> torch.Tensor:
     return torch.tensor(values, device=device, dtype=torch.float32)
 
 
+def _filled(values: tuple, device) -> torch.Tensor:
+    """The same constants made by fill kernels, which a CUDA-graph capture records (no upload) and
+    nothing keeps: what a compiled call uses (see call_tensors)."""
+    out = torch.empty(len(values), device=device, dtype=torch.float32)
+    for i, x in enumerate(values):
+        out[i].fill_(x)
+    return out
+
+
 def chunk_map(cu: torch.Tensor, n_tokens: int, C: int) -> torch.Tensor:
     """(first token, tokens) of every chunk of every sequence, padded with (0, 0) up to the static
     bound T/C + N, computed on the device."""
@@ -164,7 +173,7 @@ class _Layout:
     def __init__(self, size: int = 16):
         self.size, self.entries = size, {}
 
-    def __call__(self, dims, cu_seqlens, device, C: int):
+    def __call__(self, dims, cu_seqlens, device, C: int, cache: bool = True):
         def compute():
             cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
             return cu, chunk_map(cu, dims.B * dims.T, C), chunk_offsets(cu, C)
@@ -172,7 +181,7 @@ class _Layout:
         def kept(layout):  # the caller's own int32 tensor is not held (it would never be freed)
             return (None, *layout[1:]) if layout[0] is cu_seqlens else layout
 
-        if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()) or \
+        if not cache or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()) or \
                 (cu_seqlens is not None and cu_seqlens.is_inference()):  # (no version counter to check)
             return compute()
         if cu_seqlens is None:  # dense: the layout is a function of the shape
@@ -195,11 +204,11 @@ sequence_layout = _Layout()
 
 
 def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_state, cu_seqlens,
-            head_logs: dict, context_parallel=None, keep: bool = False):
+            head_logs: dict, context_parallel=None, keep: bool = False, cache: bool = True):
     """Run the program's kernels: (o [B, T, HV, V], final state [N, HV, K, V]). With keep, also
     every global tensor by name (what kernels/backward.py needs: the packed inputs, the chunk map,
     the state entering every chunk, the prep's results), from the kernels of the training program
-    (which also store the triangular inverses for the backward)."""
+    (which also store the triangular inverses for the backward). `cache`: see call_tensors."""
     check_call(dims, keep, context_parallel)
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
@@ -207,7 +216,8 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     program = program_for(program, dims, io, device)
     if keep:
         program = program.training_program
-    tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size)
+    tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
+                                 cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
     o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
@@ -226,9 +236,10 @@ def check_call(dims, keep: bool, context_parallel) -> None:
                          f"(got K = {dims.K}, V = {dims.V}); leave it None")
 
 
-def packed_inputs(inputs: dict, kinds: dict, dims, head_logs: dict, exact: bool = False) -> dict:
+def packed_inputs(inputs: dict, kinds: dict, dims, head_logs: dict, exact: bool = False, cache: bool = True) -> dict:
     """The inputs packed [1, B·T, ...] by parameter name (gates and scalars in float32, as the
-    kernels read them; `exact`: as they are, for a stand-in), and each head constant's logs."""
+    kernels read them; `exact`: as they are, for a stand-in), and each head constant's logs
+    (uploaded once per device, or with `cache` False made afresh: see call_tensors)."""
     device = next(iter(inputs.values())).device
     total = dims.B * dims.T
     tensors = {}
@@ -236,18 +247,24 @@ def packed_inputs(inputs: dict, kinds: dict, dims, head_logs: dict, exact: bool 
         x = x.reshape(1, total, *x.shape[2:])
         tensors[n] = x.contiguous() if kinds[n] in ("key", "value") or exact else x.to(torch.float32).contiguous()
     for name, logs in head_logs.items():
-        tensors[f"log_{name}"] = _on_device(tuple(logs), device)
+        tensors[f"log_{name}"] = (_on_device if cache else _filled)(tuple(logs), device)
     return tensors
 
 
-def call_tensors(inputs: dict, kinds: dict, dims, initial_state, cu_seqlens, head_logs: dict, C: int):
+def call_tensors(inputs: dict, kinds: dict, dims, initial_state, cu_seqlens, head_logs: dict, C: int,
+                 cache: bool = True):
     """The kernels' tensors that are the call's own, by parameter name — the inputs packed
     [1, B·T, ...] (gates and scalars in float32), each head constant's logs, the chunk map and
     each sequence's first chunk slot — with cu_seqlens as int32 and the initial state as float32.
-    (The backward rebuilds them from the same arguments rather than keeping them.)"""
+    (The backward rebuilds them from the same arguments rather than keeping them.)
+
+    With `cache` False nothing made here outlives the call: a compiled graph's call, which
+    torch.compile's CUDA-graph trees run once to warm up with every allocation in the graph's
+    memory pool; a tensor kept past the call there (a cached layout, uploaded constants) is an
+    allocation the trees do not own, and they refuse to record."""
     device = next(iter(inputs.values())).device
-    tensors = packed_inputs(inputs, kinds, dims, head_logs)
-    cu, cmap, offsets = sequence_layout(dims, cu_seqlens, device, C)
+    tensors = packed_inputs(inputs, kinds, dims, head_logs, cache=cache)
+    cu, cmap, offsets = sequence_layout(dims, cu_seqlens, device, C, cache)
     h0 = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=device, dtype=torch.float32)
           if initial_state is None else initial_state.to(torch.float32).contiguous())
     tensors["chunk_map"], tensors["chunk_offsets"] = cmap, offsets

@@ -172,16 +172,18 @@ class _Chunked:
 # ---- the kernels ----------------------------------------------------------------------------------
 @torch.library.custom_op("qla::run_kernels", mutates_args=())
 def run_kernels(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                scale: float, segments: Optional[int], keep: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+                scale: float, segments: Optional[int], keep: bool, traced: bool
+                ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """(o [B, T, HV, V] in the io dtype, final state [N, HV, K, V] float32, with `keep` what the
-    backward kernels read of the training forward's tensors: kernels/backward.kept)."""
+    backward kernels read of the training forward's tensors: kernels/backward.kept). `traced`: the
+    call is a compiled graph's, so it keeps no device tensor past itself (forward.call_tensors)."""
     from .kernels.backward import kept
     from .kernels.forward import forward, program_for
 
     cop = _OPS[op]
     named, dims = dict(zip(cop.input_names, xs)), dims_of(cop, xs, cu_seqlens)
     out = forward(cop.program, named, cop.kinds, dims, scale, initial_state, cu_seqlens, cop._head_logs(dims.HV),
-                  segments, keep=keep)
+                  segments, keep=keep, cache=not traced)
     # (context parallelism's final state is a view across segments: the fake's strides are dense)
     o, final = out[0], out[1].contiguous()
     if not keep:
@@ -191,7 +193,7 @@ def run_kernels(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_s
 
 
 @run_kernels.register_fake
-def _(op, xs, initial_state, cu_seqlens, scale, segments, keep):
+def _(op, xs, initial_state, cu_seqlens, scale, segments, keep, traced):
     from .kernels.backward import kept_shapes
     from .kernels.forward import check_call
 
@@ -207,7 +209,7 @@ def _(op, xs, initial_state, cu_seqlens, scale, segments, keep):
 @torch.library.custom_op("qla::run_kernels_backward", mutates_args=())
 def run_kernels_backward(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                          scale: float, segments: Optional[int], made: list[Tensor], d_o: Tensor,
-                         d_final: Optional[Tensor]) -> tuple[list[Tensor], Tensor]:
+                         d_final: Optional[Tensor], traced: bool) -> tuple[list[Tensor], Tensor]:
     """(the gradient of each input, in its dtype; of the initial state) by the backward program's
     kernels, from what run_kernels(keep=True) kept (`made`) and the call's own tensors rebuilt."""
     from .kernels.backward import backward, kept
@@ -220,7 +222,7 @@ def run_kernels_backward(op: str, xs: list[Tensor], initial_state: Optional[Tens
     if len(made) != len(kept(program)):
         raise ValueError("qla::run_kernels_backward: the forward was called with keep=False")
     tensors, cu, _ = call_tensors(named, cop.kinds, dims, initial_state, cu_seqlens, cop._head_logs(dims.HV),
-                                  program.chunk_size)
+                                  program.chunk_size, cache=not traced)
     tensors.update(zip(kept(program), made), cu_seqlens=cu)
     grads, d_h0 = backward(program, tensors, cop.kinds, dims, scale, d_o, d_final, segments)
     return ([grads[n].to(x.dtype) for n, x in named.items()],
@@ -228,7 +230,7 @@ def run_kernels_backward(op: str, xs: list[Tensor], initial_state: Optional[Tens
 
 
 @run_kernels_backward.register_fake
-def _(op, xs, initial_state, cu_seqlens, scale, segments, made, d_o, d_final):
+def _(op, xs, initial_state, cu_seqlens, scale, segments, made, d_o, d_final, traced):
     d = dims_of(_OPS[op], xs, cu_seqlens)
     dtype = initial_state.dtype if initial_state is not None else torch.float32
     return [torch.empty_like(x) for x in xs], xs[0].new_empty(d.N, d.HV, d.K, d.V, dtype=dtype)
@@ -245,8 +247,8 @@ def _variant(cop, d: Dims, v: Tensor):
 
 
 def _kernels_setup(ctx, inputs, output):
-    op, xs, initial_state, cu_seqlens, scale, segments, _ = inputs
-    ctx.op, ctx.scale, ctx.segments, ctx.n = op, scale, segments, len(xs)
+    op, xs, initial_state, cu_seqlens, scale, segments, _, traced = inputs
+    ctx.op, ctx.scale, ctx.segments, ctx.n, ctx.traced = op, scale, segments, len(xs), traced
     ctx.save_for_backward(initial_state, cu_seqlens, *xs, *output[2])
 
 
@@ -254,8 +256,8 @@ def _kernels_grad(ctx, d_o, d_final, _):
     initial_state, cu_seqlens, *rest = ctx.saved_tensors
     xs, made = rest[:ctx.n], rest[ctx.n:]
     d_xs, d_h0 = run_kernels_backward(ctx.op, xs, initial_state, cu_seqlens, ctx.scale, ctx.segments, made,
-                                      d_o, d_final)
-    return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None
+                                      d_o, d_final, ctx.traced)
+    return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None, None
 
 
 run_kernels.register_autograd(_kernels_grad, setup_context=_kernels_setup)

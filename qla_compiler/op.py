@@ -173,7 +173,7 @@ class CompiledOp:
         forward, keeping what the backward kernels read."""
         xs = [inputs[n] for n in self.input_names]
         o, final, _ = torch.ops.qla.run_kernels(self.key, xs, initial_state, cu_seqlens, scale, segments,
-                                                _wants_grad(initial_state, *xs))
+                                                _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
         return o, final
 
 

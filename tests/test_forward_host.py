@@ -77,6 +77,27 @@ def test_sequence_layout_is_reused_while_cu_seqlens_is_unchanged():
     assert len(layout.entries) == n - 1
 
 
+def test_a_compiled_call_keeps_no_device_tensor_past_itself():
+    """Under torch.compile the kernels' custom op is called with traced=True: its layout is not
+    cached and the head constants are made by fill kernels, not the per-device upload cache
+    (CUDA-graph trees warm up with every allocation in the graph's pool and refuse to record
+    where one outlives the call) — and the tensors are the same."""
+    from qla_compiler.checks import Dims
+
+    dims = Dims(1, 300, 1, 2, 64, 64, 3)
+    cu = torch.tensor([0, 1, 200, 300])
+    layout = fwd._Layout()
+    fresh = layout(dims, cu, "cpu", 64, cache=False)
+    assert not layout.entries
+    assert all(torch.equal(a, b) for a, b in zip(fresh, layout(dims, cu, "cpu", 64)))
+    fwd._on_device.cache_clear()
+    logs = {"gamma": (-0.03125, -0.015625, float("-inf"))}
+    x = {"v": torch.zeros(1, 300, 3, 64)}
+    made = fwd.packed_inputs(x, {"v": "value"}, Dims(1, 300, 1, 3, 64, 64, 1), logs, cache=False)
+    assert fwd._on_device.cache_info().currsize == 0
+    assert torch.equal(made["log_gamma"], torch.tensor(logs["gamma"]))
+
+
 def test_block_v_widest_that_fills_the_sms_else_narrowest():
     # H200 (132 SMs), one sequence: 64 heads fill the SMs at 64 wide, 32 at 32; 16 and fewer
     # heads run at 16, the narrowest the lowering builds (more CTAs for a latency-bound scan)

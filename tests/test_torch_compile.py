@@ -165,8 +165,8 @@ def test_opcheck_kernel_ops_with_emulated_kernels(ops_gdn):
     with emulated_kernels(op, cu, 64 ** -0.5):
         for segments in (None, 2):  # context parallelism: both scans by segments
             torch.library.opcheck(torch.ops.qla.run_kernels.default,
-                                  (op.key, leaves[:-1], leaves[-1], cu, 64 ** -0.5, segments, True))
-        torch.library.opcheck(torch.ops.qla.run_kernels.default, (op.key, xs, h0, cu, 64 ** -0.5, None, False))
+                                  (op.key, leaves[:-1], leaves[-1], cu, 64 ** -0.5, segments, True, False))
+        torch.library.opcheck(torch.ops.qla.run_kernels.default, (op.key, xs, h0, cu, 64 ** -0.5, None, False, True))
 
 
 def test_compiled_kernel_path_training_step_with_emulated_kernels(ops_gdn):
