@@ -93,6 +93,53 @@ class Buffer:
     shape: tuple  # of dim names
     dtype: str  # "io" | "float32" | "tfloat32"
     scope: str  # "shared" | "fragment"
+    # a ring of this many copies, chunk c in copy c % stages (a warp-specialised kernel's loads
+    # and hand-offs between roles: the writer fills one copy while readers read another)
+    stages: int = 1
+    owner: str = ""  # the role that writes it (a warp-specialised kernel), "" where all threads do
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """An mbarrier per stage of a ring: a phase completes when `arrivals` threads have arrived (and,
+    for a TMA load's, its bytes have landed). Chunk c uses stage c % stages at phase
+    (c // stages) % 2; a wait on a `free` barrier (a ring's empty one) passes for the first
+    `stages` chunks, when nothing has been put in the ring yet."""
+    name: str
+    arrivals: int
+    stages: int
+    doc: str = ""
+    # what a completed phase hands over: "full" (the ring copies in `guards` hold the chunk: their
+    # readers may read), "empty" (their readers are done: the writer may write), "landed" (a TMA
+    # load's bytes are in: the writer may touch them)
+    kind: str = "full"
+    guards: tuple = ()
+
+    def __str__(self) -> str:
+        return (f"barrier  {self.name}[{self.stages}]: {self.arrivals} arrivals, {self.kind}: "
+                f"{' '.join(self.guards)}   # {self.doc}")
+
+
+@dataclass(frozen=True)
+class Role:
+    """A warp-specialised kernel's role: the threads [first, first + threads) running their own
+    statements, before, inside and after the loop over chunks, at their own register budget
+    (setmaxnreg: raised or lowered from the launch's even share)."""
+    name: str
+    first: int
+    threads: int
+    registers: int
+    prologue: tuple
+    body: tuple
+    epilogue: tuple
+    doc: str = ""  # its math
+
+    def __str__(self) -> str:
+        head = (f"role {self.name}: threads [{self.first}, {self.first + self.threads}), "
+                f"{self.registers} registers   # {self.doc}")
+        lines = [head] + [f"  {s}" for s in self.prologue]
+        lines += ["  for chunk:"] + [f"    {s}" for s in self.body]
+        return "\n".join(lines + [f"  {s}" for s in self.epilogue])
 
 
 @dataclass(frozen=True)
@@ -106,15 +153,51 @@ class Stmt:
     dst: str | None
     srcs: tuple = ()
     attrs: tuple = ()
+    # In a warp-specialised kernel also: wait (dst: a barrier; the chunk's stage and phase),
+    # arrive (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA
+    # before the arrive that publishes them), and a load with attribute barrier (a TMA load
+    # issued by one warp, landing on that barrier).
 
     @property
     def attr(self) -> dict:
         return dict(self.attrs)
 
+    def reads(self) -> set:
+        """The buffers it reads: its sources and every buffer its expression names."""
+        names = set(self.srcs)
+
+        def walk(e):
+            if isinstance(e, tuple):
+                if len(e) >= 2 and e[0] == "buf":
+                    names.add(e[1])
+                for x in e:
+                    walk(x)
+        for _, v in self.attrs:
+            walk(v)
+        return names
+
+    def renamed(self, names: dict) -> "Stmt":
+        """The statement with buffers renamed (old -> new), in its destination, sources and
+        expression."""
+        def walk(e):
+            if isinstance(e, tuple):
+                if len(e) >= 2 and e[0] == "buf" and e[1] in names:
+                    return (e[0], names[e[1]], *e[2:])
+                return tuple(walk(x) for x in e)
+            return e
+        return Stmt(self.op, names.get(self.dst, self.dst), tuple(names.get(x, x) for x in self.srcs),
+                    tuple((k, walk(v)) for k, v in self.attrs))
+
     def __str__(self) -> str:
         a = self.attr
         if self.op == "ewise":
             return f"{self.dst}[{','.join(a['index'])}] = {expr_str(a['expr'])}"
+        if self.op == "wait":
+            return f"wait {self.dst}" + ("   (free: passes for the ring's first chunks)" if a.get("free") else "")
+        if self.op == "arrive":
+            return f"arrive {self.dst}" + (f"   ({a['threads']} threads)" if a.get("threads") else "")
+        if self.op == "fence_async":
+            return "fence_async   (shared writes visible to wgmma and TMA)"
         if self.op == "gemm":
             ta, tb = ("ᵀ" if a.get("ta") else ""), ("ᵀ" if a.get("tb") else "")
             acc = "+=" if a.get("accumulate") else "="
@@ -136,11 +219,15 @@ class Kernel:
     loop: str | None = None  # "chunks of the sequence" for the scan
     reverse: bool = False  # the loop runs from the last chunk to the first (a backward scan)
     max_stages: int = 0  # a scan: the most buffers per load its shared memory holds (0: no loop)
-    roles: tuple = ()  # warpgroup roles, as lowered
+    roles: tuple = ()  # warpgroup roles, as lowered (descriptions; see warp_roles)
     doc: str = ""
     kind: str = ""  # "prep" | "scan" | "out": its place in the partition; "token_step": a decode kernel
     nodes: tuple = ()  # the ChunkIR nodes it evaluates (loaded ones included)
     outputs: tuple = ()  # for an out kernel: the chunk program's output roles it writes
+    # a warp-specialised kernel (kind "fused"): its roles, each with its own statements (the
+    # kernel's prologue, body and epilogue are then empty), and the barriers between them
+    warp_roles: tuple = ()
+    barriers: tuple = ()
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -152,7 +239,15 @@ class Kernel:
             lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"
                          + (" padded" if p.padded else "") + (f"   # {p.doc}" if p.doc else ""))
         for b in self.buffers:
-            lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]")
+            ring = f" ×{b.stages} stages" if b.stages > 1 else ""
+            owner = f"  (written by {b.owner})" if b.owner else ""
+            lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]{ring}{owner}")
+        lines += [f"  {b}" for b in self.barriers]
+        if self.warp_roles:
+            lines.append(f"  for chunk in {self.loop}, every role:")
+            for r in self.warp_roles:
+                lines += ["  " + ln for ln in str(r).splitlines()]
+            return "\n".join(lines)
         for r in self.roles:
             lines.append(f"  role     {r}")
         lines += [f"  {s}" for s in self.prologue]

@@ -25,7 +25,8 @@ COLOURS = {"in": "#e6e6e6", "out": "#cdeac0", "parallel": "#cfe2f3", "loop": "#f
            "shared": "#e4dcf0", "fragment": "#fff2c6", "panel": "#fcfcfc"}
 LOOP_COLOUR = "#d62728"
 ARROW_COLOUR = "#3a3a3a"
-STMT_COLOURS = {"load": "#1f5f99", "store": "#2a6b1f", "gemm": "#9a4a00"}  # by the op's prefix
+STMT_COLOURS = {"load": "#1f5f99", "store": "#2a6b1f", "gemm": "#9a4a00", "wait": "#7a1f99", "arrive": "#7a1f99",
+                "fence": "#7a1f99"}  # by the op's prefix (barriers: purple)
 SCOPES = (("shared", "shared memory"), ("fragment", "registers (fragments)"))
 FONT = 8.5  # points, sans-serif text; all geometry below is in inches so it never depends on dpi
 MONO = 8.0  # points, code (statements, buffers, tensors)
@@ -87,12 +88,16 @@ def _panel(k, order: str) -> dict:
         bufs = [b for b in k.buffers if b.scope == scope]
         if bufs:
             n, d = max(len(b.name) for b in bufs), max(len(b.dtype) for b in bufs)
-            rows = [f"{b.name:<{n}}  {b.dtype:<{d}}  {_shape(b.shape)}" for b in bufs]
+            rows = [f"{b.name:<{n}}  {b.dtype:<{d}}  {_shape(b.shape)}" + (f" ×{b.stages}" if b.stages > 1 else "")
+                    for b in bufs]
             need = max(max(_w(r) for r in rows), _w(title, FONT - 0.5, BOLD_EM)) + 2 * 0.1
             groups.append((scope, f"{title} ({len(bufs)})", rows, need))
     looped = bool(k.loop)
     loop_head = f"for chunk in {k.loop}   (pipelined: STAGES buffers per load)" if looped else ""
-    code = [(s, _clip(s)) for s in [*k.prologue, *k.body, *k.epilogue]]
+    # (a warp-specialised kernel: each role's own statements, one framed loop per role)
+    sections = [(f"role {r.name}: threads [{r.first}, {r.first + r.threads}), {r.registers} registers",
+                 r.prologue, r.body, r.epilogue) for r in k.warp_roles] or [("", k.prologue, k.body, k.epilogue)]
+    code = [(s, _clip(s)) for _, pro, body, epi in sections for s in [*pro, *body, *epi]]
     chip = lambda ts: max((_w(f"{t.name}  {_tensor(t)}", MONO - 0.5) for t in ts), default=0) + 0.16
     chip_in, chip_out = chip(ins), chip(outs)
     inner = max(2.6, _w(k.name, FONT + 3, BOLD_EM) + _w(order, FONT - 1, SANS_EM) + 0.3,
@@ -159,7 +164,7 @@ def _panel(k, order: str) -> dict:
             x, tallest = x + w + GAP, max(tallest, h)
         y -= tallest + 0.1
 
-    # warpgroup roles
+    # warpgroup roles, and the barriers between them
     if k.roles:
         y -= 0.08
         text(PAD, y, "warpgroups", FONT - 0.5, fontweight="bold", color="#555555")
@@ -167,6 +172,13 @@ def _panel(k, order: str) -> dict:
             for i, line in enumerate(_wrap(role, inner - 0.15, FONT - 0.5)):
                 y -= 0.16
                 text(PAD + (0 if i == 0 else 0.15), y, ("• " if i == 0 else "") + line, FONT - 0.5)
+        y -= 0.12
+    if k.barriers:
+        text(PAD, y, "barriers", FONT - 0.5, fontweight="bold", color="#555555")
+        for b in k.barriers:
+            y -= LINE
+            text(PAD, y, _clip(f"{b.name}[{b.stages}]  {b.arrivals} arrivals  {b.kind}: {' '.join(b.guards)}"),
+                 MONO, family="monospace")
         y -= 0.12
 
     # statements; the loop over chunks framed
@@ -180,20 +192,25 @@ def _panel(k, order: str) -> dict:
             y -= LINE
             text(x, y, _clip(s), MONO, family="monospace", color=_stmt_colour(s))
 
-    lines(k.prologue, PAD)
-    if looped:
-        y -= 0.08
-        top = y
-        y -= 0.2
-        text(PAD + INSET, y, loop_head, FONT - 0.5, fontweight="bold", color=LOOP_COLOUR)
-        y -= 0.02
-        lines(k.body, PAD + INSET)
-        y -= 0.1
-        boxes.append((PAD, top, inner, top - y, dict(fc="none", ec=LOOP_COLOUR, lw=1.4)))
-        y -= 0.04
-    else:
-        lines(k.body, PAD)
-    lines(k.epilogue, PAD)
+    for title, pro, body, epi in sections:
+        if title:
+            y -= 0.2
+            text(PAD, y, title, FONT - 0.5, fontweight="bold", color="#333333")
+        lines(pro, PAD)
+        if looped:
+            y -= 0.08
+            top = y
+            y -= 0.2
+            text(PAD + INSET, y, "for chunk in " + k.loop if title else loop_head, FONT - 0.5, fontweight="bold",
+                 color=LOOP_COLOUR)
+            y -= 0.02
+            lines(body, PAD + INSET)
+            y -= 0.1
+            boxes.append((PAD, top, inner, top - y, dict(fc="none", ec=LOOP_COLOUR, lw=1.4)))
+            y -= 0.04
+        else:
+            lines(body, PAD)
+        lines(epi, PAD)
     y -= LINE / 2 + PAD
     return dict(W=W, H=-y, texts=texts, boxes=boxes, ports=ports, looped=looped)
 

@@ -332,6 +332,9 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
     writes its outputs in place."""
     if kernel.kind == "token_step":
         return _run_token_step(kernel, tensors, sizes, scale)
+    if kernel.warp_roles:
+        from .kernel_interp_roles import run_roles  # (it builds on this module)
+        return run_roles(kernel, tensors, sizes, scale)
     dev = next(iter(tensors.values())).device
     if kernel.loop is None:
         cmap = tensors["chunk_map"].long()

@@ -7,6 +7,7 @@ Dense batches [B, T, ...] are viewed as one packed batch [1, B·T, ...] with cu_
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 
 import torch
@@ -21,6 +22,10 @@ IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # an H200's SMs: what the tools that choose classes without a GPU assume (qla-compile --shape,
 # benchmarks/precompile.py, benchmarks/ablate.py)
 H200_SMS = 132
+
+# The fused, warp-specialised forward (passes/schedule_fused.py) for inference calls: off by default
+# until the H200 has run and timed it (QLA_FUSED_FORWARD=1 turns it on; forward(fused=) overrides)
+FUSED_FORWARD = os.environ.get("QLA_FUSED_FORWARD", "0") == "1"
 
 
 def scan_stages(BV: int) -> int:
@@ -204,11 +209,14 @@ sequence_layout = _Layout()
 
 
 def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_state, cu_seqlens,
-            head_logs: dict, context_parallel=None, keep: bool = False, cache: bool = True):
+            head_logs: dict, context_parallel=None, keep: bool = False, cache: bool = True, fused=None):
     """Run the program's kernels: (o [B, T, HV, V], final state [N, HV, K, V]). With keep, also
     every global tensor by name (what kernels/backward.py needs: the packed inputs, the chunk map,
     the state entering every chunk, the prep's results), from the kernels of the training program
-    (which also store the triangular inverses for the backward). `cache`: see call_tensors."""
+    (which also store the triangular inverses for the backward). `cache`: see call_tensors.
+    `fused`: run an inference call's scan and output as one warp-specialised kernel (None: the
+    FUSED_FORWARD policy); where it cannot (training, context parallelism, a program whose fused
+    kernel does not fit), the separate kernels run."""
     check_call(dims, keep, context_parallel)
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
@@ -216,11 +224,24 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     program = program_for(program, dims, io, device)
     if keep:
         program = program.training_program
+    elif (FUSED_FORWARD if fused is None else fused) and not context_parallel:
+        program = fused_or_not(program)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
     o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+
+
+def fused_or_not(program):
+    """The program's fused forward (Program.fused_program), or the program itself where the
+    schedule cannot fuse it (its rings would not fit in shared memory at its head-dim tiles)."""
+    from qla_compiler.errors import PassError
+
+    try:
+        return program.fused_program
+    except PassError:
+        return program
 
 
 def check_call(dims, keep: bool, context_parallel) -> None:

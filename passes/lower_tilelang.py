@@ -120,6 +120,7 @@ class _Render:
         self.tiles = shape.padded  # head dim -> its tile's constant, where they differ
         self.params = {p.name: p for p in kernel.params}
         self.aliases = {}  # a private copy's name -> the buffer it copies (lower_kernel)
+        self.sync_stores = False  # whole-block stores wait for their reads (see _bulk_store)
         # blocks of the op's own tensors where the tile is wider: loaded masked, so no barrier
         self.masked_loads = {st.dst for st in kernel.prologue + kernel.body + kernel.epilogue
                              if st.op == "load" and self._masked(st.srcs[0])}
@@ -258,12 +259,12 @@ class _Render:
             return [f"T.copy({s.srcs[0]}, {s.dst}[i_n, i_hv, 0:K, v0:v0 + BV])"]
         raise PassError("lower", f"no template for statement {s.op}")
 
-    @staticmethod
-    def _bulk_store(scan: bool) -> str:
+    def _bulk_store(self, scan: bool) -> str:
         # In the scan a TMA store's wait for its shared source to be read sat on the sequential path,
         # once per store per chunk; there the store is only issued, and the next chunk waits (at
-        # the top of its body, see SCAN_STORE_WAIT) before it overwrites the source block.
-        return "T.tma_copy" if scan else "T.copy"
+        # the top of its body, see SCAN_STORE_WAIT) before it overwrites the source block. (A
+        # warp-specialised kernel's stores are off the chain: they wait, sync_stores.)
+        return "T.tma_copy" if scan and not self.sync_stores else "T.copy"
 
     def bulk_stores(self) -> bool:
         """Whether the body stores whole io blocks (with _bulk_store: TMA copies in the scan)."""
@@ -386,6 +387,9 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
 def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
     if kernel.kind == "token_step":
         return lower_token_step(kernel, shape)
+    if kernel.warp_roles:
+        from .lower_fused import lower_fused  # (it renders statements with this module's templates)
+        return lower_fused(kernel, shape)
     r = _Render(kernel, shape)
     scan = kernel.loop is not None
     store_waits = scan and r.bulk_stores()
@@ -447,25 +451,13 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
                     for x, own in private.items()]
             copied = True
         if copied and private:
-            s = _renamed(s, private)
+            s = s.renamed(private)
         out += [ind + ln for ln in r.stmt(s, scan)]
     if store_waits:
         out.append("        " + SCAN_STORE_WAIT + "  # and the last chunk's")
     for s in kernel.epilogue:
         out += [f"        {ln}" for ln in r.stmt(s, scan)]
     return out
-
-
-def _renamed(st: Stmt, names: dict) -> Stmt:
-    """The statement with buffers renamed (old -> new), in its destination, sources and expression."""
-    def walk(e):
-        if isinstance(e, tuple):
-            if len(e) >= 2 and e[0] == "buf" and e[1] in names:
-                return (e[0], names[e[1]], *e[2:])
-            return tuple(walk(x) for x in e)
-        return e
-    return Stmt(st.op, names.get(st.dst, st.dst), tuple(names.get(x, x) for x in st.srcs),
-                tuple((k, walk(v)) for k, v in st.attrs))
 
 
 # A split-phase TMA load: the issuing thread also arrives on the load's barrier (with the bytes to

@@ -235,17 +235,33 @@ class Program:
         if self.no_kernels is not None:
             raise PassError("partition", f"{where}{self.no_kernels}")
 
+    @property
+    def fused_program(self) -> "Program":
+        """The forward with its scan and out kernel fused into one warp-specialised kernel
+        (passes/schedule_fused.py): the per-chunk states and v_new stay on the SM. For inference
+        (the training forward keeps what the backward loads)."""
+        if "fused_program" not in self._derived:
+            before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
+            try:
+                self._derived["fused_program"] = self._scheduled(self.chunk, before, "fused forward: ", fused=True)
+            except PassError as e:  # kept: the runtime asks on every call (kernels/forward.fused_or_not)
+                self._derived["fused_program"] = e
+        got = self._derived["fused_program"]
+        if isinstance(got, PassError):
+            raise got
+        return got
+
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
-                   **split) -> "Program":
+                   fused: bool = False, **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
-        schedule (for this program's head-dim tiles): a Program whose stages are `before` and those
-        two (`into`, if given). A failure names the pass."""
+        schedule (for this program's head-dim tiles; `fused`: schedule's): a Program whose stages
+        are `before` and those two (`into`, if given). A failure names the pass."""
         self._need_kernels(where)
         prog = into or Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before),
                                head_dims=self.head_dims)
         ir = chunk
         for p in (Pass("partition", lambda c: partition(c, **split), "split into kernels"),
-                  Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims),
+                  Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims, fused=fused),
                        "place buffers, order statements")):
             ir = _run_pass(p, ir, where)
             prog._keep(p.name, ir)

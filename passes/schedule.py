@@ -35,41 +35,10 @@ from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, Tensor
 
 from .partition import Partition
-from .schedule_build import Builder, build, check_v_columns, global_name
+from .schedule_build import Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params
+from .schedule_fused import fused_kernel
 from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, dim_sizes, live_shared, place_loads, reads,
                               smem_bytes, threads_for, zero_pad)
-
-def _crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
-    n, g = ir.node(name), global_name(ir, name)
-    if n.op == "state_in":
-        return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk", padded=True)
-    if n.shape == ("C",):
-        return Tensor(g, ("1", "T", "HV"), "float32", role, "per token")
-    return Tensor(g, ("1", "T", "HV", n.shape[1]), "io", role, "rows of the chunk's block, per token", padded=True)
-
-
-def _input_params(ir: ChunkIR, nodes, loaded) -> list:
-    ps = []
-    for name in nodes:
-        n = ir.node(name)
-        if n.op == "input" and n.attr["kind"] == "saved_state":
-            ps.append(Tensor(global_name(ir, name), ("CH", "HV", "K", "V"), "io", "in",
-                             "the forward's state entering every chunk", padded=True))
-        elif n.op == "input":
-            kind = n.attr["kind"]
-            shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V"),
-                     "cotangent_value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
-            blocks = kind in ("key", "value", "cotangent_value")
-            ps.append(Tensor(name, shape, "io" if blocks else "float32", "in"))
-        elif name in loaded:
-            ps.append(_crossing_tensor(ir, name, "in"))
-    return ps
-
-
-def _head_params(ir: ChunkIR, nodes) -> list:
-    return [Tensor(f"log_{n.attr['name']}", ("HV",), "float32", "in", "log of the per-head decay")
-            for n in ir.of_op("head_log") if n.name in nodes]
-
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
 
@@ -87,10 +56,13 @@ def _store_rows(ir: ChunkIR, b: Builder, name: str) -> Stmt:
 SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 
 
-def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS) -> KernelIR:
+def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS,
+             fused: bool = False) -> KernelIR:
     """The KernelIR of a partitioned chunk program, its shared memory and registers budgeted for
     head-dim tiles up to `head_dims` (K, V): the kernels of larger tiles differ (more threads, fewer
-    stages, outputs split across kernels), those of smaller ones would only waste memory.
+    stages, outputs split across kernels), those of smaller ones would only waste memory. With
+    `fused` (a forward), the scan and the out kernel are one warp-specialised kernel
+    (schedule_fused.py).
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
@@ -103,6 +75,9 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
                     "(torch on the device: no synchronisation)")
     if part.prep:
         kir.kernels.append(_prep_kernel(part, split_phase_loads, dims))
+    if fused:
+        kir.kernels.append(fused_kernel(part, dims))
+        return kir
     kir.kernels.append(_scan_kernel(part, dims))
     kir.kernels += _out_kernels(part, split_phase_loads, dims)
     return kir
@@ -150,8 +125,8 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
             b.body.append(Stmt("copy", staging, (b.place[x],)))
             b.place[x] = staging
         stores.append(_store_rows(ir, b, x))
-    params = _input_params(ir, part.prep, part.provided) + [CHUNK_MAP] + _head_params(ir, part.prep)
-    params += [_crossing_tensor(ir, x, "out") for x in part.crossing]
+    params = input_params(ir, part.prep, part.provided) + [CHUNK_MAP] + head_params(ir, part.prep)
+    params += [crossing_tensor(ir, x, "out") for x in part.crossing]
     ops = {ir.node(x).op for x in part.prep if x not in part.provided}  # (provided values are loaded)
     work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by blocked forward substitution (16-row blocks in float32, "
                                               "merges on tf32 wgmma)"),
@@ -210,15 +185,15 @@ def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     uses_state_s = "state_s" in {s for st in b.body + stores for s in st.srcs}
     if uses_state_s:
         b.buf("state_s", ("K", "V"), "io", "shared")
-    params = _input_params(ir, part.scan, part.crossing + part.provided)
+    params = input_params(ir, part.scan, part.crossing + part.provided)
     params += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
                Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk"),
                Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
-    params += _head_params(ir, part.scan)
-    params += [_crossing_tensor(ir, x, "out") for x in part.carried]
+    params += head_params(ir, part.scan)
+    params += [crossing_tensor(ir, x, "out") for x in part.carried]
     params += [Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
     prologue = [Stmt("load_state", "state", ("initial_state",))]
-    body = _issue_stores_early(b.loads + zero_pad(b, only_partial=True) + b.copies
+    body = _issue_stores_early(b.loads + zero_pad(b.loads, only_partial=True) + b.copies
                                + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body,
                                stores)
     # each load of the loop gets a buffer per stage, and the rest of shared memory is fixed
@@ -291,7 +266,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
         else:  # a gradient block of another kind of input, per token and value head, float32
             stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
-    params = _input_params(ir, nodes, loaded) + [CHUNK_MAP] + _head_params(ir, nodes) + outs
+    params = input_params(ir, nodes, loaded) + [CHUNK_MAP] + head_params(ir, nodes) + outs
     what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
     body = b.body + stores
     threads = threads_for(b, body)

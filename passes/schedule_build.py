@@ -8,7 +8,7 @@ import networkx as nx
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
-from qla_compiler.ir.kernel import Buffer, Stmt
+from qla_compiler.ir.kernel import Buffer, Stmt, Tensor
 from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
@@ -371,3 +371,36 @@ def global_name(ir: ChunkIR, name: str) -> str:
     if n.op == "input":
         return name
     return ident(name) if n.shape == ("C",) else f"{ident(name)}_rows"
+
+
+# ---- the kernels' parameters ---------------------------------------------------------------------
+def crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
+    n, g = ir.node(name), global_name(ir, name)
+    if n.op == "state_in":
+        return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk", padded=True)
+    if n.shape == ("C",):
+        return Tensor(g, ("1", "T", "HV"), "float32", role, "per token")
+    return Tensor(g, ("1", "T", "HV", n.shape[1]), "io", role, "rows of the chunk's block, per token", padded=True)
+
+
+def input_params(ir: ChunkIR, nodes, loaded) -> list:
+    ps = []
+    for name in nodes:
+        n = ir.node(name)
+        if n.op == "input" and n.attr["kind"] == "saved_state":
+            ps.append(Tensor(global_name(ir, name), ("CH", "HV", "K", "V"), "io", "in",
+                             "the forward's state entering every chunk", padded=True))
+        elif n.op == "input":
+            kind = n.attr["kind"]
+            shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V"),
+                     "cotangent_value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
+            blocks = kind in ("key", "value", "cotangent_value")
+            ps.append(Tensor(name, shape, "io" if blocks else "float32", "in"))
+        elif name in loaded:
+            ps.append(crossing_tensor(ir, name, "in"))
+    return ps
+
+
+def head_params(ir: ChunkIR, nodes) -> list:
+    return [Tensor(f"log_{n.attr['name']}", ("HV",), "float32", "in", "log of the per-head decay")
+            for n in ir.of_op("head_log") if n.name in nodes]

@@ -44,11 +44,11 @@ def smem_bytes(buffers, dims: dict) -> int:
     return sum(buffer_bytes(b, dims) for b in buffers if b.scope == "shared")
 
 
-def zero_pad(b: Builder, only_partial: bool) -> list:
+def zero_pad(loads: list, only_partial: bool) -> list:
     """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact).
     For the pipelined scan, whose TMA loads cannot mask; `only_partial` skips full chunks."""
     return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"), ("only_partial", only_partial)))
-            for s in b.loads if s.op == "load"]
+            for s in loads if s.op == "load"]
 
 
 def place_loads(b: Builder, body: list, split_phase: bool) -> list:
@@ -143,14 +143,4 @@ def live_shared(buffers: dict, stmts: list, dims: dict) -> list:
 
 def reads(st: Stmt) -> set:
     """The buffers a statement reads: its sources and every buffer its expression names."""
-    names = set(st.srcs)
-
-    def walk(e):
-        if isinstance(e, tuple):
-            if len(e) >= 2 and e[0] == "buf":
-                names.add(e[1])
-            for x in e:
-                walk(x)
-    for _, v in st.attrs:
-        walk(v)
-    return names
+    return st.reads()

@@ -48,6 +48,9 @@ def main(argv=None) -> int:
                     help="with --emit kernel/tilelang/cuda: the backward program's kernels")
     ap.add_argument("--token-step", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the token-step kernel for decoding (op.recurrent)")
+    ap.add_argument("--fused", action="store_true",
+                    help="with --emit kernel/tilelang/cuda: the forward with its scan and output fused into one "
+                         "warp-specialised kernel (roles, register budgets, barriers; QLA_FUSED_FORWARD=1 runs it)")
     ap.add_argument("--training", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the forward's kernels as a training step runs "
                          "them (they also store what the backward loads, e.g. T_r); with --precompile: also "
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
                 print(f"qla-compile: error: the pipeline stopped before --emit {args.emit} existed", file=sys.stderr)
             return 1
         try:
-            chosen = [f for f in ("backward", "training", "token_step") if getattr(args, f)]
+            chosen = [f for f in ("backward", "training", "token_step", "fused") if getattr(args, f)]
             if len(chosen) > 1:
                 raise ValueError(" and ".join(f"--{f.replace('_', '-')}" for f in chosen) + ": choose one")
             shape = None
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
                 shape = parse_shape(args.shape)
                 prog = prog.for_shape(shape)
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
-                                  ("token_step", "token_step_program")):
+                                  ("token_step", "token_step_program"), ("fused", "fused_program")):
                 if getattr(args, flag):
                     if args.emit not in ("kernel", "tilelang", "cuda"):
                         raise ValueError(f"--{flag.replace('_', '-')} goes with --emit kernel, tilelang or cuda")
@@ -126,8 +129,7 @@ def main(argv=None) -> int:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         ext = {"tilelang": "py", "cuda": "cu"}.get(args.emit, "txt")
-        variant = ".backward" if args.backward else ".training" if args.training else \
-            ".token_step" if args.token_step else ""
+        variant = next((f".{f}" for f in ("backward", "training", "token_step", "fused") if getattr(args, f)), "")
         name = f"{prog.recurrence.name}{variant}.{args.emit or 'summary'}.{ext}"
         (out / name).write_text(text + "\n")
         print(f"wrote {out / name}", file=sys.stderr)

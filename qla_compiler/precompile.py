@@ -173,7 +173,11 @@ def _program(c: Compile):
         op = ops._op(c.spec)
     else:
         op = _COMPILED.get(c.spec) or _COMPILED.setdefault(c.spec, compile_op(c.spec))
+    from .kernels import forward
+
     program = op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
+    if c.part == "forward" and c.kernels == "all" and forward.FUSED_FORWARD:  # what an inference call runs
+        return forward.fused_or_not(program)
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 
 

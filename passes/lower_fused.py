@@ -1,0 +1,116 @@
+"""lower, warp-specialised kernels: a KernelIR kernel with roles (passes/schedule_fused.py) as one
+TileLang kernel whose threads branch by role.
+
+What the KernelIR states is what is emitted: each role is a branch on the thread index
+(`if tx < ...`), its register budget a `T.set_max_nreg` at the branch's top, each barrier a
+`T.alloc_barrier` per ring stage, each wait a parity wait (the chunk's phase, or its complement on
+a ring's empty barrier, which a fresh barrier passes), each arrival a `T.barrier_arrive`, each
+fence a `T.fence_proxy_async`. A ring buffer is allocated with a leading stage dim and every
+statement reads and writes copy `stage = i_c % stages`. The TMA loads of a chunk are issued by
+the loads role's first warp (`T.tma_copy` onto the landed barrier, the warp's arrival after
+them). Loops are `T.serial`: TileLang's automatic warp specialisation stays out of it.
+
+The statements themselves are lower_tilelang's templates; all shared buffers are in one scope,
+so the syncs TileLang inserts inside a role get distinct named-barrier ids.
+"""
+from __future__ import annotations
+
+import re
+
+from qla_compiler.errors import PassError
+from qla_compiler.ir.kernel import Kernel, Stmt
+
+from .lower_tilelang import ShapeClass, _dtype, _per_sequence_grid, _Render, _shape, _signature
+
+WARP = 32
+REGISTERS = 64 * 1024  # per SM: a budget above the even share is a raise, below it a cut
+
+
+def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
+    r = _Render(kernel, shape)
+    r.sync_stores = True
+    # blocks of the op's own tensors in a wider tile load masked, by the loads role's threads
+    r.masked_loads = {st.dst for role in kernel.warp_roles for st in role.body
+                      if st.op == "load" and r._masked(st.srcs[0])}
+    staged = {b.name: b for b in kernel.buffers if b.stages > 1}
+    stages = {b.stages for b in staged.values()} | {b.stages for b in kernel.barriers}
+    if len(stages) > 1:
+        raise PassError("lower", f"{kernel.name}: rings of different depths {sorted(stages)} (one stage index)")
+    ring = stages.pop() if stages else 1
+    out = _signature(kernel, r) + _per_sequence_grid(r.tiles.get("V", "V"), kernel.threads)
+    out.append("        tx = T.get_thread_binding()")
+    for b in kernel.buffers:
+        if b.scope == "shared":
+            dims = _shape(((str(b.stages),) if b.stages > 1 else ()) + b.shape, r.tiles)
+            who = f"  # a ring of {b.stages}, written by {b.owner}" if b.stages > 1 else f"  # {b.owner}'s"
+            out.append(f"        {b.name} = T.alloc_shared({dims}, {_dtype(b.dtype)}){who}")
+    for bar in kernel.barriers:
+        out.append(f"        {bar.name} = T.alloc_barrier([{bar.arrivals}] * {bar.stages})  # {bar.doc}")
+    even = REGISTERS // int(kernel.threads)
+    for i, role in enumerate(kernel.warp_roles):
+        last = i == len(kernel.warp_roles) - 1
+        head = "else:" if last else f"{'if' if i == 0 else 'elif'} tx < {role.first + role.threads}:"
+        out.append(f"        {head}  # role {role.name}, threads [{role.first}, {role.first + role.threads}): {role.doc}")
+        ind = " " * 12
+        out.append(f"{ind}T.set_max_nreg({role.registers}, {1 if role.registers > even else 0})")
+        for b in kernel.buffers:
+            if b.scope == "fragment" and b.owner == role.name:
+                out.append(f"{ind}{b.name} = T.alloc_fragment({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})")
+        for s in role.prologue:
+            out += [ind + ln for ln in r.stmt(s, True)]
+        out += [f"{ind}for i_c in T.serial(T.ceildiv(seq_len, C)):",
+                f"{ind}    t0 = bos + i_c * C",
+                f"{ind}    n_valid = T.min(C, seq_len - i_c * C)",
+                f"{ind}    stage = i_c % {ring}",
+                f"{ind}    phase = (i_c // {ring}) % 2"]
+        out += [ind + "    " + ln for ln in _role_body(role, r, staged)]
+        for s in role.epilogue:
+            out += [ind + ln for ln in r.stmt(s, True)]
+    return out
+
+
+def _role_body(role, r: _Render, staged: dict) -> list[str]:
+    lines, body, k = [], list(role.body), 0
+    while k < len(body):
+        s = body[k]
+        if s.op == "load" and s.attr.get("barrier") and s.dst not in r.masked_loads:
+            # one warp issues the chunk's TMA loads and arrives after them
+            group = []
+            while k < len(body) and ((body[k].op == "load" and body[k].dst not in r.masked_loads)
+                                     or (body[k].op == "arrive" and body[k].attr.get("threads") == WARP)):
+                group.append(body[k])
+                k += 1
+            lines.append(f"if tx < {role.first + WARP}:  # one warp issues the TMA loads")
+            lines += ["    " + ln for g in group for ln in _sync(g, r, staged)]
+            continue
+        lines += _sync(s, r, staged) if s.op in ("wait", "arrive", "fence_async") else \
+            [_staged(ln, staged) for ln in r.stmt(s, True)]
+        k += 1
+    return lines
+
+
+def _sync(s: Stmt, r: _Render, staged: dict):
+    if s.op == "wait":
+        parity = "phase ^ 1" if s.attr.get("free") else "phase"
+        return [f"T.barrier_wait({s.dst}[stage], {parity})"]
+    if s.op == "arrive":
+        return [f"T.barrier_arrive({s.dst}[stage])"]
+    if s.op == "fence_async":
+        return ["T.fence_proxy_async()  # the shared writes above, visible to wgmma and TMA"]
+    # a TMA load into its ring copy, landing on its barrier
+    src = r._global(s.srcs[0], True)
+    return [f"T.tma_copy({src}, {_whole(s.dst, staged)}, barrier={s.attr['barrier']}[stage], "
+            f"leader_scope_threads={WARP})"]
+
+
+def _whole(name: str, staged: dict) -> str:
+    b = staged.get(name)
+    return name if b is None else f"{name}[stage, {', '.join(':' for _ in b.shape)}]"
+
+
+def _staged(line: str, staged: dict) -> str:
+    """A template's line with every ring buffer read and written at copy `stage`."""
+    for name, b in staged.items():
+        line = re.sub(rf"\b{name}\[", f"{name}[stage, ", line)
+        line = re.sub(rf"\b{name}\b(?!\[)", _whole(name, staged), line)
+    return line

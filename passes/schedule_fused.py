@@ -1,0 +1,208 @@
+"""schedule, fused forward: the scan and the out kernel as one warp-specialised kernel.
+
+One CTA per (V-block, value head, sequence) walks the sequence's chunks with three roles of one
+warpgroup each, cut from the partition (no spec names here):
+
+  * `chain`: the scan's nodes — the loop-carried path from the state entering a chunk to the
+    state leaving it, the state in registers for the whole sequence;
+  * `output`: the out kernel's nodes, on the V-block: what the output needs of the state (the
+    entering state, and for the delta rule v_new) it reads from the chain through shared memory
+    instead of from HBM, so the per-chunk states and v_new never leave the SM;
+  * `loads`: every block and vector either role reads per chunk, by TMA (one warp issues), its
+    padding rows zeroed when the chunk is a sequence's partial last one.
+
+Every edge across a cut is a ring of RING shared buffers (chunk c in copy c % RING) with a pair of
+barriers: `full` (the writer's arrivals: the copy holds chunk c) and `empty` (every reader's
+arrivals: the copy may be overwritten). A role waits on `full` right before its first read in the
+chunk and arrives on `empty` right after its last; the writer waits on `empty` right before its
+first write and publishes with a proxy fence and an arrival on `full` right after its last. So
+the chain never waits for the output except through a full ring: the output of chunk c overlaps
+the chain's chunk c + 1.
+
+Registers: setmaxnreg moves the loads role down to LOADS_REGISTERS and shares the rest evenly
+between the two compute roles (the state and W·S live in the chain, Q Kᵀ and the output block in
+the output role).
+"""
+from __future__ import annotations
+
+from qla_compiler.errors import PassError
+from qla_compiler.ir.kernel import Barrier, Buffer, Kernel, Role, Stmt, Tensor
+
+from .partition import Partition
+from .schedule_build import build, global_name, head_params, input_params
+from .schedule_memory import SMEM_BUDGET, THREADS, reads, smem_bytes, zero_pad
+
+RING = 2  # copies of every ring: the producer fills one while the consumers read the other
+REGISTERS = 64 * 1024  # per SM, all of them one CTA's at 384 threads
+LOADS_REGISTERS = 112  # addresses, and a masked load's (K = 100: 40, 56, 88 spilled; ptxas, sm_90a)
+WARP = 32
+
+
+def fused_kernel(part: Partition, dims: dict) -> Kernel:
+    """The fused scan + output kernel of a forward partition (its prep kernel stays before it)."""
+    ir = part.chunk
+    if ir.reverse:
+        raise PassError("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
+    outputs = tuple(r for r in ir.outputs if r != "state")
+    if outputs != ("o",):
+        raise PassError("schedule", f"the fused kernel writes one output, o; this program has {outputs}")
+
+    # -- the two compute roles' statements, as the scan and the out kernel would have them
+    chain = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims)
+    if chain.place.get(ir.outputs["state"]) != "state":
+        raise PassError("schedule", f"the next state {ir.outputs['state']} is not accumulated in the state fragment")
+    handed = {}  # carried value -> its chain buffer (the ring the output role reads)
+    for x in part.carried:
+        handed[x] = "state_s" if x == ir.state_in else chain.operand(x)
+    chain_body = list(chain.body)
+    if "state_s" in handed.values() or any("state_s" in st.srcs for st in chain_body):
+        chain.buf("state_s", ("K", "V"), "io", "shared")
+        chain_body.insert(0, Stmt("copy", "state_s", ("state",)))
+    loaded_out = set(part.crossing) | set(part.carried) | set(part.provided)
+    needed = ir.closure([ir.outputs["o"]], stop=loaded_out, within=set(part.out))
+    out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
+    out = build(ir, out_nodes, loaded_out, tiled=True, dims=dims)
+    o_s = out.buf("o_s", ir.node(ir.outputs["o"]).shape, "io", "shared")
+    out_body = out.body + [Stmt("ewise", o_s, (), (("expr", out.ex(ir.outputs["o"], ("i", "j"))), ("index", ("i", "j")))),
+                           Stmt("store", "o", (o_s,), (("rows", "n_valid"),))]
+
+    # -- one set of loads for both roles: the carried values come from the chain instead
+    rename_out = {}
+    for st in out.loads:
+        carried = next((x for x in part.carried if global_name(ir, x) == st.srcs[0]), None)
+        if carried is not None:
+            rename_out[st.dst] = handed[carried]
+    loads, seen = [], {}
+    for st in chain.loads + [s for s in out.loads if s.dst not in rename_out]:
+        if st.dst in seen and seen[st.dst] != st:
+            raise PassError("schedule", f"{st.dst}: loaded twice, differently ({seen[st.dst]}; {st})")
+        if st.dst not in seen:
+            seen[st.dst] = st
+            loads.append(st)
+    private = {c.dst: c.attr["expr"][1] for c in chain.copies + out.copies}  # X_c -> X_s: the ring is held
+    for name in set(out.buffers) & set(chain.buffers):
+        if name not in seen and name not in private and name not in handed.values() and name != "state_s":
+            rename_out[name] = f"{name}_out"
+    rename_out.update(private)
+    chain_body = [st.renamed(private) for st in chain_body]
+    out_body = [st.renamed(rename_out) for st in out_body]
+
+    # -- buffers, with their rings and owners
+    ring = {st.dst for st in loads}
+    cross = set(handed.values())
+    buffers = {}
+    for role, b in (("chain", chain), ("output", out)):
+        names = rename_out if role == "output" else {}
+        for buf in b.buffers.values():
+            name = names.get(buf.name, buf.name)
+            if name in private or buf.name in private or name in buffers:
+                continue
+            stages = RING if name in ring | cross else 1
+            owner = "loads" if name in ring else ("chain" if name in cross else role)
+            buffers[name] = Buffer(name, buf.shape, buf.dtype, buf.scope, stages, owner)
+    _check_rings(chain_body + out_body, ring)
+    for st in out_body:
+        if st.dst in cross:
+            raise PassError("schedule", f"the output role writes {st.dst}, which the chain hands it")
+    size = sum(smem_bytes([b], dims) * b.stages for b in buffers.values())
+    if size > SMEM_BUDGET:
+        raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {size // 1024} KB of shared "
+                                    f"memory, over the {SMEM_BUDGET // 1024} KB budget")
+
+    # -- barriers, and the roles' statements with their waits and arrivals
+    readers = [r for r, body in (("chain", chain_body), ("output", out_body)) if any(reads(s) & ring for s in body)]
+    loaded = tuple(st.dst for st in loads)
+    barriers = [Barrier("loads_landed", WARP, RING, "the TMA loads of a chunk have landed", "landed", loaded),
+                Barrier("loads_full", THREADS, RING, "a chunk's loads are in their ring copy, padding zeroed",
+                        "full", loaded),
+                Barrier("loads_empty", THREADS * len(readers), RING, "every reader is done with the copy", "empty",
+                        loaded)]
+    for x in sorted(cross):
+        barriers += [Barrier(f"{x}_full", THREADS, RING, f"the chain has written the chunk's {x}", "full", (x,)),
+                     Barrier(f"{x}_empty", THREADS, RING, f"the output role has read the chunk's {x}", "empty", (x,))]
+    chain_body = _synced(_synced(chain_body, ring, "loads", reader=True), cross, None, reader=False)
+    out_body = _synced(_synced(out_body, ring, "loads", reader=True), cross, None, reader=True)
+    loads_body = _loads_role(loads)
+    budget = (REGISTERS // THREADS - LOADS_REGISTERS) // 2 // 8 * 8
+    roles = (
+        Role("chain", 0, THREADS, budget, (Stmt("load_state", "state", ("initial_state",)),), tuple(chain_body),
+             (Stmt("store_state", "final_state", ("state",)),),
+             doc="the state chain: S in registers; hands the entering state (and the chunk's new values) on"),
+        Role("output", THREADS, THREADS, budget, (), tuple(out_body), (),
+             doc="the output from the entering state and the chunk's own tokens"),
+        Role("loads", 2 * THREADS, THREADS, LOADS_REGISTERS, (), tuple(loads_body), (),
+             doc="TMA loads of the next chunks into the rings (one warp issues), padding rows zeroed"),
+    )
+
+    params, names = [], set()
+    for p in _params(ir, part, out_nodes, loaded_out):
+        if p.name not in names:
+            names.add(p.name)
+            params.append(p)
+    nodes = tuple(n.name for n in ir.order() if n.name in set(part.scan) | set(out_nodes))
+    return Kernel(
+        f"{ir.name}_fused", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 3 * THREADS, params,
+        list(buffers.values()), [], [], [], loop="chunks of the sequence", max_stages=RING,
+        roles=tuple(f"{r.name}: {r.doc}" for r in roles),
+        doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
+        nodes=nodes, outputs=("o",), warp_roles=roles, barriers=tuple(barriers))
+
+
+def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
+    carried = set(part.carried)
+    ps = input_params(ir, part.scan, part.crossing + part.provided)
+    ps += input_params(ir, out_nodes, loaded_out - carried)
+    ps += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
+           Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
+    ps += head_params(ir, set(part.scan) | set(out_nodes))
+    return ps + [Tensor("o", ("1", "T", "HV", "V"), "io", "out"),
+                 Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
+
+
+def _check_rings(body: list, ring: set) -> None:
+    for st in body:
+        if st.dst in ring:
+            raise PassError("schedule", f"`{st}` writes {st.dst}, a ring the loads role fills (its readers must not)")
+
+
+def _writes(st: Stmt) -> set:
+    return {st.dst} | (set(st.srcs[1:]) if st.op == "reduce" else set())
+
+
+def _synced(body: list, bufs: set, barrier: str | None, reader: bool) -> list:
+    """`body` with its hand-offs on the rings `bufs`: a reader waits on full before its first read
+    and arrives on empty after its last; a writer waits on empty before its first write, fences
+    and arrives on full after its last. `barrier`: one pair for all of `bufs` (the loads), else a
+    pair per buffer."""
+    groups = {barrier: bufs} if barrier else {b: {b} for b in sorted(bufs)}
+    first, last = {}, {}
+    for name, members in groups.items():
+        touched = [i for i, st in enumerate(body) if (reads(st) if reader else _writes(st)) & members]
+        if touched:
+            first[name], last[name] = touched[0], touched[-1]
+    out = []
+    for i, st in enumerate(body):
+        for name in first:
+            if first[name] == i:
+                out.append(Stmt("wait", f"{name}_full" if reader else f"{name}_empty", (),
+                                () if reader else (("free", True),)))
+        out.append(st)
+        for name in last:
+            if last[name] == i:
+                if not reader:
+                    out.append(Stmt("fence_async", None))
+                out.append(Stmt("arrive", f"{name}_empty" if reader else f"{name}_full"))
+    return out
+
+
+def _loads_role(loads: list) -> list:
+    """The loads role's chunk: wait for the ring copy to be free, TMA its blocks (one warp issues
+    and arrives), load its vectors (every thread), wait for the blocks to land, zero the rows
+    past a partial chunk, publish."""
+    blocks = [st for st in loads if st.op == "load"]
+    tma = [Stmt("load", st.dst, st.srcs, st.attrs + (("barrier", "loads_landed"),)) for st in blocks]
+    vectors = [st for st in loads if st.op != "load"]
+    pads = zero_pad(blocks, only_partial=True)
+    return ([Stmt("wait", "loads_empty", (), (("free", True),))] + tma
+            + [Stmt("arrive", "loads_landed", (), (("threads", WARP),))] + vectors
+            + [Stmt("wait", "loads_landed")] + pads + [Stmt("fence_async", None), Stmt("arrive", "loads_full")])

@@ -1,0 +1,181 @@
+"""The fused, warp-specialised forward (passes/schedule_fused.py, passes/lower_fused.py) on the CPU:
+its KernelIR run by the role interpreter (ir/kernel_interp_roles.py) against the float64 reference
+for every spec, the interpreter's checks of the barriers (a wait or an arrival taken out is an
+error that names it), and what the lowering emits (roles, setmaxnreg, mbarriers; no spills)."""
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+import qla_compiler
+from qla_compiler.emulate import emulated_kernels
+from qla_compiler.ir.kernel_interp import InterpretError, Sizes, run_kernel
+from qla_compiler.ir.kernel_interp_roles import run_roles
+from qla_compiler.kernels import forward as fwd
+from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+from qla_compiler.testing import random_inputs, rel_err
+
+SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn"]
+LENS = [0, 1, 130, 300]  # a 1-token sequence, partial last chunks
+
+
+def _forward(op, a, fused):
+    inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
+                                      a["cu_seqlens"], False)
+    with emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale) as emu:
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+                               op._head_logs(dims.HV), fused=fused)
+    return o, final, emu, scale
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Per spec: the inputs, and the emulated forward both ways (fused and separate kernels)."""
+    out = {}
+    for spec in SPECS:
+        op = qla_compiler.compile(spec, target="sm90")
+        a = random_inputs(op, T=300, H=1, HV=2, K=64, V=64, cu_seqlens=LENS, initial_state=True,
+                          dtype=torch.bfloat16, seed=3)
+        out[spec] = (op, a, _forward(op, a, True), _forward(op, a, False))
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_fused_forward_matches_reference(runs, spec):
+    """Prep (where the spec has one), then the one fused kernel; o and the final state agree with
+    the float64 reference to bf16 (o is stored in bf16), as the separate kernels do."""
+    op, a, (o, final, emu, _), (o_sep, final_sep, emu_sep, _) = runs[spec]
+    names = [n for n, _ in emu.calls]
+    assert names[-1] == f"{spec}_fused" and f"{spec}_out" not in names and f"{spec}_scan" not in names
+    assert [n for n, _ in emu_sep.calls][-1] == f"{spec}_out"
+    ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in a.items()}
+    o_ref, s_ref = op.reference(**ref)
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2  # (the prep stores bf16 blocks)
+    assert rel_err(o, o_sep) <= 1e-2  # (the separate kernels round the states and v_new to bf16 in HBM)
+    assert rel_err(final, final_sep) <= 1e-12  # the chain's statements are the scan's
+
+
+def _fused(op):
+    return op.program.fused_program.kernels.kernels[-1]
+
+
+def _replay(op, scale, seen, kernel, order=None):
+    """Run `kernel` (the fused one, or a mutant) on the tensors the fused launch was given."""
+    t = {n: x.clone() for n, x in seen.items()}
+    for n in ("o", "final_state"):
+        t[n].zero_()
+    sizes = Sizes(K=64, V=64, BV=32, HV=2, G=2, C=64, head_logs=op._head_logs(2))
+    run_roles(kernel, t, sizes, scale, order=order) if order else run_kernel(kernel, t, sizes, scale)
+    return t
+
+
+def test_any_role_order_the_barriers_allow_gives_the_same_result(runs):
+    op, _, (_, _, emu, scale), _ = runs["gdn"]
+    k = _fused(op)
+    seen = emu.seen[k.name]
+    first = _replay(op, scale, seen, k)
+    for order in (("output", "chain", "loads"), ("loads", "chain", "output"), ("chain", "loads", "output")):
+        again = _replay(op, scale, seen, k, order)
+        assert torch.equal(again["o"], first["o"]) and torch.equal(again["final_state"], first["final_state"])
+    assert torch.equal(first["o"], seen["o"])
+
+
+def _without(kernel, role: str, pred):
+    """The kernel with the first statement of `role` that satisfies `pred` taken out."""
+    roles = []
+    for r in kernel.warp_roles:
+        body = list(r.body)
+        if r.name == role:
+            body.pop(next(i for i, s in enumerate(body) if pred(s)))
+        roles.append(dataclasses.replace(r, body=tuple(body)))
+    return dataclasses.replace(kernel, warp_roles=tuple(roles))
+
+
+MUTANTS = {
+    # the output role reads the loads' ring without waiting for it (whatever order the roles run in)
+    "output reads loads unwaited": ("output", lambda s: s.op == "wait" and s.dst == "loads_full",
+                                    r"role output at chunk 0: `.*` reads q_s without waiting on the barrier "
+                                    "that hands it over"),
+    # the chain overwrites its hand-off to the output without waiting for the output to be done
+    "chain skips the empty wait": ("chain", lambda s: s.op == "wait" and s.dst == "state_s_empty",
+                                   r"writes state_s without waiting for its readers to be done"),
+    # the loads role zeroes the padding rows before the TMA bytes are in
+    "loads skip the landed wait": ("loads", lambda s: s.op == "wait" and s.dst == "loads_landed",
+                                   r"touches k_s before the wait on its TMA load's landed barrier"),
+    # an arrival left out: the barrier never completes its phase
+    "output never releases loads": ("output", lambda s: s.op == "arrive" and s.dst == "loads_empty",
+                                    r"deadlock: .*waits on loads_empty"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_barrier_mistakes_are_named(runs, mutant):
+    op, _, (_, _, emu, scale), _ = runs["gdn"]
+    k = _fused(op)
+    role, pred, message = MUTANTS[mutant]
+    with pytest.raises(InterpretError, match=message):
+        _replay(op, scale, emu.seen[k.name], _without(k, role, pred))
+
+
+def test_a_missing_arrival_at_the_end_is_named(runs):
+    """The output role's last hand-back of v_new left out: the chain finishes anyway (two copies),
+    and the barrier is left one role's arrivals short."""
+    op, _, (_, _, emu, scale), _ = runs["gdn"]
+    k = _fused(op)
+    with pytest.raises(InterpretError, match=r"v_new_s_empty\[\d\] \(0 of 128\)|deadlock"):
+        _replay(op, scale, emu.seen[k.name], _without(k, "output", lambda s: s.op == "arrive" and s.dst == "v_new_s_empty"))
+
+
+def test_fused_kernel_prints_its_roles_and_barriers():
+    text = str(qla_compiler.compile_spec("gdn").fused_program.kernels)
+    for line in ("role chain: threads [0, 128)", "role output: threads [128, 256)", "role loads: threads [256, 384), 112",
+                 "barrier  loads_full[2]: 128 arrivals", "barrier  loads_empty[2]: 256 arrivals",
+                 "shared   state_s: io[K×BV] ×2 stages  (written by chain)", "wait state_s_full",
+                 "arrive v_new_s_empty", "fence_async"):
+        assert line in text, line
+
+
+def test_lowering_emits_roles_register_budgets_and_barriers():
+    src = lower(qla_compiler.compile_spec("gdn").fused_program.kernels, ShapeClass(H=2, HV=8, K=128, V=128, BV=64))
+    fused = src[src.index("def gdn_fused"):]
+    assert "if tx < 128:  # role chain" in fused and "elif tx < 256:  # role output" in fused
+    assert "T.set_max_nreg(200, 1)" in fused and "T.set_max_nreg(112, 0)" in fused
+    assert "state_s = T.alloc_shared((2, K, BV), IO)" in fused
+    assert "T.barrier_wait(loads_empty[stage], phase ^ 1)" in fused
+    assert "barrier=loads_landed[stage], leader_scope_threads=32" in fused
+    assert "T.Pipelined" not in fused  # (TileLang's automatic warp specialisation stays out)
+
+
+def test_unfusable_programs_keep_their_separate_kernels():
+    """At K = V = 256 the rings do not fit in shared memory: the runtime keeps the three kernels."""
+    shape = fwd.scan_class(16, 64, 256, 256, 1, "bfloat16", 132)
+    program = qla_compiler.compile_spec("gdn").for_shape(shape)
+    assert fwd.fused_or_not(program) is program
+    small = qla_compiler.compile_spec("gdn")
+    assert fwd.fused_or_not(small) is small.fused_program
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_fused_cuda_has_setmaxnreg_and_mbarriers_and_no_spills(tmp_path):
+    from test_lowering import _ptxas_spills
+
+    from qla_compiler.kernels.runtime import lower_to_cuda
+
+    program = qla_compiler.compile_spec("gdn").fused_program
+    cuda = lower_to_cuda(program, ShapeClass(H=2, HV=8, K=128, V=128, BV=64))["gdn_fused"]
+    assert "warpgroup_reg_alloc<200>" in cuda and "warpgroup_reg_dealloc<112>" in cuda
+    assert "state_s_full[(i_c & 1)].arrive()" in cuda and ".wait(" in cuda and "tma_load(" in cuda
+    spills = _ptxas_spills(cuda, tmp_path)
+    assert spills and all(s == ("0", "0") for s in spills), spills
+
+
+def test_cli_emits_the_fused_kernel(capsys, tmp_path):
+    from qla_compiler.cli import main
+
+    assert main(["gdn", "--emit", "kernel", "--fused", "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kernel gdn_fused" in out and "role output: threads [128, 256)" in out and "kernel gdn_out" not in out
+    assert (tmp_path / "gdn.fused.kernel.txt").exists()
+    assert main(["gdn", "--emit", "kernel", "--fused", "--backward"]) == 1
+    assert "--backward and --fused: choose one" in capsys.readouterr().err

@@ -1,0 +1,61 @@
+"""The fused, warp-specialised forward (QLA_FUSED_FORWARD, passes/schedule_fused.py) on the GPU:
+inference calls of every spec through prep + the one fused kernel, against the float64 reference
+and FLA, with test_gpu_forward's inputs and tolerances (≤ 1e-2, and ≤ 1.5× FLA's error + 1e-4)."""
+import pytest
+import torch
+
+import qla_compiler
+from qla_compiler.kernels import forward as fwd
+from qla_compiler.testing import rel_err
+
+from test_gpu_forward import GDN_CASES, TOL, _fla, fla_args, make_inputs, reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def fused(monkeypatch):
+    monkeypatch.setattr(fwd, "FUSED_FORWARD", True)
+
+
+def _check(spec, args, fla=True):
+    op = qla_compiler.compile(spec, target="sm90")
+    with torch.no_grad():
+        o, s = op(**args)
+    o_ref, s_ref = reference(op, args)
+    err_o, err_s = rel_err(o, o_ref), rel_err(s, s_ref)
+    assert err_o <= TOL and err_s <= TOL, (err_o, err_s)
+    f = _fla(spec) if fla else None
+    if f is not None:
+        fo, fs = f(**fla_args(args))
+        assert err_o <= 1.5 * rel_err(fo, o_ref) + 1e-4, (err_o, rel_err(fo, o_ref))
+        assert err_s <= 1.5 * rel_err(fs, s_ref) + 1e-4, (err_s, rel_err(fs, s_ref))
+    return op
+
+
+@pytest.mark.parametrize("case", GDN_CASES)
+def test_fused_gdn_forward(case):
+    op = qla_compiler.compile("gdn", target="sm90")
+    _check("gdn", make_inputs(op, H=2, HV=8, K=128, V=128, **GDN_CASES[case]))
+
+
+def test_the_fused_kernel_is_what_runs():
+    op = qla_compiler.compile("gdn", target="sm90")
+    args = make_inputs(op, lens=[100, 1, 250], H=2, HV=8, K=128, V=128)
+    _, dims, _ = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                             args["cu_seqlens"], False)
+    program = fwd.program_for(op.program, dims, torch.bfloat16, args["q"].device)
+    assert [k.name for k in fwd.fused_or_not(program).kernels.kernels] == ["gdn_prep", "gdn_fused"]
+    _check("gdn", args)
+
+
+@pytest.mark.parametrize("spec", ["delta_net", "simple_gla", "retnet", "linear_attn"])
+def test_fused_other_specs(spec):
+    op = qla_compiler.compile(spec, target="sm90")
+    _check(spec, make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=128, V=128))
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (100, 60)])
+def test_fused_other_head_dims(K, V):
+    op = qla_compiler.compile("gdn", target="sm90")
+    _check("gdn", make_inputs(op, lens=[70, 1, 200], H=1, HV=2, K=K, V=V), fla=False)
