@@ -42,6 +42,24 @@ from .layout import expand_heads, gather, packed_cu_seqlens, scatter, sequence_b
 OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
            "context_parallel")
 
+# An inference call with at most this many tokens per sequence on average runs the token-step kernel
+# (op.recurrent) instead of the chunk pipeline: decode and speculative-decoding batches. The H200
+# measured 2.47 ms for 256 one-token sequences at 16/64 heads through the chunk kernels, where
+# the states' bytes alone take ~0.5 ms; where the two paths cross is not measured yet (qla-bench
+# --decode times both), so the bound stays at what engines send per step.
+DECODE_TOKENS = 4
+
+
+def decode_shaped(dims) -> bool:
+    """Whether a call is a decode batch (DECODE_TOKENS), from host-side sizes only: every token
+    count here is a tensor's shape, so deciding costs no synchronisation.
+
+        >>> from qla_compiler.checks import Dims
+        >>> decode_shaped(Dims(1, 256, 16, 64, 128, 128, 256)), decode_shaped(Dims(1, 4096, 16, 64, 128, 128, 1))
+        (True, False)
+    """
+    return dims.B * dims.T <= DECODE_TOKENS * max(dims.N, 1)
+
 
 class CompiledOp:
     def __init__(self, program):
@@ -100,6 +118,9 @@ class CompiledOp:
         v = inputs[self.value_name]
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
+            if self._decodes(inputs, dims, initial_state, context_parallel):
+                return self.recurrent(**inputs, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                      output_final_state=output_final_state)
             if self.program.kernels is None:  # (a per-key gate: passes/lowerable.py)
                 raise PassError("partition", f"{self.program.no_kernels or 'the program has no kernels'} "
                                 f"(got {v.dtype} CUDA tensors, which run the kernels)")
@@ -110,6 +131,14 @@ class CompiledOp:
         else:
             o, final = self._interpret(inputs, scale, initial_state, cu_seqlens)
         return o.to(v.dtype), (final.to(work) if output_final_state else None)
+
+    def _decodes(self, inputs, dims, initial_state, context_parallel) -> bool:
+        """Run this chunk call as a token step: a decode-shaped inference call (decode_shaped) whose
+        final state the token step returns as the chunk op does (float32), outside torch.compile
+        (there the chunk op's custom op is what the graph holds)."""
+        return (decode_shaped(dims) and context_parallel is None and not torch.compiler.is_compiling()
+                and not _wants_grad(initial_state, *inputs.values())
+                and (initial_state is None or initial_state.dtype == torch.float32))
 
     def recurrent(self, *args, **options):
         """The token-step call for decoding, with state pools: qla_compiler/recurrent.py."""

@@ -62,3 +62,24 @@ def test_pool_semantics_on_the_gpu():
     assert torch.equal(o[0, 2], torch.zeros_like(o[0, 2]))
     untouched = [s for s in range(9) if s not in idx.tolist()]
     assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_decode_shaped_chunk_calls_run_the_token_step(monkeypatch):
+    """An inference call of the chunk op with ≤ DECODE_TOKENS tokens per sequence on average runs
+    op.recurrent (its result bitwise); a long one, or one that needs gradients, runs the chunks."""
+    from qla_compiler import op as op_module
+
+    op = qla_compiler.compile("gdn")
+    args = _args(op, [0, 1, 2, 5, 6])  # 4 sequences, 6 tokens
+    with torch.no_grad():
+        o, final = op(**args)
+        o_rec, final_rec = op.recurrent(**args)
+    assert torch.equal(o, o_rec) and torch.equal(final, final_rec) and final.dtype == torch.float32
+    calls = []
+    monkeypatch.setattr(op_module.CompiledOp, "recurrent", lambda self, *a, **k: calls.append(1))
+    long_args = _args(op, [0, 100, 300])
+    with torch.no_grad():
+        op(**long_args)
+    leaves = {k: (v.requires_grad_() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
+    op(**leaves)
+    assert calls == []
