@@ -6,6 +6,7 @@ Dense batches [B, T, ...] are viewed as one packed batch [1, B·T, ...] with cu_
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
@@ -26,6 +27,18 @@ H200_SMS = 132
 # The fused, warp-specialised forward (passes/schedule_fused.py) for inference calls: off by default
 # until the H200 has run and timed it (QLA_FUSED_FORWARD=1 turns it on; forward(fused=) overrides)
 FUSED_FORWARD = os.environ.get("QLA_FUSED_FORWARD", "0") == "1"
+
+
+@contextlib.contextmanager
+def fused_forward(on: bool = True):
+    """Within it, inference calls run (or, with on=False, do not run) the fused forward: qla-bench
+    --fused times both in one process."""
+    global FUSED_FORWARD
+    before, FUSED_FORWARD = FUSED_FORWARD, on
+    try:
+        yield
+    finally:
+        FUSED_FORWARD = before
 
 
 def scan_stages(BV: int) -> int:

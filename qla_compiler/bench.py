@@ -4,6 +4,7 @@
     qla-bench --rows 2/8:1x32768 --plot bench.png
     qla-bench --backward             # forward + backward per call (training)
     qla-bench --rows 16/64:8x4096:100   # head dims K = V = 100 (K×V: e.g. 128x64)
+    qla-bench --fused                # also the fused, warp-specialised forward (qla-fused)
     qla-bench --decode               # the token step (op.recurrent) beside FLA's fused_recurrent, one token
                                      # per sequence; each row also prints the time to move the states once
     python benchmarks/bench_gdn.py   # the same
@@ -120,12 +121,21 @@ def decode_libraries(only=None):
     return {k: v for k, v in libs.items() if not only or k in only}
 
 
-def libraries(cp=None, only=None, backward=False):
+def libraries(cp=None, only=None, backward=False, fused=False):
     import functools
 
     import qla_compiler.ops as qla_ops
+    from qla_compiler.kernels import forward
 
-    libs = {"qla": qla_ops.chunk_gated_delta_rule}
+    def with_policy(on):
+        def call(**a):
+            with forward.fused_forward(on):
+                return qla_ops.chunk_gated_delta_rule(**a)
+        return call
+
+    libs = {"qla": with_policy(False) if fused else qla_ops.chunk_gated_delta_rule}
+    if fused:
+        libs["qla-fused"] = with_policy(True)
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(qla_ops.chunk_gated_delta_rule, context_parallel=cp)
     try:
@@ -145,10 +155,10 @@ def libraries(cp=None, only=None, backward=False):
     return libs
 
 
-def run(rows, plot=None, cp=None, only=None, backward=False, decode=False):
+def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused=False):
     import torch
 
-    libs = decode_libraries(only) if decode else libraries(cp, only, backward)
+    libs = decode_libraries(only) if decode else libraries(cp, only, backward, fused)
     results = []
     what = "token step (decode)" if decode else "forward + backward" if backward else "forward"
     print(f"# GDN {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, ms per call")
@@ -234,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
+    ap.add_argument("--fused", action="store_true",
+                    help="also time the fused, warp-specialised forward (qla-fused; inference calls only)")
     ap.add_argument("--decode", action="store_true",
                     help="time the token step (op.recurrent) beside FLA's fused_recurrent_gated_delta_rule; "
                          "rows default to batches of 1, 32 and 256 one-token sequences")
@@ -247,7 +259,7 @@ def main(argv=None) -> int:
     if args.block_v:
         forward.choose_block_v = lambda V, HV, N, device: min(args.block_v, V)
     rows = args.rows or (DECODE_ROWS if args.decode else ROWS)
-    run(rows, args.plot, args.cp, args.only, args.backward, args.decode)
+    run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused)
     return 0
 
 
