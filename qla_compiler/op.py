@@ -40,7 +40,7 @@ from .ir.recurrence_interp import run_recurrence
 from .layout import expand_heads, gather, packed_cu_seqlens, scatter, sequence_bounds
 
 OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
-           "context_parallel")
+           "context_parallel", "cp_context")
 
 # An inference call with at most this many tokens per sequence on average runs the token-step kernel
 # (op.recurrent) instead of the chunk pipeline: decode and speculative-decoding batches. The H200
@@ -112,7 +112,10 @@ class CompiledOp:
 
     # ---- entry points ------------------------------------------------------------------------
     def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                 use_qk_l2norm_in_kernel=False, context_parallel=None, **named):
+                 use_qk_l2norm_in_kernel=False, context_parallel=None, cp_context=None, **named):
+        if cp_context is not None:
+            return self._across_ranks(args, named, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel, context_parallel, cp_context)
         inputs, dims, scale = self._prepare(args, named, scale, initial_state, cu_seqlens,
                                             use_qk_l2norm_in_kernel, context_parallel)
         v = inputs[self.value_name]
@@ -131,6 +134,28 @@ class CompiledOp:
         else:
             o, final = self._interpret(inputs, scale, initial_state, cu_seqlens)
         return o.to(v.dtype), (final.to(work) if output_final_state else None)
+
+    def _across_ranks(self, args, named, scale, initial_state, output_final_state, cu_seqlens,
+                      use_qk_l2norm_in_kernel, context_parallel, ctx):
+        """This rank's slice of a batch split over a process group (qla_compiler/distributed.py)."""
+        from .distributed import CPContext, run_cp
+
+        if not isinstance(ctx, CPContext):
+            raise ValueError(f"cp_context: expected what build_cp_context returns, got {type(ctx).__name__}")
+        if cu_seqlens is not None or context_parallel is not None:
+            raise ValueError("cp_context: the context holds the global cu_seqlens and splits the batch; "
+                             "leave cu_seqlens and context_parallel None")
+        inputs = self._bind(args, named)
+        device = inputs[self.value_name].device
+        inputs, dims, scale = self._prepare((), inputs, scale, None, ctx.local_cu.to(device),
+                                            use_qk_l2norm_in_kernel)
+        N = ctx.cu_seqlens.numel() - 1
+        want = (N, dims.HV, dims.K, dims.V)
+        if initial_state is not None and (not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want):
+            got = list(initial_state.shape) if torch.is_tensor(initial_state) else type(initial_state).__name__
+            raise ValueError(f"initial_state: expected the global batch's [{', '.join(map(str, want))}] "
+                             f"(every sequence, on every rank), got {got}")
+        return run_cp(self, inputs, dims, scale, initial_state, ctx, output_final_state)
 
     def _decodes(self, inputs, dims, initial_state, context_parallel) -> bool:
         """Run this chunk call as a token step: a decode-shaped inference call (decode_shaped) whose
