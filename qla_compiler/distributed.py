@@ -6,8 +6,8 @@ sequence, the state update is affine, S_end = M S_start + H (MATH.md; qla_compil
 uses the same identity inside one GPU). So a rank whose first sequence began on an earlier rank
 needs only one matrix pair from each earlier rank:
 
-    1. every rank: the map (M, H) of its first piece, when that piece continues a sequence (its
-       values widened to [0 | v], scanned from [I | 0], end in [M | H]); and, when its last piece
+    1. every rank: the map (M, H) of its first piece, when that piece continues a sequence (scanned
+       with zero values from the identity it ends in M, with its values from zero in H); and, when its last piece
        runs on into the next rank and started here, that piece's end state E (M = 0, H = E);
     2. all-gather the pairs; rank r composes those of ranks 0..r−1 into its start state;
     3. every rank runs its slice from its start states; each sequence's final state comes from
@@ -108,11 +108,10 @@ def run_cp(op, inputs: dict, dims, scale: float, initial_state, ctx: CPContext, 
     def run(piece_inputs, cu, start_states):
         return op(**piece_inputs, scale=scale, initial_state=start_states, cu_seqlens=cu, output_final_state=True)
 
-    def tokens(a, b, widen=False):
+    def tokens(a, b, values=None):
         out = {n: x[:, a:b] for n, x in inputs.items()}
-        if widen:
-            x = out[op.value_name]
-            out[op.value_name] = torch.cat([x.new_zeros(*x.shape[:-1], K), x], -1)
+        if values is not None:
+            out[op.value_name] = values
         return out
 
     # 1. this rank's transfer pair: the crossing sequence's state at this rank's end is A·S + B
@@ -120,12 +119,14 @@ def run_cp(op, inputs: dict, dims, scale: float, initial_state, ctx: CPContext, 
     A = torch.zeros(HV, K, K, dtype=work, device=device)
     B = torch.zeros(HV, K, V, dtype=work, device=device)
     lens = (ctx.local_cu[1:] - ctx.local_cu[:-1]).tolist()
-    if ctx.continues:
+    if ctx.continues:  # M from zero values and the identity state, H from the values and a zero state
+        # (two scans of widths K and V rather than one of K + V: the GPU backward takes up to 128)
         one = torch.tensor([0, lens[0]], device=device)
-        start = torch.cat([torch.eye(K, dtype=work, device=device).expand(1, HV, K, K),
-                           torch.zeros(1, HV, K, V, dtype=work, device=device)], -1)
-        _, mh = run(tokens(0, lens[0], widen=True), one, start)
-        M, H = mh[0, :, :, :K].to(work), mh[0, :, :, K:].to(work)
+        x = inputs[op.value_name][:, :lens[0]]
+        eye = torch.eye(K, dtype=work, device=device).expand(1, HV, K, K)
+        _, M = run(tokens(0, lens[0], x.new_zeros(*x.shape[:-1], K)), one, eye)
+        _, H = run(tokens(0, lens[0]), one, torch.zeros(1, HV, K, V, dtype=work, device=device))
+        M, H = M[0].to(work), H[0].to(work)
     if ctx.carries_on:
         if ctx.continues and len(ctx.pieces) == 1:  # the whole slice inside one sequence
             A, B = M, H
