@@ -22,8 +22,10 @@ import sys
 
 ROWS = ["2/8:1x32768", "2/8:1x8192", "2/8:8x4096", "4/16:1x32768", "4/16:8x4096", "8/32:1x32768",
         "16/64:1x32768", "16/64:1x2048", "16/64:8x4096"]
-# decoding: batches of 1, 32 and 256 one-token sequences (issue 19's rows)
-DECODE_ROWS = [f"{h}:{n}x1" for h in ("16/64", "2/8") for n in (1, 32, 256)]
+# decoding: batches of 1, 32 and 256 one-token sequences (issue 19's rows), and 256 sequences of 2-16
+# tokens (where the token step and the chunk pipeline cross: op.DECODE_TOKENS)
+DECODE_ROWS = [f"{h}:{n}x1" for h in ("16/64", "2/8") for n in (1, 32, 256)] + \
+    [f"16/64:256x{t}" for t in (2, 4, 8, 16)]
 H200_BYTES_PER_MS = 4.3e9  # HBM3e, ~4.3 TB/s as measured for copies (shared/gpu notes)
 
 
@@ -111,8 +113,13 @@ def state_floor_ms(HV: int, K: int, V: int, n_seqs: int) -> float:
 
 def decode_libraries(only=None):
     import qla_compiler.ops as qla_ops
+    from qla_compiler.op import decode_tokens
 
-    libs = {"qla": qla_ops.fused_recurrent_gated_delta_rule}
+    def chunked(**a):  # the chunk pipeline, where the op would dispatch to the token step
+        with decode_tokens(0):
+            return qla_ops.chunk_gated_delta_rule(**a)
+
+    libs = {"qla": qla_ops.fused_recurrent_gated_delta_rule, "qla-chunk": chunked}
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
         libs["FLA"] = fla_step

@@ -28,6 +28,8 @@ itself (`qla_compiler.compile`) is built outside the compiled region.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -48,6 +50,18 @@ OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk
 # the states' bytes alone take ~0.5 ms; where the two paths cross is not measured yet (qla-bench
 # --decode times both), so the bound stays at what engines send per step.
 DECODE_TOKENS = 4
+
+
+@contextlib.contextmanager
+def decode_tokens(n: int):
+    """Within it, the bound is `n` (0: chunk calls never run the token step; qla-bench --decode
+    times both paths)."""
+    global DECODE_TOKENS
+    before, DECODE_TOKENS = DECODE_TOKENS, n
+    try:
+        yield
+    finally:
+        DECODE_TOKENS = before
 
 
 def decode_shaped(dims) -> bool:

@@ -74,9 +74,22 @@ def test_block_v_option_forces_the_scans_v_block(monkeypatch):
 
 
 def test_decode_rows_and_the_state_floor():
-    """--decode's rows are batches of one-token sequences; the floor is one read and one write of
-    every float32 state at HBM speed (256 × 64 heads × 128 × 128: 2.1 GB, ~0.5 ms)."""
+    """--decode's rows are batches of one-token sequences, and of a few tokens each (where the
+    token step and the chunk pipeline cross); the floor is one read and one write of every float32
+    state at HBM speed (256 × 64 heads × 128 × 128: 2.1 GB, ~0.5 ms)."""
     from qla_compiler.bench import DECODE_ROWS, state_floor_ms
 
     assert parse_row("16/64:256x1") == (16, 64, [1] * 256) and "16/64:256x1" in DECODE_ROWS
+    assert "16/64:256x16" in DECODE_ROWS
     assert 0.45 < state_floor_ms(64, 128, 128, 256) < 0.55
+
+
+def test_decode_tokens_bound_switches_the_dispatch():
+    from qla_compiler.checks import Dims
+    from qla_compiler.op import decode_shaped, decode_tokens
+
+    dims = Dims(1, 512, 16, 64, 128, 128, 256)  # 2 tokens per sequence
+    assert decode_shaped(dims)
+    with decode_tokens(0):
+        assert not decode_shaped(dims)
+    assert decode_shaped(dims)
