@@ -31,14 +31,18 @@ def _placeholder(HV: int, K: int, V: int, dtype, device) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
-def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: bool, output_final_state: bool):
+def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: bool, output_final_state: bool,
+          cache: bool = True):
     """(read_slot, write_slot, final_slot, pool, state_out, returned): the kernel's slot tensors,
-    the pool it reads, the tensor it writes states into, and the final state the op returns."""
+    the pool it reads, the tensor it writes states into, and the final state the op returns.
+    Without an initial state the pool is a placeholder, one per device and shape (`cache` False:
+    made afresh, as a compiled call makes every tensor it keeps none of: forward.call_tensors)."""
     i32 = dict(dtype=torch.int32, device=device)
     state_dtype = initial_state.dtype if initial_state is not None else torch.float32
     # (a pool written in place is contiguous, _check_pool says so; one only read may be a view)
     pool = initial_state.contiguous() if initial_state is not None else \
-        _placeholder(dims.HV, dims.K, dims.V, state_dtype, device)
+        _placeholder(dims.HV, dims.K, dims.V, state_dtype, device) if cache else \
+        torch.zeros(1, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
     def nowhere(*shape):
         return torch.full(shape, -1, **i32)
 

@@ -8,6 +8,9 @@ backward that is a custom op too:
     qla::interpret, qla::interpret_backward      the ChunkIR interpreter (CPU; float32/float64)
     qla::run_kernels, qla::run_kernels_backward  the generated kernels (CUDA bf16/fp16)
 
+and the token step (op.recurrent, qla_compiler/recurrent.py) as `qla::token_step`, which writes
+the states into the pool (or the output states) it is given, in place.
+
 What needs host values or compiles runs inside them, where dynamo does not look: sequence lengths
 from cu_seqlens, the gates' sign check, the launch rules' device query, TileLang's compile of a
 new shape class. Each forward returns what its backward reads besides the inputs (the states
@@ -261,3 +264,34 @@ def _kernels_grad(ctx, d_o, d_final, _):
 
 
 run_kernels.register_autograd(_kernels_grad, setup_context=_kernels_setup)
+
+
+# ---- the token step -------------------------------------------------------------------------------
+@torch.library.custom_op("qla::token_step", mutates_args=("pool", "out"))
+def token_step(op: str, xs: list[Tensor], cu: Tensor, read: Tensor, write: Tensor, final: Tensor, pool: Tensor,
+               out: Optional[Tensor], scale: float, check_values: bool) -> Tensor:
+    """o [B, T, HV, V] of the token-step kernel (the KernelIR interpreter where the inputs are not
+    CUDA bf16/fp16), the states written by slot (kernels/token_step.slots) into `out`, or into the
+    pool itself where `out` is None; `check_values`: the value checks the call left out (under
+    torch.compile)."""
+    from .kernels import token_step as host
+    from .recurrent import check_pool_values, token_step_kernel
+
+    cop = _OPS[op]
+    named = dict(zip(cop.input_names, xs))
+    dims = dims_of(cop, xs, cu)
+    if check_values:
+        checks.check_values(named, cop.kinds, cu, dims.T)
+        check_pool_values(pool, read, write)
+        check_pool_values(pool if out is None else out, final)
+    kernel = token_step_kernel(cop, named[cop.value_name], dims, scale, pool)
+    slots = (read, write, final, pool, pool if out is None else out)
+    return host.run(cop.program.token_step_program, named, cop.kinds, dims, scale, cop._head_logs(dims.HV), cu,
+                    slots, kernel)
+
+
+@token_step.register_fake
+def _(op, xs, cu, read, write, final, pool, out, scale, check_values):
+    cop = _OPS[op]
+    d = dims_of(cop, xs, cu)
+    return dict(zip(cop.input_names, xs))[cop.value_name].new_empty(d.B, d.T, d.HV, d.V)

@@ -74,12 +74,31 @@ def _check_pool(initial_state, indices, num_accepted, inplace, dims, device):
                              f"got {initial_state.dtype}")
         if initial_state.device != device:
             raise ValueError(f"initial_state: on {initial_state.device}, but the inputs are on {device}")
-        if indices is not None and indices.device.type == "cpu" and indices.numel() \
-                and int(indices.max()) >= initial_state.shape[0]:  # (values on a GPU are not read: no sync)
-            raise ValueError(f"ssm_state_indices: slot {int(indices.max())} is past the pool's "
-                             f"{initial_state.shape[0]} slots")
+        if indices is not None and not torch.compiler.is_compiling():  # (there: qla::token_step checks)
+            check_pool_values(initial_state, indices)
         if inplace and not initial_state.is_contiguous():
             raise ValueError("initial_state: the pool must be contiguous to be written in place")
+
+
+def check_pool_values(pool, *slots) -> None:
+    """Every slot named lies inside the pool (read on the CPU only: values on a GPU are not read,
+    which would synchronise)."""
+    for s in slots:
+        if s.device.type == "cpu" and s.numel() and int(s.max()) >= pool.shape[0]:
+            raise ValueError(f"ssm_state_indices: slot {int(s.max())} is past the pool's {pool.shape[0]} slots")
+
+
+def token_step_kernel(op, v, dims, scale: float, pool):
+    """What runs the token step: None for the compiled kernel (CUDA bf16/fp16 inputs), else the
+    KernelIR interpreter standing in for it."""
+    if not (op.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)):
+        return _interpreted(op.program.token_step_program, dims, scale, op._head_logs(dims.HV))
+    from .kernels.forward import check_head_dims
+
+    check_head_dims(dims.K, dims.V)
+    if pool.dtype == torch.float64:
+        raise ValueError("initial_state: the GPU token step takes float32, bf16 or fp16 states, got float64")
+    return None
 
 
 def recurrent(op, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -88,7 +107,8 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
     from .kernels import token_step as host
 
     inputs = op._bind(args, named)
-    dims = check_inputs(inputs, op.kinds, None, cu_seqlens, scale)
+    compiling = torch.compiler.is_compiling()  # (then the custom op reads the values)
+    dims = check_inputs(inputs, op.kinds, None, cu_seqlens, scale, read_values=not compiling)
     device = inputs[op.value_name].device
     _check_pool(initial_state, ssm_state_indices, num_accepted_tokens, inplace_final_state, dims, device)
     if torch.is_grad_enabled() and any(torch.is_tensor(x) and x.requires_grad
@@ -98,22 +118,14 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
     if use_qk_l2norm_in_kernel:  # FLA's normalisation, as the chunk op and the reference do it
         inputs = {n: (_l2norm(x) if op.kinds[n] == "key" else x) for n, x in inputs.items()}
     scale = dims.K ** -0.5 if scale is None else float(scale)
-    v = inputs[op.value_name]
-    *slot_tensors, returned = host.slots(dims.N, dims, device, initial_state, ssm_state_indices, num_accepted_tokens,
-                                         inplace_final_state, output_final_state)
+    read, write, final, pool, out, returned = host.slots(dims.N, dims, device, initial_state, ssm_state_indices,
+                                                         num_accepted_tokens, inplace_final_state, output_final_state,
+                                                         cache=not compiling)
     cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
-    program = op.program.token_step_program
-    head_logs = op._head_logs(dims.HV)
-    kernel = None
-    if not (op.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)):
-        kernel = _interpreted(program, dims, scale, head_logs)
-    else:
-        from .kernels.forward import check_head_dims
-
-        check_head_dims(dims.K, dims.V)
-        if initial_state is not None and initial_state.dtype == torch.float64:
-            raise ValueError("initial_state: the GPU token step takes float32, bf16 or fp16 states, got float64")
-    o = host.run(program, inputs, op.kinds, dims, scale, head_logs, cu, slot_tensors, kernel)
+    if not compiling:  # (the checks qla::token_step makes under torch.compile, made here, before it)
+        token_step_kernel(op, inputs[op.value_name], dims, scale, pool)
+    o = torch.ops.qla.token_step(op.key, [inputs[n] for n in op.input_names], cu, read, write, final, pool,
+                                 None if out is pool else out, scale, compiling)
     return o, returned
 
 

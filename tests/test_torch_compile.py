@@ -199,3 +199,44 @@ def test_compiled_kernel_path_training_step_with_emulated_kernels(ops_gdn):
 @pytest.fixture(scope="module")
 def ops_gdn():
     return ops._op("gdn")
+
+
+def test_compiled_token_step_with_a_pool_equals_eager():
+    """op.recurrent under torch.compile(fullgraph=True): one custom op (qla::token_step) that
+    writes the pool in place; the pool and o are the eager call's, bitwise (aot_eager)."""
+    torch._dynamo.reset()
+    op = ops._op("gdn")
+    a = random_inputs(op, T=3, H=1, HV=2, K=16, V=16, cu_seqlens=[0, 1, 2, 3], dtype=torch.float32, seed=2)
+    xs = [a[n] for n in op.input_names]
+    slots = torch.tensor([4, -1, 0])
+
+    def step(q, k, v, g, beta, pool, cu):
+        return ops.fused_recurrent_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, cu_seqlens=cu,
+                                                    ssm_state_indices=slots, inplace_final_state=True,
+                                                    output_final_state=True)
+
+    pool0 = torch.randn(6, 2, 16, 16, generator=torch.Generator().manual_seed(3))
+    pool_c, pool_e = pool0.clone(), pool0.clone()
+    o_c, _ = torch.compile(step, fullgraph=True, backend="aot_eager")(*xs, pool_c, a["cu_seqlens"])
+    o_e, _ = step(*xs, pool_e, a["cu_seqlens"])
+    assert torch.equal(o_c, o_e) and torch.equal(pool_c, pool_e)
+    assert not torch.equal(pool_c[4], pool0[4]) and torch.equal(pool_c[1], pool0[1])
+
+
+def test_opcheck_token_step():
+    """The token step's schema (it mutates the pool and the output states, returns a fresh o), its
+    fake implementation against the real one, and its AOT dispatch."""
+    from qla_compiler.kernels import token_step as host
+    from qla_compiler.checks import Dims
+
+    op = ops._op("gdn")
+    a = random_inputs(op, T=3, H=1, HV=2, K=16, V=16, cu_seqlens=[0, 1, 2, 3], dtype=torch.float32, seed=2)
+    xs = [a[n] for n in op.input_names]
+    dims = Dims(1, 3, 1, 2, 16, 16, 3)
+    pool = torch.randn(6, 2, 16, 16)
+    for indices, inplace in ((torch.tensor([4, -1, 0]), True), (None, False)):
+        read, write, final, p, out, _ = host.slots(3, dims, "cpu", pool if indices is not None else pool[:3],
+                                                   indices, None, inplace, True)
+        cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+        torch.library.opcheck(torch.ops.qla.token_step.default,
+                              (op.key, xs, cu, read, write, final, p, None if out is p else out, 0.25, True))
