@@ -84,3 +84,27 @@ def test_compiled_call_replays_under_cuda_graphs(op):
             o, s = o.clone(), s.clone()
             o_ref, s_ref = fn(*args)
             assert rel_err(o, o_ref) <= 2e-3 and rel_err(s, s_ref) <= 2e-3, seed
+
+
+def test_compiled_token_step_on_cuda():
+    """A decode step with a float32 pool written in place, compiled whole (qla::token_step): the
+    pool and o are the eager call's, bitwise."""
+    from qla_compiler import ops
+
+    torch._dynamo.reset()
+    op = qla_compiler.compile("gdn", target="sm90")
+    a = make_inputs(op, lens=[1, 1, 1], H=2, HV=8, K=128, V=128, seed=3)
+    slots = torch.tensor([5, -1, 0], device="cuda")
+
+    def step(q, k, v, g, beta, pool, cu):
+        return ops.fused_recurrent_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, cu_seqlens=cu,
+                                                    ssm_state_indices=slots, inplace_final_state=True,
+                                                    output_final_state=True)
+
+    pool0 = torch.randn(8, 8, 128, 128, device="cuda")
+    pool_c, pool_e = pool0.clone(), pool0.clone()
+    xs = [a[n] for n in ("q", "k", "v", "g", "beta")]
+    with torch.no_grad():
+        o_c, _ = torch.compile(step, fullgraph=True, backend="aot_eager")(*xs, pool_c, a["cu_seqlens"])
+        o_e, _ = step(*xs, pool_e, a["cu_seqlens"])
+    assert torch.equal(o_c, o_e) and torch.equal(pool_c, pool_e) and torch.equal(pool_c[1], pool0[1])
