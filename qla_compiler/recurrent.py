@@ -122,8 +122,6 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
                                                          num_accepted_tokens, inplace_final_state, output_final_state,
                                                          cache=not compiling)
     cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
-    if not compiling:  # (the checks qla::token_step makes under torch.compile, made here, before it)
-        token_step_kernel(op, inputs[op.value_name], dims, scale, pool)
     o = torch.ops.qla.token_step(op.key, [inputs[n] for n in op.input_names], cu, read, write, final, pool,
                                  None if out is pool else out, scale, compiling)
     return o, returned
