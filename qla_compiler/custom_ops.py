@@ -8,8 +8,8 @@ backward that is a custom op too:
     qla::interpret, qla::interpret_backward      the ChunkIR interpreter (CPU; float32/float64)
     qla::run_kernels, qla::run_kernels_backward  the generated kernels (CUDA bf16/fp16)
 
-and the token step (op.recurrent, qla_compiler/recurrent.py) as `qla::token_step`, which writes
-the states into the pool (or the output states) it is given, in place.
+and the token step (op.recurrent, qla_compiler/recurrent.py) as `qla::token_step` (the states
+into an output tensor) or `qla::token_step_inplace` (back into the pool), each writing in place.
 
 What needs host values or compiles runs inside them, where dynamo does not look: sequence lengths
 from cu_seqlens, the gates' sign check, the launch rules' device query, TileLang's compile of a
@@ -267,13 +267,11 @@ run_kernels.register_autograd(_kernels_grad, setup_context=_kernels_setup)
 
 
 # ---- the token step -------------------------------------------------------------------------------
-@torch.library.custom_op("qla::token_step", mutates_args=("pool", "out"))
-def token_step(op: str, xs: list[Tensor], cu: Tensor, read: Tensor, write: Tensor, final: Tensor, pool: Tensor,
-               out: Optional[Tensor], scale: float, check_values: bool) -> Tensor:
-    """o [B, T, HV, V] of the token-step kernel (the KernelIR interpreter where the inputs are not
-    CUDA bf16/fp16), the states written by slot (kernels/token_step.slots) into `out`, or into the
-    pool itself where `out` is None; `check_values`: the value checks the call left out (under
-    torch.compile)."""
+# Two ops, so that what each declares it writes is what it writes (a declared mutation costs a
+# copy of the whole pool under torch.compile): qla::token_step writes the states into `out` and only
+# reads the pool; qla::token_step_inplace writes them back into the pool (inplace_final_state,
+# speculative decoding).
+def _token_step(op, xs, cu, read, write, final, pool, out, scale, check_values):
     from .kernels import token_step as host
     from .recurrent import check_pool_values, token_step_kernel
 
@@ -283,15 +281,40 @@ def token_step(op: str, xs: list[Tensor], cu: Tensor, read: Tensor, write: Tenso
     if check_values:
         checks.check_values(named, cop.kinds, cu, dims.T)
         check_pool_values(pool, read, write)
-        check_pool_values(pool if out is None else out, final)
+        check_pool_values(out, final)
     kernel = token_step_kernel(cop, named[cop.value_name], dims, scale, pool)
-    slots = (read, write, final, pool, pool if out is None else out)
     return host.run(cop.program.token_step_program, named, cop.kinds, dims, scale, cop._head_logs(dims.HV), cu,
-                    slots, kernel)
+                    (read, write, final, pool, out), kernel)
+
+
+def _token_step_fake(op, xs, cu):
+    cop = _OPS[op]
+    d = dims_of(cop, xs, cu)
+    return dict(zip(cop.input_names, xs))[cop.value_name].new_empty(d.B, d.T, d.HV, d.V)
+
+
+@torch.library.custom_op("qla::token_step", mutates_args=("out",))
+def token_step(op: str, xs: list[Tensor], cu: Tensor, read: Tensor, write: Tensor, final: Tensor, pool: Tensor,
+               out: Tensor, scale: float, check_values: bool) -> Tensor:
+    """o [B, T, HV, V] of the token-step kernel (the KernelIR interpreter where the inputs are not
+    CUDA bf16/fp16), reading the states from `pool` by slot and writing them into `out`
+    (kernels/token_step.slots); `check_values`: the value checks the call left out (under
+    torch.compile)."""
+    return _token_step(op, xs, cu, read, write, final, pool, out, scale, check_values)
 
 
 @token_step.register_fake
 def _(op, xs, cu, read, write, final, pool, out, scale, check_values):
-    cop = _OPS[op]
-    d = dims_of(cop, xs, cu)
-    return dict(zip(cop.input_names, xs))[cop.value_name].new_empty(d.B, d.T, d.HV, d.V)
+    return _token_step_fake(op, xs, cu)
+
+
+@torch.library.custom_op("qla::token_step_inplace", mutates_args=("pool",))
+def token_step_inplace(op: str, xs: list[Tensor], cu: Tensor, read: Tensor, write: Tensor, final: Tensor,
+                       pool: Tensor, scale: float, check_values: bool) -> Tensor:
+    """qla::token_step with the states written back into the pool they are read from."""
+    return _token_step(op, xs, cu, read, write, final, pool, pool, scale, check_values)
+
+
+@token_step_inplace.register_fake
+def _(op, xs, cu, read, write, final, pool, scale, check_values):
+    return _token_step_fake(op, xs, cu)

@@ -122,8 +122,12 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
                                                          num_accepted_tokens, inplace_final_state, output_final_state,
                                                          cache=not compiling)
     cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
-    o = torch.ops.qla.token_step(op.key, [inputs[n] for n in op.input_names], cu, read, write, final, pool,
-                                 None if out is pool else out, scale, compiling)
+    xs = [inputs[n] for n in op.input_names]
+    if inplace_final_state or (ssm_state_indices is not None and ssm_state_indices.dim() == 2):
+        o = torch.ops.qla.token_step_inplace(op.key, xs, cu, read, write, final, pool, scale, compiling)
+    else:  # (nothing returned: the kernel writes no state, into a placeholder rather than the pool)
+        out = pool.new_empty(1, *pool.shape[1:]) if out is pool else out
+        o = torch.ops.qla.token_step(op.key, xs, cu, read, write, final, pool, out, scale, compiling)
     return o, returned
 
 

@@ -202,8 +202,8 @@ def ops_gdn():
 
 
 def test_compiled_token_step_with_a_pool_equals_eager():
-    """op.recurrent under torch.compile(fullgraph=True): one custom op (qla::token_step) that
-    writes the pool in place; the pool and o are the eager call's, bitwise (aot_eager)."""
+    """op.recurrent under torch.compile(fullgraph=True): one custom op (qla::token_step_inplace)
+    that writes the pool in place; the pool and o are the eager call's, bitwise (aot_eager)."""
     torch._dynamo.reset()
     op = ops._op("gdn")
     a = random_inputs(op, T=3, H=1, HV=2, K=16, V=16, cu_seqlens=[0, 1, 2, 3], dtype=torch.float32, seed=2)
@@ -224,8 +224,8 @@ def test_compiled_token_step_with_a_pool_equals_eager():
 
 
 def test_opcheck_token_step():
-    """The token step's schema (it mutates the pool and the output states, returns a fresh o), its
-    fake implementation against the real one, and its AOT dispatch."""
+    """The token step's two schemas (one writes the output states, the other the pool; each
+    returns a fresh o), their fake implementations against the real ones, their AOT dispatch."""
     from qla_compiler.kernels import token_step as host
     from qla_compiler.checks import Dims
 
@@ -238,5 +238,9 @@ def test_opcheck_token_step():
         read, write, final, p, out, _ = host.slots(3, dims, "cpu", pool if indices is not None else pool[:3],
                                                    indices, None, inplace, True)
         cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-        torch.library.opcheck(torch.ops.qla.token_step.default,
-                              (op.key, xs, cu, read, write, final, p, None if out is p else out, 0.25, True))
+        if out is p:
+            torch.library.opcheck(torch.ops.qla.token_step_inplace.default,
+                                  (op.key, xs, cu, read, write, final, p, 0.25, True))
+        else:
+            torch.library.opcheck(torch.ops.qla.token_step.default,
+                                  (op.key, xs, cu, read, write, final, p, out, 0.25, True))
