@@ -232,6 +232,36 @@ class Kernel:
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
 
+    def verify(self) -> None:
+        """What a warp-specialised kernel's lowering relies on (ValueError naming what breaks it):
+        its roles are whole warpgroups, in order, covering its threads; their register budgets are
+        setmaxnreg's (multiples of 8 in [24, 256]) and fit the SM; every wait and arrival names a
+        barrier; every ring has an owner among the roles."""
+        if not self.warp_roles:
+            return
+        at = 0
+        for r in self.warp_roles:
+            if r.first != at or r.threads % 128:
+                raise ValueError(f"{self.name}: role {r.name} has threads [{r.first}, {r.first + r.threads}); "
+                                 f"roles are whole warpgroups, in order, from thread {at}")
+            if r.registers % 8 or not 24 <= r.registers <= 256:
+                raise ValueError(f"{self.name}: role {r.name}: {r.registers} registers is not a setmaxnreg "
+                                 "budget (a multiple of 8 in [24, 256])")
+            at += r.threads
+        if at != self.threads:
+            raise ValueError(f"{self.name}: the roles cover {at} threads of {self.threads}")
+        if sum(r.threads * r.registers for r in self.warp_roles) > 64 * 1024:
+            raise ValueError(f"{self.name}: the roles' register budgets exceed the SM's 64K registers")
+        names = {b.name for b in self.barriers}
+        for r in self.warp_roles:
+            for st in (*r.prologue, *r.body, *r.epilogue):
+                if st.op in ("wait", "arrive") and st.dst not in names:
+                    raise ValueError(f"{self.name}: role {r.name}: `{st}` names no barrier of the kernel")
+        roles = {r.name for r in self.warp_roles}
+        for b in self.buffers:
+            if b.stages > 1 and b.owner not in roles:
+                raise ValueError(f"{self.name}: the ring {b.name} has no owning role ({b.owner!r})")
+
     def __str__(self) -> str:
         grid = ", ".join(f"{a}:{e}" for a, e in self.grid)
         lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}  # {self.doc}"]

@@ -140,12 +140,17 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
             names.add(p.name)
             params.append(p)
     nodes = tuple(n.name for n in ir.order() if n.name in set(part.scan) | set(out_nodes))
-    return Kernel(
+    kernel = Kernel(
         f"{ir.name}_fused", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 3 * THREADS, params,
         list(buffers.values()), [], [], [], loop="chunks of the sequence", max_stages=RING,
         roles=tuple(f"{r.name}: {r.doc}" for r in roles),
         doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
         nodes=nodes, outputs=("o",), warp_roles=roles, barriers=tuple(barriers))
+    try:
+        kernel.verify()
+    except ValueError as e:
+        raise PassError("schedule", str(e)) from None
+    return kernel
 
 
 def _params(ir, part: Partition, out_nodes, loaded_out) -> list:

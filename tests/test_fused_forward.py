@@ -206,3 +206,19 @@ def test_fused_forward_in_padded_tiles():
     ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in a.items()}
     o_ref, s_ref = op.reference(**ref)
     assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2
+
+
+def test_the_kernel_verifier_refuses_what_the_lowering_cannot_emit():
+    k = _fused(qla_compiler.compile("gdn", target="sm90"))
+    k.verify()
+    chain, output, loads = k.warp_roles
+    cases = {
+        r"roles are whole warpgroups": (dataclasses.replace(output, first=160), chain, loads),
+        r"not a setmaxnreg budget": (dataclasses.replace(chain, registers=201), output, loads),
+        r"exceed the SM's 64K registers": (dataclasses.replace(chain, registers=256), output, loads),
+        r"names no barrier": (dataclasses.replace(chain, body=chain.body + (chain.body[0].renamed({"state_s_empty": "x"}),)),
+                              output, loads),
+    }
+    for message, roles in cases.items():
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(k, warp_roles=tuple(sorted(roles, key=lambda r: r.first))).verify()
