@@ -120,6 +120,7 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
     for x in sorted(cross):
         barriers += [Barrier(f"{x}_full", THREADS, RING, f"the chain has written the chunk's {x}", "full", (x,)),
                      Barrier(f"{x}_empty", THREADS, RING, f"the output role has read the chunk's {x}", "empty", (x,))]
+    out_body = _independent_first(out_body, cross)
     chain_body = _synced(_synced(chain_body, ring, "loads", reader=True), cross, None, reader=False)
     out_body = _synced(_synced(out_body, ring, "loads", reader=True), cross, None, reader=True)
     loads_body = _loads_role(loads)
@@ -172,6 +173,23 @@ def _check_rings(body: list, ring: set) -> None:
 
 def _writes(st: Stmt) -> set:
     return {st.dst} | (set(st.srcs[1:]) if st.op == "reduce" else set())
+
+
+def _independent_first(body: list, handed: set) -> list:
+    """The output role's statements with those that need nothing the chain hands over (Q Kᵀ and
+    its mask) moved ahead of those that do, so the role waits for the chain as late as it can. A
+    statement stays behind if it reads what the chain hands over, or touches a buffer a statement
+    staying behind reads or writes (so the order of every dependent pair is kept)."""
+    ahead, behind, reads_behind, writes_behind = [], [], set(), set()
+    for st in body:
+        r, w = reads(st), _writes(st)
+        if r & handed or r & writes_behind or w & (reads_behind | writes_behind):
+            behind.append(st)
+            reads_behind |= r
+            writes_behind |= w
+        else:
+            ahead.append(st)
+    return ahead + behind
 
 
 def _synced(body: list, bufs: set, barrier: str | None, reader: bool) -> list:

@@ -95,7 +95,7 @@ def _without(kernel, role: str, pred):
 MUTANTS = {
     # the output role reads the loads' ring without waiting for it (whatever order the roles run in)
     "output reads loads unwaited": ("output", lambda s: s.op == "wait" and s.dst == "loads_full",
-                                    r"role output at chunk 0: `.*` reads q_s without waiting on the barrier "
+                                    r"role output at chunk 0: `.*` reads \w+_s without waiting on the barrier "
                                     "that hands it over"),
     # the chain overwrites its hand-off to the output without waiting for the output to be done
     "chain skips the empty wait": ("chain", lambda s: s.op == "wait" and s.dst == "state_s_empty",
