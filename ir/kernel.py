@@ -148,15 +148,15 @@ class Stmt:
     reduce | inverse | store | store_vec | store_chunk_state | store_state | load_state, and in a
     token step load_token | store_token (one token's row, or its scalar). A load with attribute
     async only starts the copy; wait_load (same dst) waits for it. A state load or store with
-    attribute slot takes the state's slot in its pool from that tensor (the token step)."""
+    attribute slot takes the state's slot in its pool from that tensor (the token step). In a
+    warp-specialised kernel also: wait (dst: a barrier, at the chunk's stage and phase), arrive
+    (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA before the
+    arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
+    warp, landing on that barrier)."""
     op: str
     dst: str | None
     srcs: tuple = ()
     attrs: tuple = ()
-    # In a warp-specialised kernel also: wait (dst: a barrier; the chunk's stage and phase),
-    # arrive (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA
-    # before the arrive that publishes them), and a load with attribute barrier (a TMA load
-    # issued by one warp, landing on that barrier).
 
     @property
     def attr(self) -> dict:
@@ -175,6 +175,10 @@ class Stmt:
         for _, v in self.attrs:
             walk(v)
         return names
+
+    def writes(self) -> set:
+        """The buffers it writes: its destination, and a reduction's accumulators."""
+        return ({self.dst} if self.dst else set()) | (set(self.srcs[1:]) if self.op == "reduce" else set())
 
     def renamed(self, names: dict) -> "Stmt":
         """The statement with buffers renamed (old -> new), in its destination, sources and

@@ -33,10 +33,6 @@ def _reads(st: Stmt) -> set:
     return names
 
 
-def _writes(st: Stmt) -> set:
-    return ({st.dst} if st.dst else set()) | (set(st.srcs[1:]) if st.op == "reduce" else set())
-
-
 class _Barriers:
     def __init__(self, kernel: Kernel):
         self.spec = {b.name: b for b in kernel.barriers}
@@ -131,7 +127,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
     def check_protocol(state: _RoleState, st: Stmt) -> None:
         c, role = state.chunk, state.role.name
         for name in staged:
-            touches = name in _reads(st) or name in _writes(st)
+            touches = name in _reads(st) or name in st.writes()
             if not touches:
                 continue
             if (role, name, c) in in_flight and not handed(state, name, "landed"):
@@ -140,7 +136,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
             if owner[name] != role and not handed(state, name, "full"):
                 raise InterpretError(f"{kernel.name}: {state.where()}: `{st}` reads {name} without waiting on the "
                                      "barrier that hands it over: a wait is missing")
-            if owner[name] == role and name in _writes(st) and not handed(state, name, "empty"):
+            if owner[name] == role and name in st.writes() and not handed(state, name, "empty"):
                 raise InterpretError(f"{kernel.name}: {state.where()}: `{st}` writes {name} without waiting for "
                                      "its readers to be done with the copy (its empty barrier): a wait is missing")
         if st.op == "load" and st.attr.get("barrier"):
@@ -159,7 +155,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
                     raise InterpretError(
                         f"{kernel.name}: {state.where()}: `{st}` reads {name}[{c % stages}], which holds "
                         + (f"chunk {held}'s value" if held is not None else "nothing yet") + ": a wait is missing")
-                if name in _writes(st) and version.get(key) != c:
+                if name in st.writes() and version.get(key) != c:
                     if version.get(key) is not None and released.get(key, set()) != readers[name]:
                         late = sorted(readers[name] - released.get(key, set()))
                         raise InterpretError(
@@ -174,7 +170,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
             active = torch.ones_like(i_n, dtype=torch.bool)
             at.active = active
         st = st.renamed(names)
-        kept = {w: run.buf[w].clone() for w in _writes(st) if w in run.buf}
+        kept = {w: run.buf[w].clone() for w in st.writes() if w in run.buf}
         run.block([st])
         for w, old in kept.items():  # a point past its sequence's chunks keeps what it held
             run.buf[w] = torch.where(active.view(-1, *[1] * (old.dim() - 1)), run.buf[w], old)

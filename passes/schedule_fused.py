@@ -171,10 +171,6 @@ def _check_rings(body: list, ring: set) -> None:
             raise PassError("schedule", f"`{st}` writes {st.dst}, a ring the loads role fills (its readers must not)")
 
 
-def _writes(st: Stmt) -> set:
-    return {st.dst} | (set(st.srcs[1:]) if st.op == "reduce" else set())
-
-
 def _independent_first(body: list, handed: set) -> list:
     """The output role's statements with those that need nothing the chain hands over (Q Kᵀ and
     its mask) moved ahead of those that do, so the role waits for the chain as late as it can. A
@@ -182,7 +178,7 @@ def _independent_first(body: list, handed: set) -> list:
     staying behind reads or writes (so the order of every dependent pair is kept)."""
     ahead, behind, reads_behind, writes_behind = [], [], set(), set()
     for st in body:
-        r, w = reads(st), _writes(st)
+        r, w = reads(st), st.writes()
         if r & handed or r & writes_behind or w & (reads_behind | writes_behind):
             behind.append(st)
             reads_behind |= r
@@ -200,7 +196,7 @@ def _synced(body: list, bufs: set, barrier: str | None, reader: bool) -> list:
     groups = {barrier: bufs} if barrier else {b: {b} for b in sorted(bufs)}
     first, last = {}, {}
     for name, members in groups.items():
-        touched = [i for i, st in enumerate(body) if (reads(st) if reader else _writes(st)) & members]
+        touched = [i for i, st in enumerate(body) if (reads(st) if reader else st.writes()) & members]
         if touched:
             first[name], last[name] = touched[0], touched[-1]
     out = []
