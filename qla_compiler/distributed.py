@@ -136,13 +136,14 @@ def run_cp(op, inputs: dict, dims, scale: float, initial_state, ctx: CPContext, 
                                h0[ctx.pieces[-1]][None])
             B = end_state[0].to(work)
     # 2. every rank's pair, in one collective; this rank's start state from those before it. Every
-    # rank's result depends on the gathered pairs (times zero where it does not continue), so that
+    # rank's result depends on the gathered pairs (through a zero where it does not continue), so that
     # every rank's backward runs the collective's backward, in the same order (a rank that skipped
     # it would pair its next collective with another rank's)
-    # (tie: the same for the collectives' inputs, which on some ranks are constants otherwise)
-    tie = inputs[op.value_name].sum().to(work) * 0.0
+    # (tie: the same for the collectives' inputs, which on some ranks are constants otherwise; an
+    # empty slice's sum is an exact 0 whatever the values, inf or NaN included)
+    tie = inputs[op.value_name][..., :0].sum().to(work)
     pairs = _collective("all_gather", torch.cat([A, B], -1) + tie, ctx.group)
-    state = sum(p.sum() for p in pairs) * 0.0 + torch.zeros(HV, K, V, dtype=work, device=device)
+    state = sum(p[..., :0].sum() for p in pairs) + torch.zeros(HV, K, V, dtype=work, device=device)
     for r in range(ctx.rank if ctx.continues else 0):
         state = pairs[r][..., :K] @ state + pairs[r][..., K:]
     starts = h0[list(ctx.pieces)] if ctx.pieces else h0[:0]
