@@ -29,7 +29,6 @@ itself (`qla_compiler.compile`) is built outside the compiled region.
 from __future__ import annotations
 
 import contextlib
-
 import math
 
 import torch
