@@ -1,0 +1,83 @@
+"""Issue 19's serving numbers on the GPU: the first call's time with cold caches, after
+`qla_compiler.warmup` in another process (warm: no compile at serve time), and where the host time
+of a steady-state call goes.
+
+    python benchmarks/first_call.py            # cold, warmed, warm first calls; a host profile
+
+Each first call runs in a fresh process (the kernels cached in memory would hide the disk cache):
+  cold    empty caches: the spec's compile, the lowering and TileLang's compiles, then the launch;
+  warmed  a process ran warmup(...) for the deployment first; this one finds every kernel on disk;
+then, in this process, torch.profiler's CPU view of a steady-state call (16/64 × 2048 tokens),
+the share of the host time each Python frame and launch takes (issue 19, item 5).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+DEPLOYMENT = "H=16,HV=64,K=128,V=128,io=bfloat16,N=1"
+ROW = "16/64:1x2048"
+
+
+def _call_once() -> float:
+    """In this process: one forward at ROW; its wall time (s), compile included."""
+    import torch
+
+    from qla_compiler import ops
+    from qla_compiler.bench import make_inputs, parse_row
+
+    H, HV, lens = parse_row(ROW)
+    args = make_inputs(H, HV, lens)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    ops.chunk_gated_delta_rule(**args)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def _in_fresh_process(code: str, env: dict) -> str:
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def first_calls() -> None:
+    caches = tempfile.mkdtemp(prefix="qla-first-call-")
+    env = dict(os.environ, TILELANG_CACHE_DIR=os.path.join(caches, "tl"), QLA_CACHE_DIR=os.path.join(caches, "qla"))
+    call = "import sys; sys.path.insert(0, 'benchmarks'); import first_call; print(first_call._call_once())"
+    cold = float(_in_fresh_process(call, env))
+    again = float(_in_fresh_process(call, env))  # the same caches, now filled by the cold call
+    t = time.perf_counter()
+    _in_fresh_process(f"import qla_compiler; qla_compiler.warmup('gdn', ['{DEPLOYMENT}']); print(0)",
+                      dict(env, TILELANG_CACHE_DIR=os.path.join(caches, "tl2"), QLA_CACHE_DIR=os.path.join(caches, "qla2")))
+    warmup_s = time.perf_counter() - t
+    warmed = float(_in_fresh_process(call, dict(env, TILELANG_CACHE_DIR=os.path.join(caches, "tl2"),
+                                                QLA_CACHE_DIR=os.path.join(caches, "qla2"))))
+    print(f"{ROW}: first call cold {cold:.2f} s; a second process on its caches {again:.2f} s; "
+          f"warmup('{DEPLOYMENT}') {warmup_s:.1f} s, then a first call {warmed:.2f} s")
+
+
+def host_profile() -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from qla_compiler import ops
+    from qla_compiler.bench import make_inputs, parse_row
+
+    H, HV, lens = parse_row(ROW)
+    args = make_inputs(H, HV, lens)
+    for _ in range(3):
+        ops.chunk_gated_delta_rule(**args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(20):
+            ops.chunk_gated_delta_rule(**args)
+        torch.cuda.synchronize()
+    print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    first_calls()
+    host_profile()
