@@ -7,9 +7,12 @@ Dense batches [B, T, ...] are viewed as one packed batch [1, B·T, ...] with cu_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,21 +27,40 @@ IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # benchmarks/precompile.py, benchmarks/ablate.py)
 H200_SMS = 132
 
-# The fused, warp-specialised forward (passes/schedule_fused.py) for inference calls: off by default
-# until the H200 has run and timed it (QLA_FUSED_FORWARD=1 turns it on; forward(fused=) overrides)
-FUSED_FORWARD = os.environ.get("QLA_FUSED_FORWARD", "0") == "1"
+@dataclass(frozen=True)
+class LaunchPolicy:
+    """The launch choices a caller makes instead of the rules below (launch_policy sets them for
+    a block of calls): `sms` the SM count the rules see (None: the device's), `block_v` the scans'
+    V-block (None: block_v's rule), `scan_stages` the scan's pipeline stages (None: scan_stages'
+    rule), `fused` whether inference calls run the fused, warp-specialised forward
+    (passes/schedule_fused.py; off by default until the H200 has run and timed it,
+    QLA_FUSED_FORWARD=1 turns it on), `kernels` what loads a program's kernels for a shape class
+    (None: the compiled ones, runtime.load_kernels; the emulator stands in on the CPU)."""
+    sms: int | None = None
+    block_v: int | None = None
+    scan_stages: int | None = None
+    fused: bool = False
+    kernels: Callable | None = None
+
+
+POLICY = LaunchPolicy(fused=os.environ.get("QLA_FUSED_FORWARD", "0") == "1")
 
 
 @contextlib.contextmanager
-def fused_forward(on: bool = True):
-    """Within it, inference calls run (or, with on=False, do not run) the fused forward: qla-bench
-    --fused times both in one process."""
-    global FUSED_FORWARD
-    before, FUSED_FORWARD = FUSED_FORWARD, on
+def launch_policy(**choices):
+    """Within it, calls launch with these LaunchPolicy fields changed (qla-bench --block-v,
+    --scan-stages and --fused, the emulator).
+
+        >>> with launch_policy(block_v=64):
+        ...     choose_block_v(128, 8, 1, None)
+        64
+    """
+    global POLICY
+    before, POLICY = POLICY, dataclasses.replace(POLICY, **choices)
     try:
-        yield
+        yield POLICY
     finally:
-        FUSED_FORWARD = before
+        POLICY = before
 
 
 def scan_stages(BV: int) -> int:
@@ -53,7 +75,7 @@ def scan_stages(BV: int) -> int:
     >>> scan_stages(16), scan_stages(32), scan_stages(64)
     (4, 4, 3)
     """
-    return 4 if BV <= 32 else 3
+    return POLICY.scan_stages or (4 if BV <= 32 else 3)
 
 
 # the head dims the GPU backward takes: at K = V = 256 the gradient kernels' live blocks need up to
@@ -73,11 +95,15 @@ def _sm_count(index: int) -> int:
 
 def sm_count(device) -> int:
     """The SMs of the GPU a CUDA device names (the launch rules below depend on it)."""
+    if POLICY.sms:
+        return POLICY.sms
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def choose_block_v(V: int, HV: int, N: int, device) -> int:
-    """The V-block for this GPU (see block_v)."""
+    """The V-block for this GPU (see block_v), or the policy's."""
+    if POLICY.block_v:
+        return min(POLICY.block_v, V)
     return block_v(V, HV, N, sm_count(device))
 
 
@@ -228,7 +254,7 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     the state entering every chunk, the prep's results), from the kernels of the training program
     (which also store the triangular inverses for the backward). `cache`: see call_tensors.
     `fused`: run an inference call's scan and output as one warp-specialised kernel (None: the
-    FUSED_FORWARD policy); where it cannot (training, context parallelism, a program whose fused
+    launch policy's choice); where it cannot (training, context parallelism, a program whose fused
     kernel does not fit), the separate kernels run."""
     check_call(dims, keep, context_parallel)
     v_name = next(n for n, k in kinds.items() if k == "value")
@@ -237,7 +263,7 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     program = program_for(program, dims, io, device)
     if keep:
         program = program.training_program
-    elif (FUSED_FORWARD if fused is None else fused) and not context_parallel:
+    elif (POLICY.fused if fused is None else fused) and not context_parallel:
         program = fused_or_not(program)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
@@ -373,7 +399,7 @@ def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n
         if p.role == "out" and p.name not in t:
             tiles = dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)
             t[p.name] = _empty(p, dict(sizes, N=n_seqs, **tiles), io, device)
-    kernels = load_kernels(program, shape)
+    kernels = (POLICY.kernels or load_kernels)(program, shape)
     kernels[kernel.name](*[t[p.name] for p in kernel.params])
 
 

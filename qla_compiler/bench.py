@@ -136,7 +136,7 @@ def libraries(cp=None, only=None, backward=False, fused=False):
 
     def with_policy(on):
         def call(**a):
-            with forward.fused_forward(on):
+            with forward.launch_policy(fused=on):
                 return qla_ops.chunk_gated_delta_rule(**a)
         return call
 
@@ -261,12 +261,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from qla_compiler.kernels import forward
 
-    if args.scan_stages:
-        forward.scan_stages = lambda BV: args.scan_stages
-    if args.block_v:
-        forward.choose_block_v = lambda V, HV, N, device: min(args.block_v, V)
     rows = args.rows or (DECODE_ROWS if args.decode else ROWS)
-    run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused)
+    with forward.launch_policy(scan_stages=args.scan_stages, block_v=args.block_v):
+        run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused)
     return 0
 
 

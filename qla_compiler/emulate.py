@@ -59,14 +59,10 @@ def emulated_kernels(op, cu_seqlens: torch.Tensor, scale: float, block_v: int = 
         >>> with emulated_kernels(op, cu, scale) as emu:                       # doctest: +SKIP
         ...     o, final = op._run_kernels(inputs, scale, h0, cu, None)
     """
-    from unittest import mock
-
     from .kernels import forward as fwd
 
     emu = KernelEmulator(op, cu_seqlens, scale, rounding)
-    with mock.patch.object(fwd, "load_kernels", emu), \
-            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: block_v), \
-            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):  # (no GPU here)
+    with fwd.launch_policy(kernels=emu, block_v=block_v, sms=fwd.H200_SMS):  # (no GPU here)
         yield emu
 
 

@@ -176,7 +176,7 @@ def _program(c: Compile):
     from .kernels import forward
 
     program = op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
-    if c.part == "forward" and c.kernels == "all" and forward.FUSED_FORWARD:  # what an inference call runs
+    if c.part == "forward" and c.kernels == "all" and forward.POLICY.fused:  # what an inference call runs
         return forward.fused_or_not(program)
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 

@@ -65,10 +65,11 @@ def test_block_v_option_forces_the_scans_v_block(monkeypatch):
     import qla_compiler.bench as bench
     from qla_compiler.kernels import forward as fwd
 
-    monkeypatch.setattr(fwd, "choose_block_v", fwd.choose_block_v)  # restored after the test
-    monkeypatch.setattr(bench, "run", lambda *a, **k: [])
+    chosen = []
+    monkeypatch.setattr(bench, "run", lambda *a, **k: chosen.append(fwd.choose_block_v(128, 8, 1, None)))
     assert bench.main(["--block-v", "64", "--rows", "2/8:1x8192"]) == 0
-    assert fwd.choose_block_v(128, 8, 1, None) == 64  # block_v alone picks 16 there
+    assert chosen == [64]  # block_v alone picks 16 there
+    assert fwd.POLICY.block_v is None  # the launch policy, for the benchmark's calls only
     with pytest.raises(SystemExit):  # the V-blocks the lowering builds: 16, 32, 64
         bench.main(["--block-v", "8"])
 

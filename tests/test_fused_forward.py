@@ -182,17 +182,17 @@ def test_cli_emits_the_fused_kernel(capsys, tmp_path):
 
 
 def test_the_policy_picks_the_fused_kernel_for_inference_only(runs):
-    """fused_forward() (what qla-bench --fused and QLA_FUSED_FORWARD set): inference calls run the
-    fused kernel; a training forward keeps the separate kernels the backward reads."""
+    """The launch policy's `fused` (what qla-bench --fused and QLA_FUSED_FORWARD set): inference
+    calls run the fused kernel; a training forward keeps the separate kernels the backward reads."""
     op, a, _, _ = runs["simple_gla"]
     inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
                                       a["cu_seqlens"], False)
     for keep, expect in ((False, "simple_gla_fused"), (True, "simple_gla_out")):
-        with fwd.fused_forward(), emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale) as emu:
+        with fwd.launch_policy(fused=True), emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale) as emu:
             fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
                         op._head_logs(dims.HV), keep=keep)
         assert emu.calls[-1][0] == expect
-    assert not fwd.FUSED_FORWARD
+    assert not fwd.POLICY.fused
 
 
 def test_fused_forward_in_padded_tiles():

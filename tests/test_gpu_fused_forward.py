@@ -1,4 +1,4 @@
-"""The fused, warp-specialised forward (QLA_FUSED_FORWARD, passes/schedule_fused.py) on the GPU:
+"""The fused, warp-specialised forward (the launch policy's `fused`, passes/schedule_fused.py) on the GPU:
 inference calls of every spec through prep + the one fused kernel, against the float64 reference
 and FLA, with test_gpu_forward's inputs and tolerances (≤ 1e-2, and ≤ 1.5× FLA's error + 1e-4)."""
 import pytest
@@ -14,8 +14,9 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def fused(monkeypatch):
-    monkeypatch.setattr(fwd, "FUSED_FORWARD", True)
+def fused():
+    with fwd.launch_policy(fused=True):
+        yield
 
 
 def _check(spec, args, fla=True):
