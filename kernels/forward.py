@@ -263,13 +263,22 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     program = program_for(program, dims, io, device)
     if keep:
         program = program.training_program
-    elif (POLICY.fused if fused is None else fused) and not context_parallel:
-        program = fused_or_not(program)
+    else:
+        program = inference_program(program, context_parallel, fused)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
     o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+
+
+def inference_program(program, context_parallel=None, fused=None):
+    """The kernels an inference call of `program` (its variant, program_for) runs: the fused
+    forward where `fused` (None: the launch policy) asks for it and the call is not
+    context-parallel, else the separate kernels (what precompile compiles, too)."""
+    if (POLICY.fused if fused is None else fused) and not context_parallel:
+        return fused_or_not(program)
+    return program
 
 
 def fused_or_not(program):

@@ -176,8 +176,8 @@ def _program(c: Compile):
     from .kernels import forward
 
     program = op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
-    if c.part == "forward" and c.kernels == "all" and forward.POLICY.fused:  # what an inference call runs
-        return forward.fused_or_not(program)
+    if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
+        return forward.inference_program(program, context_parallel=c.kernels != "all")
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 
 
