@@ -120,11 +120,20 @@ class Barrier:
                 f"{' '.join(self.guards)}   # {self.doc}")
 
 
+def entry_registers(threads: int) -> int:
+    """The registers each thread of a CTA of `threads` threads starts with, one CTA per SM
+    (__launch_bounds__(threads, 1)): the SM's 64K shared evenly, in setmaxnreg's steps of 8, at
+    most 255 (ptxas: 168 at 384 threads). setmaxnreg moves registers between the warpgroups inside
+    this CTA's pool of threads · entry_registers; an increase that the pool cannot meet waits
+    forever (the H200 hung on 200 + 200 + 112 > 3 · 168)."""
+    return min(255, 64 * 1024 // threads) // 8 * 8
+
+
 @dataclass(frozen=True)
 class Role:
     """A warp-specialised kernel's role: the threads [first, first + threads) running their own
     statements, before, inside and after the loop over chunks, at their own register budget
-    (setmaxnreg: raised or lowered from the launch's even share)."""
+    (setmaxnreg: raised or lowered from entry_registers, the launch's even share)."""
     name: str
     first: int
     threads: int
@@ -254,8 +263,10 @@ class Kernel:
             at += r.threads
         if at != self.threads:
             raise ValueError(f"{self.name}: the roles cover {at} threads of {self.threads}")
-        if sum(r.threads * r.registers for r in self.warp_roles) > 64 * 1024:
-            raise ValueError(f"{self.name}: the roles' register budgets exceed the SM's 64K registers")
+        pool = int(self.threads) * entry_registers(int(self.threads))
+        if sum(r.threads * r.registers for r in self.warp_roles) > pool:
+            raise ValueError(f"{self.name}: the roles' register budgets exceed the CTA's pool of {pool} registers "
+                             f"({self.threads} threads × {entry_registers(int(self.threads))}): setmaxnreg would wait forever")
         names = {b.name for b in self.barriers}
         for r in self.warp_roles:
             for st in (*r.prologue, *r.body, *r.epilogue):
@@ -308,10 +319,13 @@ class KernelIR:
     # the largest head-dim tiles (K, V) its shared memory and registers are budgeted for: a shape
     # class with wider tiles needs kernels scheduled for them (Program.for_shape)
     head_dims: tuple = (128, 128)
+    # the widest V-block its kernels are budgeted for: a launch takes no wider one (the fused
+    # forward's deeper load ring fits in shared memory only up to 32)
+    block_v_max: int = 64
 
     def __str__(self) -> str:
         head = [f"kernel_program {self.name}  C={self.chunk_size}  head-dim tiles up to K={self.head_dims[0]} "
-                f"V={self.head_dims[1]}"]
+                f"V={self.head_dims[1]}  V-blocks up to {self.block_v_max}"]
         head += [f"  host: {h}" for h in self.host]
         return "\n".join(head + [""] + [str(k) + "\n" for k in self.kernels]).rstrip()
 

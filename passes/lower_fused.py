@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import re
 
-from qla_compiler.errors import PassError
-from qla_compiler.ir.kernel import Kernel, Stmt
+from qla_compiler.ir.kernel import Kernel, Stmt, entry_registers
 
 from .lower_tilelang import ShapeClass, _dtype, _per_sequence_grid, _Render, _shape, _signature
 
 WARP = 32
-REGISTERS = 64 * 1024  # per SM: a budget above the even share is a raise, below it a cut
 
 
 def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
@@ -33,10 +31,8 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
     r.masked_loads = {st.dst for role in kernel.warp_roles for st in role.body
                       if st.op == "load" and r._masked(st.srcs[0])}
     staged = {b.name: b for b in kernel.buffers if b.stages > 1}
-    stages = {b.stages for b in staged.values()} | {b.stages for b in kernel.barriers}
-    if len(stages) > 1:
-        raise PassError("lower", f"{kernel.name}: rings of different depths {sorted(stages)} (one stage index)")
-    ring = stages.pop() if stages else 1
+    barriers = {b.name: b for b in kernel.barriers}
+    depths = sorted({b.stages for b in staged.values()} | {b.stages for b in kernel.barriers})
     out = _signature(kernel, r) + _per_sequence_grid(r.tiles.get("V", "V"), kernel.threads)
     out.append("        tx = T.get_thread_binding()")
     for b in kernel.buffers:
@@ -46,7 +42,7 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
             out.append(f"        {b.name} = T.alloc_shared({dims}, {_dtype(b.dtype)}){who}")
     for bar in kernel.barriers:
         out.append(f"        {bar.name} = T.alloc_barrier([{bar.arrivals}] * {bar.stages})  # {bar.doc}")
-    even = REGISTERS // int(kernel.threads)
+    even = entry_registers(int(kernel.threads))  # a budget above it is a raise, below it a cut
     for i, role in enumerate(kernel.warp_roles):
         last = i == len(kernel.warp_roles) - 1
         head = "else:" if last else f"{'if' if i == 0 else 'elif'} tx < {role.first + role.threads}:"
@@ -61,15 +57,15 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
         out += [f"{ind}for i_c in T.serial(T.ceildiv(seq_len, C)):",
                 f"{ind}    t0 = bos + i_c * C",
                 f"{ind}    n_valid = T.min(C, seq_len - i_c * C)",
-                f"{ind}    stage = i_c % {ring}",
-                f"{ind}    phase = (i_c // {ring}) % 2"]
-        out += [ind + "    " + ln for ln in _role_body(role, r, staged)]
+                *[ln for d in depths for ln in (f"{ind}    {_stage(d)} = i_c % {d}  # the copy of a {d}-deep ring",
+                                                  f"{ind}    {_phase(d)} = (i_c // {d}) % 2")]]
+        out += [ind + "    " + ln for ln in _role_body(role, r, staged, barriers)]
         for s in role.epilogue:
             out += [ind + ln for ln in r.stmt(s, True)]
     return out
 
 
-def _role_body(role, r: _Render, staged: dict) -> list[str]:
+def _role_body(role, r: _Render, staged: dict, barriers: dict) -> list[str]:
     lines, body, k = [], list(role.body), 0
     while k < len(body):
         s = body[k]
@@ -81,36 +77,45 @@ def _role_body(role, r: _Render, staged: dict) -> list[str]:
                 group.append(body[k])
                 k += 1
             lines.append(f"if tx < {role.first + WARP}:  # one warp issues the TMA loads")
-            lines += ["    " + ln for g in group for ln in _sync(g, r, staged)]
+            lines += ["    " + ln for g in group for ln in _sync(g, r, staged, barriers)]
             continue
-        lines += _sync(s, r, staged) if s.op in ("wait", "arrive", "fence_async") else \
+        lines += _sync(s, r, staged, barriers) if s.op in ("wait", "arrive", "fence_async") else \
             [_staged(ln, staged) for ln in r.stmt(s, True)]
         k += 1
     return lines
 
 
-def _sync(s: Stmt, r: _Render, staged: dict):
-    if s.op == "wait":
-        parity = "phase ^ 1" if s.attr.get("free") else "phase"
-        return [f"T.barrier_wait({s.dst}[stage], {parity})"]
-    if s.op == "arrive":
-        return [f"T.barrier_arrive({s.dst}[stage])"]
+def _stage(depth: int) -> str:
+    return f"stage{depth}"
+
+
+def _phase(depth: int) -> str:
+    return f"phase{depth}"
+
+
+def _sync(s: Stmt, r: _Render, staged: dict, barriers: dict):
     if s.op == "fence_async":
         return ["T.fence_proxy_async()  # the shared writes above, visible to wgmma and TMA"]
+    if s.op in ("wait", "arrive"):
+        d = barriers[s.dst].stages
+        if s.op == "arrive":
+            return [f"T.barrier_arrive({s.dst}[{_stage(d)}])"]
+        return [f"T.barrier_wait({s.dst}[{_stage(d)}], {_phase(d)}{' ^ 1' if s.attr.get('free') else ''})"]
     # a TMA load into its ring copy, landing on its barrier
     src = r._global(s.srcs[0], True)
-    return [f"T.tma_copy({src}, {_whole(s.dst, staged)}, barrier={s.attr['barrier']}[stage], "
+    bar = s.attr["barrier"]
+    return [f"T.tma_copy({src}, {_whole(s.dst, staged)}, barrier={bar}[{_stage(barriers[bar].stages)}], "
             f"leader_scope_threads={WARP})"]
 
 
 def _whole(name: str, staged: dict) -> str:
     b = staged.get(name)
-    return name if b is None else f"{name}[stage, {', '.join(':' for _ in b.shape)}]"
+    return name if b is None else f"{name}[{_stage(b.stages)}, {', '.join(':' for _ in b.shape)}]"
 
 
 def _staged(line: str, staged: dict) -> str:
-    """A template's line with every ring buffer read and written at copy `stage`."""
+    """A template's line with every ring buffer read and written at its ring's copy of the chunk."""
     for name, b in staged.items():
-        line = re.sub(rf"\b{name}\[", f"{name}[stage, ", line)
+        line = re.sub(rf"\b{name}\[", f"{name}[{_stage(b.stages)}, ", line)
         line = re.sub(rf"\b{name}\b(?!\[)", _whole(name, staged), line)
     return line

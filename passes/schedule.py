@@ -36,7 +36,7 @@ from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, Tensor
 
 from .partition import Partition
 from .schedule_build import Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params
-from .schedule_fused import fused_kernel
+from .schedule_fused import FUSED_BLOCK_V, fused_kernel
 from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, dim_sizes, live_shared, place_loads, reads,
                               smem_bytes, threads_for, zero_pad)
 
@@ -77,6 +77,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         kir.kernels.append(_prep_kernel(part, split_phase_loads, dims))
     if fused:
         kir.kernels.append(fused_kernel(part, dims))
+        kir.block_v_max = min(dims["BV"], FUSED_BLOCK_V)
         return kir
     kir.kernels.append(_scan_kernel(part, dims))
     kir.kernels += _out_kernels(part, split_phase_loads, dims)

@@ -11,29 +11,36 @@ warpgroup each, cut from the partition (no spec names here):
   * `loads`: every block and vector either role reads per chunk, by TMA (one warp issues), its
     padding rows zeroed when the chunk is a sequence's partial last one.
 
-Every edge across a cut is a ring of RING shared buffers (chunk c in copy c % RING) with a pair of
-barriers: `full` (the writer's arrivals: the copy holds chunk c) and `empty` (every reader's
-arrivals: the copy may be overwritten). A role waits on `full` right before its first read in the
-chunk and arrives on `empty` right after its last; the writer waits on `empty` right before its
-first write and publishes with a proxy fence and an arrival on `full` right after its last. So
-the chain never waits for the output except through a full ring: the output of chunk c overlaps
-the chain's chunk c + 1.
+Every edge across a cut is a ring of shared buffers, chunk c in copy c % depth (the loads' ring
+as deep as shared memory holds at the V-block FUSED_BLOCK_V, from LOAD_STAGES; the chain's
+hand-overs RING deep), with a pair of barriers: `full` (the writer's arrivals: the copy holds
+chunk c) and `empty` (every reader's arrivals: the copy may be overwritten). A role waits on
+`full` right before its first read in the chunk and arrives on `empty` right after its last; the
+writer waits on `empty` right before its first write and publishes with a proxy fence and an
+arrival on `full` right after its last. So the chain never waits for the output except through a
+full ring: the output of chunk c overlaps the chain's chunk c + 1.
 
-Registers: setmaxnreg moves the loads role down to LOADS_REGISTERS and shares the rest evenly
-between the two compute roles (the state and W·S live in the chain, Q Kᵀ and the output block in
-the output role).
+Registers: setmaxnreg moves the loads role down to LOADS_REGISTERS and shares the rest of the
+CTA's pool (3 · 168 at 384 threads: ir/kernel.entry_registers) evenly between the two compute
+roles (the state and W·S live in the chain, Q Kᵀ and the output block in the output role).
 """
 from __future__ import annotations
 
 from qla_compiler.errors import PassError
-from qla_compiler.ir.kernel import Barrier, Buffer, Kernel, Role, Stmt, Tensor
+from qla_compiler.ir.kernel import Barrier, Buffer, Kernel, Role, Stmt, Tensor, entry_registers
 
 from .partition import Partition
 from .schedule_build import build, global_name, head_params, input_params
 from .schedule_memory import SMEM_BUDGET, THREADS, reads, smem_bytes, zero_pad
 
-RING = 2  # copies of every ring: the producer fills one while the consumers read the other
-REGISTERS = 64 * 1024  # per SM, all of them one CTA's at 384 threads
+RING = 2  # copies of a ring the chain hands the output role: it fills one while the output reads the other
+# copies of the load ring, the deepest that fits: the loads of chunk c + depth start when both
+# roles are done with chunk c, so the chain waits on a load unless depth − 1 of its chunks outlast
+# one load's latency (on the H200 a 2-deep ring ran 3 µs a chunk against the plain scan's 1.1 µs)
+LOAD_STAGES = (4, 3, 2)
+# the V-block the fused kernel's shared memory is budgeted at: at K = 128 the load ring is 3 deep
+# at 32 and only 2 at 64 (k, W and q do not narrow with the V-block)
+FUSED_BLOCK_V = 32
 LOADS_REGISTERS = 112  # addresses, and a masked load's (K = 100: 40, 56, 88 spilled; ptxas, sm_90a)
 WARP = 32
 
@@ -41,6 +48,7 @@ WARP = 32
 def fused_kernel(part: Partition, dims: dict) -> Kernel:
     """The fused scan + output kernel of a forward partition (its prep kernel stays before it)."""
     ir = part.chunk
+    dims = {**dims, "BV": min(dims["BV"], FUSED_BLOCK_V)}
     if ir.reverse:
         raise PassError("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
     outputs = tuple(r for r in ir.outputs if r != "state")
@@ -87,35 +95,39 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
     chain_body = [st.renamed(private) for st in chain_body]
     out_body = [st.renamed(rename_out) for st in out_body]
 
-    # -- buffers, with their rings and owners
+    # -- buffers, with their rings and owners; the load ring as deep as shared memory allows
     ring = {st.dst for st in loads}
     cross = set(handed.values())
-    buffers = {}
+    found = {}
     for role, b in (("chain", chain), ("output", out)):
         names = rename_out if role == "output" else {}
         for buf in b.buffers.values():
             name = names.get(buf.name, buf.name)
-            if name in private or buf.name in private or name in buffers:
+            if name in private or buf.name in private or name in found:
                 continue
-            stages = RING if name in ring | cross else 1
-            owner = "loads" if name in ring else ("chain" if name in cross else role)
-            buffers[name] = Buffer(name, buf.shape, buf.dtype, buf.scope, stages, owner)
+            found[name] = (buf, "loads" if name in ring else ("chain" if name in cross else role))
     _check_rings(chain_body + out_body, ring)
     for st in out_body:
         if st.dst in cross:
             raise PassError("schedule", f"the output role writes {st.dst}, which the chain hands it")
-    size = sum(smem_bytes([b], dims) * b.stages for b in buffers.values())
-    if size > SMEM_BUDGET:
-        raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {size // 1024} KB of shared "
-                                    f"memory, over the {SMEM_BUDGET // 1024} KB budget")
+    per_copy = sum(smem_bytes([b], dims) for name, (b, _) in found.items() if name in ring)
+    fixed = sum(smem_bytes([b], dims) * (RING if name in cross else 1) for name, (b, _) in found.items()
+                if name not in ring)
+    depth = next((d for d in LOAD_STAGES if fixed + d * per_copy <= SMEM_BUDGET), None)
+    if depth is None:
+        raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {(fixed + 2 * per_copy) // 1024} KB "
+                                    f"of shared memory at V-block {dims['BV']}, over the {SMEM_BUDGET // 1024} KB budget")
+    buffers = {name: Buffer(name, b.shape, b.dtype, b.scope,
+                            depth if name in ring else RING if name in cross else 1, owner)
+               for name, (b, owner) in found.items()}
 
     # -- barriers, and the roles' statements with their waits and arrivals
     readers = [r for r, body in (("chain", chain_body), ("output", out_body)) if any(reads(s) & ring for s in body)]
     loaded = tuple(st.dst for st in loads)
-    barriers = [Barrier("loads_landed", WARP, RING, "the TMA loads of a chunk have landed", "landed", loaded),
-                Barrier("loads_full", THREADS, RING, "a chunk's loads are in their ring copy, padding zeroed",
+    barriers = [Barrier("loads_landed", WARP, depth, "the TMA loads of a chunk have landed", "landed", loaded),
+                Barrier("loads_full", THREADS, depth, "a chunk's loads are in their ring copy, padding zeroed",
                         "full", loaded),
-                Barrier("loads_empty", THREADS * len(readers), RING, "every reader is done with the copy", "empty",
+                Barrier("loads_empty", THREADS * len(readers), depth, "every reader is done with the copy", "empty",
                         loaded)]
     for x in sorted(cross):
         barriers += [Barrier(f"{x}_full", THREADS, RING, f"the chain has written the chunk's {x}", "full", (x,)),
@@ -124,7 +136,7 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
     chain_body = _synced(_synced(chain_body, ring, "loads", reader=True), cross, None, reader=False)
     out_body = _synced(_synced(out_body, ring, "loads", reader=True), cross, None, reader=True)
     loads_body = _loads_role(loads)
-    budget = (REGISTERS // THREADS - LOADS_REGISTERS) // 2 // 8 * 8
+    budget = (3 * entry_registers(3 * THREADS) - LOADS_REGISTERS) // 2 // 8 * 8
     roles = (
         Role("chain", 0, THREADS, budget, (Stmt("load_state", "state", ("initial_state",)),), tuple(chain_body),
              (Stmt("store_state", "final_state", ("state",)),),
@@ -143,7 +155,7 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
     nodes = tuple(n.name for n in ir.order() if n.name in set(part.scan) | set(out_nodes))
     kernel = Kernel(
         f"{ir.name}_fused", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 3 * THREADS, params,
-        list(buffers.values()), [], [], [], loop="chunks of the sequence", max_stages=RING,
+        list(buffers.values()), [], [], [], loop="chunks of the sequence", max_stages=depth,
         roles=tuple(f"{r.name}: {r.doc}" for r in roles),
         doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
         nodes=nodes, outputs=("o",), warp_roles=roles, barriers=tuple(barriers))

@@ -44,11 +44,11 @@ OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk
            "context_parallel", "cp_context")
 
 # An inference call with at most this many tokens per sequence on average runs the token-step kernel
-# (op.recurrent) instead of the chunk pipeline: decode and speculative-decoding batches. The H200
-# measured 2.47 ms for 256 one-token sequences at 16/64 heads through the chunk kernels, where
-# the states' bytes alone take ~0.5 ms; where the two paths cross is not measured yet (qla-bench
-# --decode times both), so the bound stays at what engines send per step.
-DECODE_TOKENS = 4
+# (op.recurrent) instead of the chunk pipeline: decode and speculative-decoding batches. Measured on
+# the H200 (qla-bench --decode, session 12, 256 sequences at 16/64 heads, GPU ms): 1 token a
+# sequence 0.66 against the chunk pipeline's 2.54, 2 tokens 0.84 / 2.58, 4 tokens 1.18 / 2.62,
+# 8 tokens 1.99 / 2.74, 16 tokens 3.74 / 2.89: the paths cross between 8 and 16.
+DECODE_TOKENS = 8
 
 
 @contextlib.contextmanager

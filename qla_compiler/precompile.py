@@ -70,20 +70,26 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
     counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs
 
-    def launch(width, n):
-        shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=min(block_v, width) if block_v else None)
+    def launch(width, n, block_v_max=64):
+        shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=min(block_v, width) if block_v else None,
+                                   block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
-    out = []
+    classes, seqs = [], []  # as the separate kernels run them (a training step too)
     for n in counts:
         plain = launch(V, n)
         runs_as = dataclasses.replace(plain, scale=None)
-        out.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if context_parallel else "all"))
+        classes.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if context_parallel else "all"))
         if context_parallel:  # segments are scanned as sequences: on [0 | v] (width K + V), then on v
-            out += [Compile(str(spec), "forward", launch(w, n * context_parallel), runs_as, "scan")
-                    for w in (K + V, V)]
+            classes += [Compile(str(spec), "forward", launch(w, n * context_parallel), runs_as, "scan")
+                        for w in (K + V, V)]
+        seqs += [n] * (len(classes) - len(seqs))
+    out = []
+    for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes (the fused forward's are narrower)
+        cap = _program(c).kernels.block_v_max if c.kernels == "all" else c.shape.BV
+        out.append(c if cap >= c.shape.BV else dataclasses.replace(c, shape=launch(c.shape.V, n, cap)))
     if training:
-        out += [dataclasses.replace(c, part=part) for part in PARTS[1:] for c in list(out)]
+        out += [dataclasses.replace(c, part=part) for part in PARTS[1:] for c in classes]
     return list(dict.fromkeys(out))
 
 
@@ -177,7 +183,8 @@ def _program(c: Compile):
 
     program = op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
     if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
-        return forward.inference_program(program, context_parallel=c.kernels != "all")
+        padded = (c.shape.K, c.shape.V) != (c.shape.KP, c.shape.VP)
+        return forward.inference_program(program, context_parallel=c.kernels != "all", padded=padded)
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 
 
