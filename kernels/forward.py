@@ -265,8 +265,7 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     if keep:
         program = program.training_program
     else:
-        padded = dims.K != tile_width(dims.K) or dims.V != tile_width(dims.V)
-        program = inference_program(program, context_parallel, fused, padded)
+        program = inference_program(program, context_parallel, fused)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
@@ -274,14 +273,11 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
 
 
-def inference_program(program, context_parallel=None, fused=None, padded=False):
+def inference_program(program, context_parallel=None, fused=None):
     """The kernels an inference call of `program` (its variant, program_for) runs: the fused
     forward where `fused` (None: the launch policy) asks for it and the call is not
-    context-parallel, else the separate kernels (what precompile compiles, too). `padded`: the
-    call's head dims do not fill their tiles (K = 100 in a 128-wide one); such calls keep the
-    separate kernels, because the fused kernel's masked loads faulted on the H200 at K = 100,
-    V = 60 (session 12, an unspecified launch failure; the cause is not found yet)."""
-    if (POLICY.fused if fused is None else fused) and not context_parallel and not padded:
+    context-parallel, else the separate kernels (what precompile compiles, too)."""
+    if (POLICY.fused if fused is None else fused) and not context_parallel:
         return fused_or_not(program)
     return program
 

@@ -79,6 +79,13 @@ def _role_body(role, r: _Render, staged: dict, barriers: dict) -> list[str]:
             lines.append(f"if tx < {role.first + WARP}:  # one warp issues the TMA loads")
             lines += ["    " + ln for g in group for ln in _sync(g, r, staged, barriers)]
             continue
+        if s.op == "arrive" and s.attr.get("threads") == WARP:
+            # one warp's arrival apart from its loads (a masked load, by every thread, came between):
+            # from all of the role's threads it would complete the barrier's phase several times over
+            lines.append(f"if tx < {role.first + WARP}:  # the warp that issued the TMA loads")
+            lines += ["    " + ln for ln in _sync(s, r, staged, barriers)]
+            k += 1
+            continue
         lines += _sync(s, r, staged, barriers) if s.op in ("wait", "arrive", "fence_async") else \
             [_staged(ln, staged) for ln in r.stmt(s, True)]
         k += 1

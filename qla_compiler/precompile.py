@@ -183,8 +183,7 @@ def _program(c: Compile):
 
     program = op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
     if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
-        padded = (c.shape.K, c.shape.V) != (c.shape.KP, c.shape.VP)
-        return forward.inference_program(program, context_parallel=c.kernels != "all", padded=padded)
+        return forward.inference_program(program, context_parallel=c.kernels != "all")
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 
 
