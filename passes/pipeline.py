@@ -225,7 +225,11 @@ class Program:
         if "backward_program" not in self._derived:
             self._need_kernels("backward program: ")
             back = self.backward
-            provided = [x for x in self.stored() if _same_value(self.chunk, back, x)]
+            carried = self.training_program.stage("partition").carried
+            # a state-free product (W = T·diag(βΓ)K) the backward recomputes from what it loads
+            # anyway, one matmul per chunk, rather than have every training step keep it
+            provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
+                        and (x in carried or self.chunk.node(x).op != "matmul")]
             self._derived["backward_program"] = \
                 self._scheduled(back, [("autodiff", back)], "backward program: ", provided=provided)
         return self._derived["backward_program"]

@@ -248,20 +248,25 @@ def test_backward_program_has_a_reverse_scan_and_per_output_kernels():
 
 
 def test_backward_kernels_load_what_the_training_forward_stored():
-    """The training forward's prep also stores T_r; the backward's kernels load it, W, v_new and
-    the cumulative gates instead of recomputing them: no inverse left in the backward. The
+    """The training forward's prep also stores T_r; the backward's kernels load it, v_new and the
+    cumulative gates instead of recomputing them: no inverse left in the backward. W = T·diag(βΓ)K,
+    one matmul on T_r, the backward prep recomputes: a training step keeps no W (issue 16's
+    memory: a C×K block per token, 512 MiB per layer at 16/64 heads × 32768 tokens). The
     inference forward stores no T_r."""
+    from qla_compiler.kernels.backward import kept
+
     prog = qla_compiler.compile_spec("gdn")
     made = {p.name for k in prog.training_program.kernels.kernels for p in k.params if p.role == "out"}
-    assert "T_r_rows" in made
+    assert "T_r_rows" in made and "W_rows" in made
     assert "T_r_rows" not in {p.name for k in prog.kernels.kernels for p in k.params}
     bks = prog.backward_program.kernels.kernels
     reads = {p.name for k in bks for p in k.params if p.role == "in"}
-    assert {"T_r_rows", "W_rows", "v_new_rows", "g_cum"} <= reads & made
-    assert not {p.name for k in bks for p in k.params if p.role == "out"} & made - {"final_state"}
+    assert {"T_r_rows", "v_new_rows", "g_cum"} <= reads & made
+    assert {p.name for k in bks for p in k.params if p.role == "out"} & made == {"final_state", "W_rows"}
+    assert "W_rows" not in kept(prog) and {"T_r_rows", "S0_chunks", "v_new_rows", "g_cum"} <= set(kept(prog))
     assert not [s for k in bks for s in k.body if s.op == "inverse" or (s.op == "cumsum" and not s.attr.get("reverse"))]
-    # the prep's products: QKᵀ, the intra-chunk dv_new, dP, and dP's two products with k and q
-    assert len([s for s in bks[0].body if s.op == "gemm"]) == 5
+    # the prep's products: QKᵀ, the intra-chunk dv_new, dP, dP's two products with k and q, and W
+    assert len([s for s in bks[0].body if s.op == "gemm"]) == 6
     # a spec without an inverse trains with its own forward
     simple = qla_compiler.compile_spec("simple_gla")
     assert simple.training_program is simple
@@ -282,11 +287,13 @@ def test_provided_values_are_loaded_and_must_be_state_free():
 
 def test_a_kernel_takes_a_second_warpgroup_only_for_its_registers(capsys):
     """GDN's backward out kernel keeps ~176 KB of fragments live at once, more than one
-    warpgroup's registers hold (it spilled): it runs on 256 threads. The forward scan's consumer
-    warpgroups come from the shape class (SCAN_THREADS); every other kernel runs on 128."""
+    warpgroup's registers hold (it spilled): it runs on 256 threads; so does the backward prep,
+    since it recomputes W (32 KB more). The forward scan's consumer warpgroups come from the shape
+    class (SCAN_THREADS); every other kernel runs on 128."""
     prog = qla_compiler.compile_spec("gdn")
     threads = {k.name: k.threads for k in prog.kernels.kernels + prog.backward_program.kernels.kernels}
     assert threads.pop("gdn_backward_out") == 256 and threads.pop("gdn_scan") == "SCAN_THREADS"
+    assert threads.pop("gdn_backward_prep") == 256
     assert set(threads.values()) == {128}
     assert main(["gdn", "--emit", "tilelang", "--backward", "--shape", SHAPE]) == 0
     assert "with T.Kernel(CH, HV, threads=256)" in capsys.readouterr().out
