@@ -15,6 +15,8 @@ The same code runs the KernelIR interpreter in place of the compiled kernel on t
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qla_compiler.passes.lower_tilelang import ShapeClass, tile_width
@@ -31,6 +33,16 @@ def _placeholder(HV: int, K: int, V: int, dtype, device) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(kind: str, shape: tuple, device) -> torch.Tensor:
+    """A slot tensor that depends on the batch size alone (−1 everywhere, or 0…N−1), made once per
+    size and device: each is a launch the decode step's host time would otherwise pay per call.
+    The kernel only reads them."""
+    if kind == "nowhere":
+        return torch.full(shape, -1, dtype=torch.int32, device=device)
+    return torch.arange(shape[0], dtype=torch.int32, device=device)
+
+
 def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: bool, output_final_state: bool,
           cache: bool = True):
     """(read_slot, write_slot, final_slot, pool, state_out, returned): the kernel's slot tensors,
@@ -44,7 +56,10 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
         _placeholder(dims.HV, dims.K, dims.V, state_dtype, device) if cache else \
         torch.zeros(1, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
     def nowhere(*shape):
-        return torch.full(shape, -1, **i32)
+        return _constant("nowhere", shape, device) if cache else torch.full(shape, -1, **i32)
+
+    def every(n):  # slot n for sequence n
+        return _constant("every", (n,), device) if cache else torch.arange(n, **i32)
 
     if indices is not None and indices.dim() == 2:
         # speculative decoding: start after the accepted tokens, keep the state after every token
@@ -54,7 +69,7 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
         return torch.where(start >= 0, start, -2), indices.to(**i32).contiguous(), nowhere(N), pool, pool, \
             (pool if output_final_state else None)
     if indices is None:
-        read = torch.arange(N, **i32) if initial_state is not None else nowhere(N)
+        read = every(N) if initial_state is not None else nowhere(N)
     else:
         idx = indices.to(**i32)
         read = torch.where(idx >= 0, idx, -2)
@@ -65,7 +80,7 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
         # entry's is not, and reads as zeros
         out = (torch.empty if indices is None else torch.zeros)(N, dims.HV, dims.K, dims.V, dtype=state_dtype,
                                                                  device=device)
-        return read, nowhere(N, 1), torch.arange(N, **i32), pool, out, out
+        return read, nowhere(N, 1), every(N), pool, out, out
     return read, nowhere(N, 1), nowhere(N), pool, pool, None
 
 
