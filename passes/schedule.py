@@ -114,6 +114,7 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
             # fragment it reads where it can be (a product's scaling: scale_after_product)
             b.place[x] = b.fragment(x)
     early = _store_early(b, part.crossing)
+    early |= _stage_early(b, part.crossing, early)
     free = _free_at_end(b, part.crossing)
     for x in part.crossing:
         if x in early:
@@ -159,6 +160,48 @@ def _store_early(b: Builder, crossing) -> set:
             b.body.insert(last + 1, _store_rows(b.ir, b, x))
             early.add(x)
     return early
+
+
+def _stage_early(b: Builder, crossing, early: set) -> set:
+    """Where keeping every wgmma result for the staged stores at the end would take the kernel a
+    second warpgroup (its live fragments over one's registers: threads_for), stage such results
+    right after their last writer instead, each through an io shared block of its shape that
+    nothing touches afterwards, and store them from there: whole rows still, and the fragment's
+    registers free for the rest. GDN's backward prep, recomputing W (T·diag(βΓ)K) rather than
+    loading it, kept 144 KB of fragments to the end; W staged through its own operand's block
+    leaves 112 KB, one warpgroup's, as before. A kernel with the inverse keeps its late stores and
+    takes the second warpgroup (the K = 256 forward prep, measured so at 0.92× FLA): the
+    substitution's sweeps split over it too."""
+    if any(st.op == "inverse" for st in b.body):
+        return set()
+
+    def late(x):
+        return x not in early and x in b.place and b.ir.node(x).op == "matmul" and \
+            b.buffers[b.place[x]].scope == "fragment"
+
+    def to_the_end(body):
+        return body + [Stmt("copy", "", (b.place[x],)) for x in crossing if late(x)]
+
+    staged = set()
+    held = {b.place[x] for x in crossing if x in b.place}
+    for x in crossing:
+        if threads_for(b, to_the_end(b.body)) <= THREADS:
+            break
+        if not late(x):
+            continue
+        frag = b.place[x]
+        last = max(i for i, st in enumerate(b.body) if frag in reads(st) or st.dst == frag)
+        block = next((n for n, buf in b.buffers.items()
+                      if buf.scope == "shared" and buf.dtype == "io" and buf.shape == b.buffers[frag].shape
+                      and n not in held and not any(n in reads(st) or st.dst == n for st in b.body[last + 1:])), None)
+        if block is None:
+            continue
+        b.body[last + 1:last + 1] = [Stmt("copy", block, (frag,))]
+        b.place[x] = block
+        held.add(block)
+        b.body.insert(last + 2, _store_rows(b.ir, b, x))
+        staged.add(x)
+    return staged
 
 
 def _free_at_end(b: Builder, keep) -> list:

@@ -287,13 +287,16 @@ def test_provided_values_are_loaded_and_must_be_state_free():
 
 def test_a_kernel_takes_a_second_warpgroup_only_for_its_registers(capsys):
     """GDN's backward out kernel keeps ~176 KB of fragments live at once, more than one
-    warpgroup's registers hold (it spilled): it runs on 256 threads; so does the backward prep,
-    since it recomputes W (32 KB more). The forward scan's consumer warpgroups come from the shape
-    class (SCAN_THREADS); every other kernel runs on 128."""
+    warpgroup's registers hold (it spilled): it runs on 256 threads. The backward prep, which
+    recomputes W, stores it early through a block nothing reads afterwards (schedule._stage_early)
+    and stays on one. The forward scan's consumer warpgroups come from the shape class
+    (SCAN_THREADS); every other kernel runs on 128."""
     prog = qla_compiler.compile_spec("gdn")
     threads = {k.name: k.threads for k in prog.kernels.kernels + prog.backward_program.kernels.kernels}
     assert threads.pop("gdn_backward_out") == 256 and threads.pop("gdn_scan") == "SCAN_THREADS"
-    assert threads.pop("gdn_backward_prep") == 256
+    prep = prog.backward_program.kernels.kernels[0].body
+    at = next(i for i, s in enumerate(prep) if s.op == "store" and s.dst == "W_rows")
+    assert prep[at - 1].op == "copy" and prep[at - 2].op == "gemm" and prep[at - 2].dst == "W"
     assert set(threads.values()) == {128}
     assert main(["gdn", "--emit", "tilelang", "--backward", "--shape", SHAPE]) == 0
     assert "with T.Kernel(CH, HV, threads=256)" in capsys.readouterr().out
