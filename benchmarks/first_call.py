@@ -7,8 +7,8 @@ of a steady-state call goes.
 Each first call runs in a fresh process (the kernels cached in memory would hide the disk cache):
   cold    empty caches: the spec's compile, the lowering and TileLang's compiles, then the launch;
   warmed  a process ran warmup(...) for the deployment first; this one finds every kernel on disk;
-then, in this process, torch.profiler's CPU view of a steady-state call (16/64 × 2048 tokens),
-the share of the host time each Python frame and launch takes (issue 19, item 5).
+then, in this process, where the host time of a steady-state call goes (16/64 × 2048 tokens, and
+a one-token decode step at 16/64): Python's profile and torch.profiler's CPU view (issue 19, item 5).
 """
 from __future__ import annotations
 
@@ -59,25 +59,47 @@ def first_calls() -> None:
           f"warmup('{DEPLOYMENT}') {warmup_s:.1f} s, then a first call {warmed:.2f} s")
 
 
-def host_profile() -> None:
+def host_profile(row: str = ROW, decode: bool = False) -> None:
+    """Where a steady-state call's host time goes: the wall time per call beside the GPU's, then
+    Python's profile (cProfile, which sees TileLang's launch path and torch's dispatch as frames)
+    and torch.profiler's CPU view of the ops it launches."""
+    import cProfile
+    import pstats
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from qla_compiler import ops
     from qla_compiler.bench import make_inputs, parse_row
 
-    H, HV, lens = parse_row(ROW)
+    H, HV, lens = parse_row(row)
     args = make_inputs(H, HV, lens)
+    fn = ops.fused_recurrent_gated_delta_rule if decode else ops.chunk_gated_delta_rule
     for _ in range(3):
-        ops.chunk_gated_delta_rule(**args)
+        fn(**args)
     torch.cuda.synchronize()
+    n = 200
+    t = time.perf_counter()
+    for _ in range(n):
+        fn(**args)
+    torch.cuda.synchronize()
+    print(f"{row} {'token step' if decode else 'chunk op'}: {(time.perf_counter() - t) / n * 1e3:.3f} ms a call, "
+          "host-bound where the GPU time is shorter")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn(**args)
+    torch.cuda.synchronize()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(20)
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(20):
-            ops.chunk_gated_delta_rule(**args)
+            fn(**args)
         torch.cuda.synchronize()
-    print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":
     first_calls()
     host_profile()
+    host_profile("16/64:1x1", decode=True)  # a decode step: 0.47 ms eager against 0.008 on the GPU
