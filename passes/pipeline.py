@@ -47,6 +47,7 @@ from .frontend import load_spec
 from .lowerable import unsupported
 from .partition import Partition, partition
 from .schedule import HEAD_DIMS, schedule
+from .rewrite_wy import FOLD_WY
 from .rewrites import CHUNK_PASSES
 from .token_step import token_step
 from .verify_exponents import verify_exponents
@@ -243,11 +244,23 @@ class Program:
     def fused_program(self) -> "Program":
         """The forward with its scan and out kernel fused into one warp-specialised kernel
         (passes/schedule_fused.py): the per-chunk states and v_new stay on the SM. For inference
-        (the training forward keeps what the backward loads)."""
+        (the training forward keeps what the backward loads). With `fold_wy` first, where it
+        applies (the delta rule): v_new = T·(diag(β)V − diag(βΓ)K·S₀) in the chain, so W and U are
+        formed on the fly and never cross memory, and the prep solves T_r alone (FlashQLA's split).
+
+            >>> import qla_compiler
+            >>> [k.name for k in qla_compiler.compile_spec("gdn").fused_program.kernels.kernels]
+            ['gdn_prep', 'gdn_fused']
+        """
         if "fused_program" not in self._derived:
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             try:
-                self._derived["fused_program"] = self._scheduled(self.chunk, before, "fused forward: ", fused=True)
+                chunk = _run_pass(FOLD_WY, self.chunk, "fused forward: ")
+                if set(chunk.graph.nodes) != set(self.chunk.graph.nodes):
+                    before.append((FOLD_WY.name, chunk))
+                else:
+                    chunk = self.chunk
+                self._derived["fused_program"] = self._scheduled(chunk, before, "fused forward: ", fused=True)
             except PassError as e:  # kept: the runtime asks on every call (kernels/forward.fused_or_not)
                 self._derived["fused_program"] = e
         got = self._derived["fused_program"]

@@ -2,8 +2,8 @@
 
     fold_constant_gates  no gate → causal masks, no exponentials; constant gate → l·positions
     gate_out_of_inverse  T = R ⊙ T_r, T_r = (I + StrictLower(diag(β) K Kᵀ))⁻¹ free of the gate
-    (fold_wy             v_new = T (diag(b)V − diag(sΓ)K S₀): proved and available, not in the
-                         pipeline — see below)
+    (fold_wy             v_new = T (diag(b)V − diag(sΓ)K S₀): not in the pipeline; the fused
+                         forward, Program.fused_program, applies it — see below)
     factor_scalar        β out of the scan: (T diag(β)) (V − diag(Γ) K S₀)
     exp2                 γ·log₂e once, exp2 everywhere
     cse                  merge identical nodes
@@ -42,9 +42,11 @@ class _Verify:
         return out
 
 
-# fold_wy suits a scan kernel that recomputes the WY step every chunk; the sm90 partition instead
-# computes W and U ahead of the scan (parallel over chunks), which leaves two matmuls per chunk on
-# the sequential path instead of four (benchmarks/NOTES.md: the fused scan ran at ~11 µs per chunk).
+# fold_wy suits a scan kernel that recomputes the WY step every chunk; the separate sm90 kernels
+# instead compute W and U ahead of the scan (parallel over chunks), which leaves two matmuls per
+# chunk on the sequential path instead of three (an early fused scan ran at ~11 µs per chunk,
+# benchmarks/NOTES.md). The warp-specialised fused forward applies it: W and U never cross memory
+# and its prep solves T_r alone (Program.fused_program).
 PIPELINE_REWRITES = [r for r in REWRITES if r is not FOLD_WY]
 CHUNK_PASSES = [*PIPELINE_REWRITES, _Verify()]
 __all__ = ["CHUNK_PASSES", "PIPELINE_REWRITES", "REWRITES"]

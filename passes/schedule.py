@@ -129,12 +129,16 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
         stores.append(_store_rows(ir, b, x))
     params = input_params(ir, part.prep, part.provided) + [CHUNK_MAP] + head_params(ir, part.prep)
     params += [crossing_tensor(ir, x, "out") for x in part.crossing]
-    ops = {ir.node(x).op for x in part.prep if x not in part.provided}  # (provided values are loaded)
+    computed = [x for x in part.prep if x not in part.provided]  # (provided values are loaded)
+    ops = {ir.node(x).op for x in computed}
+    inverses = {x for x in computed if ir.node(x).op == "inv_unit_lower"}
+    on_inverse = any(ir.node(x).op == "matmul" and inverses & set(ir.closure([x])) for x in computed)
+    # (a prep whose only matmul forms A, K Kᵀ, is the solve alone: the fused forward's)
     work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by blocked forward substitution (16-row blocks in float32, "
                                               "merges on tf32 wgmma)"),
                             ("cumsum", "chunk-local cumulative gates"),
-                            ("matmul", "the matmuls built on the inverse" if "inv_unit_lower" in ops
-                             else "the per-token matmuls")) if op in ops]
+                            ("matmul", "the matmuls built on the inverse" if on_inverse else
+                             None if inverses else "the per-token matmuls")) if op in ops and w]
     body = place_loads(b, b.body + stores, split_phase)
     threads = threads_for(b, body)
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
