@@ -6,9 +6,10 @@ What the KernelIR states is what is emitted: each role is a branch on the thread
 `T.alloc_barrier` per ring stage, each wait a parity wait (the chunk's phase, or its complement on
 a ring's empty barrier, which a fresh barrier passes), each arrival a `T.barrier_arrive`, each
 fence a `T.fence_proxy_async`. A ring buffer is allocated with a leading stage dim and every
-statement reads and writes copy `stage = i_c % stages`. The TMA loads of a chunk are issued by
-the loads role's first warp (`T.tma_copy` onto the landed barrier, the warp's arrival after
-them). Loops are `T.serial`: TileLang's automatic warp specialisation stays out of it.
+statement reads and writes its copy of the chunk, `stage{d} = i_c % d` for a ring d deep. The TMA
+loads of a chunk are issued by the loads role's first warp (`T.tma_copy` onto the landed barrier,
+the warp's arrival after them). Loops are `T.serial`: TileLang's automatic warp specialisation
+stays out of it.
 
 The statements themselves are lower_tilelang's templates; all shared buffers are in one scope,
 so the syncs TileLang inserts inside a role get distinct named-barrier ids.
@@ -66,29 +67,21 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
 
 
 def _role_body(role, r: _Render, staged: dict, barriers: dict) -> list[str]:
-    lines, body, k = [], list(role.body), 0
-    while k < len(body):
-        s = body[k]
-        if s.op == "load" and s.attr.get("barrier") and s.dst not in r.masked_loads:
-            # one warp issues the chunk's TMA loads and arrives after them
-            group = []
-            while k < len(body) and ((body[k].op == "load" and body[k].dst not in r.masked_loads)
-                                     or (body[k].op == "arrive" and body[k].attr.get("threads") == WARP)):
-                group.append(body[k])
-                k += 1
-            lines.append(f"if tx < {role.first + WARP}:  # one warp issues the TMA loads")
-            lines += ["    " + ln for g in group for ln in _sync(g, r, staged, barriers)]
-            continue
-        if s.op == "arrive" and s.attr.get("threads") == WARP:
-            # one warp's arrival apart from its loads (a masked load, by every thread, came between):
-            # from all of the role's threads it would complete the barrier's phase several times over
-            lines.append(f"if tx < {role.first + WARP}:  # the warp that issued the TMA loads")
+    lines, guarded = [], False
+    for s in role.body:
+        # the TMA loads and the arrival after them are one warp's: from all of the role's threads
+        # the arrival would complete the barrier's phase several times over (a masked load, by
+        # every thread, may come between them in padded tiles: the guard opens again after it)
+        if (s.op == "load" and s.attr.get("barrier") and s.dst not in r.masked_loads) or \
+                (s.op == "arrive" and s.attr.get("threads") == WARP):
+            if not guarded:
+                lines.append(f"if tx < {role.first + WARP}:  # one warp issues the TMA loads and arrives after them")
+            guarded = True
             lines += ["    " + ln for ln in _sync(s, r, staged, barriers)]
-            k += 1
             continue
+        guarded = False
         lines += _sync(s, r, staged, barriers) if s.op in ("wait", "arrive", "fence_async") else \
             [_staged(ln, staged) for ln in r.stmt(s, True)]
-        k += 1
     return lines
 
 
