@@ -261,11 +261,19 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
     device = inputs[v_name].device
-    program = program_for(program, dims, io, device)
+    variant = program_for(program, dims, io, device)
     if keep:
-        program = program.training_program
+        program = variant.training_program
     else:
-        program = inference_program(program, context_parallel, fused)
+        runs = inference_program(variant, context_parallel, fused)
+        narrower = program_for(program, dims, io, device, runs.kernels.block_v_max)
+        if narrower is not variant:
+            # the fused kernel launches at a narrower V-block than the variant was chosen for: the
+            # variant that pays at that one (the decay on the value side, at 32 of K = 128)
+            fused_narrower = inference_program(narrower, context_parallel, fused)
+            if fused_narrower.kernels.block_v_max == runs.kernels.block_v_max:
+                runs = fused_narrower
+        program = runs
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
@@ -341,11 +349,12 @@ def call_tensors(inputs: dict, kinds: dict, dims, initial_state, cu_seqlens, hea
     return tensors, cu, h0
 
 
-def program_for(program, dims, io, device):
+def program_for(program, dims, io, device, block_v_max: int = 64):
     """The variant of `program` this call runs (Program.for_shape: the kernel-shaping rewrites that
     pay at its V-block), chosen once per call from its shape without context parallelism, so the
-    backward runs the same variant as the forward it follows."""
-    return program.for_shape(shape_class(dims, dims.V, dims.N, None, io, device))
+    backward runs the same variant as the forward it follows; `block_v_max`: for kernels that take
+    V-blocks up to that (the fused forward's)."""
+    return program.for_shape(shape_class(dims, dims.V, dims.N, None, io, device, block_v_max))
 
 
 def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments=None):

@@ -8,7 +8,8 @@ run in order:
   * `prep`, one CTA per (chunk, value head): the long parallel work the chain and the output
     read — triangular inverses, chunk-local cumulative sums, the matmuls built on an inverse
     (GDN's W and U) and any other state-free per-token matmul the chain reads. Their results
-    cross memory once.
+    cross memory once. Also an element-wise block the chain would form from a prepared block
+    and vectors alone, stored in that block's place (the fused forward's T = T_r ⊙ R).
   * `scan`, one CTA per (V-block, value head, sequence): the chain. It loads what `prep` made,
     recomputes cheap state-free values (a decay, kᵀv for a gate-only recurrence) on the fly,
     keeps the state in registers, and stores the values the output needs (`carried`: the state
@@ -91,6 +92,41 @@ def _combined(ir: ChunkIR, free, prepared: set) -> set:
     return out
 
 
+def _vector_made(ir: ChunkIR, name: str, prepared: set) -> bool:
+    """`name` is computed from prepared values, constants and parameters through vectors and
+    scalars alone (GDN's decay mask R = exp2(γ_i − γ_j) from the prepared g_cum): prep can form it
+    from what it has, and no block input is read for it."""
+    n = ir.node(name)
+    if name in prepared:
+        return len(n.shape) < 2
+    if n.op in ("const", "param"):
+        return True
+    if n.op == "input" or not n.args:
+        return False
+    return all(_vector_made(ir, a, prepared) for a in n.args)
+
+
+def _folded_into_prep(ir: ChunkIR, scan: set, prepared: set, elsewhere: set) -> set:
+    """State-free element-wise blocks of the scan that prep can store in place of a prepared block
+    they read: each prepared block argument of such a block has it as its only reader anywhere
+    (`elsewhere`: what other kernels read or keep), and every other argument is made from vectors
+    (_vector_made). The result has the argument's shape, so as much crosses memory as before, and
+    the pass that formed it leaves the scan's sequential path (the fused forward's T = T_r ⊙ R:
+    C×C exponentials a chunk)."""
+    out, dependent = set(), ir.scan_nodes()
+    for x in sorted(scan - prepared):
+        n = ir.node(x)
+        if n.op not in ELEMENTWISE or len(n.shape) != 2 or x in dependent:
+            continue
+        blocks = [a for a in n.args if a in prepared and len(ir.node(a).shape) == 2]
+        rest = [a for a in n.args if a not in blocks]
+        if blocks and all(ir.node(a).shape == n.shape for a in blocks) \
+                and all({u.name for u in ir.users(a)} == {x} and a not in elsewhere for a in blocks) \
+                and all(_vector_made(ir, a, prepared) for a in rest):
+            out.add(x)
+    return out
+
+
 def partition(ir: ChunkIR, keep=(), provided=()) -> Partition:
     """`keep`: state-free values to store per token although no later kernel reads them (the
     forward for training keeps its inverses for the backward). `provided`: state-free values
@@ -131,6 +167,10 @@ def partition(ir: ChunkIR, keep=(), provided=()) -> Partition:
     # the out kernel loads prefix sums and inverses (and what is built on them); it recomputes
     # the rest, including Q Kᵀ, which is parallel work there
     out = ir.closure(out_roots | carried, stop=prepared | carried)
+    folded = _folded_into_prep(ir, scan, prepared_scan, out | set(keep) | provided)
+    if folded:
+        prepared_scan |= folded
+        scan = ir.closure(chain, stop=prepared_scan)
     used = (scan & prepared_scan) | (out & prepared) | set(keep)
     prep = ir.closure(used - provided, stop=provided)
     loaded = (used | prep) & provided

@@ -46,9 +46,10 @@ from .classify import classify
 from .frontend import load_spec
 from .lowerable import unsupported
 from .partition import Partition, partition
-from .schedule import HEAD_DIMS, schedule
+from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
 from .rewrite_wy import FOLD_WY
 from .rewrites import CHUNK_PASSES
+from .schedule import HEAD_DIMS, schedule
 from .token_step import token_step
 from .verify_exponents import verify_exponents
 
@@ -246,7 +247,9 @@ class Program:
         (passes/schedule_fused.py): the per-chunk states and v_new stay on the SM. For inference
         (the training forward keeps what the backward loads). With `fold_wy` first, where it
         applies (the delta rule): v_new = T·(diag(β)V − diag(βΓ)K·S₀) in the chain, so W and U are
-        formed on the fly and never cross memory, and the prep solves T_r alone (FlashQLA's split).
+        formed on the fly and never cross memory, and the prep solves T_r alone and stores
+        T = T_r ⊙ R (FlashQLA's split; partition); then scale_after_product_on_chain, so
+        kS = diag(βΓ)·(K·S₀) scales the V-block-wide product.
 
             >>> import qla_compiler
             >>> [k.name for k in qla_compiler.compile_spec("gdn").fused_program.kernels.kernels]
@@ -255,11 +258,13 @@ class Program:
         if "fused_program" not in self._derived:
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             try:
-                chunk = _run_pass(FOLD_WY, self.chunk, "fused forward: ")
-                if set(chunk.graph.nodes) != set(self.chunk.graph.nodes):
-                    before.append((FOLD_WY.name, chunk))
-                else:
-                    chunk = self.chunk
+                chunk = self.chunk
+                # fold_wy, then the scalings it leaves on the chain's products moved onto them
+                for rewrite in (FOLD_WY, SCALE_AFTER_PRODUCT_ON_CHAIN):
+                    after = _run_pass(rewrite, chunk, "fused forward: ")
+                    if set(after.graph.nodes) != set(chunk.graph.nodes):
+                        before.append((rewrite.name, after))
+                        chunk = after
                 self._derived["fused_program"] = self._scheduled(chunk, before, "fused forward: ", fused=True)
             except PassError as e:  # kept: the runtime asks on every call (kernels/forward.fused_or_not)
                 self._derived["fused_program"] = e

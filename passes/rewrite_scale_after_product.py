@@ -9,10 +9,19 @@ costs one multiply per result element, where the scaled operand cost one per ope
 Row scalings move only off the result's rows: those of the left operand of a matmul not transposed
 there. Along the contracted rows (Xᵀ·Y with X scaled) they cannot leave the product; a scalar always
 can. Only an operand that is the program's input moves: one computed in float32 is rounded to the io
-dtype for the tensor cores either way, and moving its scaling would gain nothing. The products of
-the sequential scan keep their form: where a decay goes on the state chain is decided by what it
-costs the chain (decay_value_side), and FLA's error bounds held there. It shapes kernels (the backward is the VJP of the program before it); the forward of the
-delta rule has no such product, so only the backward changes.
+dtype for the tensor cores either way, and moving its scaling would gain nothing.
+
+On the state chain a product summed into the state keeps its form: the scan accumulates it onto
+the state's registers, and where its decay goes is decided by what it costs the chain
+(decay_value_side). The pipeline's form (SCALE_AFTER_PRODUCT) leaves every chain product as it is:
+its scans ran on the H200 in that form. The fused forward's (SCALE_AFTER_PRODUCT_ON_CHAIN,
+Program.fused_program, after fold_wy) also moves the scaling of a chain product that is not summed
+into the state, which shortens the chain: kS = (diag(βΓ)K)·S₀ scaled its C×K operand, a pass over
+K columns with an exponential per element, where the product is only a V-block wide and its row
+scaling joins the pass that forms v_resid = diag(β)V − kS anyway. (The backward scan of the
+key-side form, (diag(d)K)·dS, is the same case; not moved until a GPU run measures it.) It shapes
+kernels (the backward is the VJP of the program before it); the pipeline's forward of the delta
+rule has no such product, so only the backward changes there.
 """
 from __future__ import annotations
 
@@ -51,11 +60,11 @@ def _summed_into_state(ir: ChunkIR, name: str) -> bool:
     return any(u.op == "add" and _summed_into_state(ir, u.name) for u in ir.users(name))
 
 
-def _apply(ir: ChunkIR) -> None:
-    chain = ir.scan_nodes()
+def _apply(ir: ChunkIR, on_chain: bool = False) -> None:
+    chain = set() if on_chain else ir.scan_nodes()
     for mm in ir.of_op("matmul"):
         if mm.name in chain or _summed_into_state(ir, mm.name):
-            continue  # the state chain's form is decay_value_side's choice, by its latency
+            continue  # the state's own update: its form is decay_value_side's choice, by its latency
         args, layers = list(mm.args), []
         for i in (0, 1):
             peeled, base = _peel(ir, args[i], rows=i == 0 and not mm.attr.get("ta"))
@@ -86,3 +95,6 @@ def _proof():
 SCALE_AFTER_PRODUCT = Rewrite("scale_after_product",
                               "(diag(d)X)Y = diag(d)(XY), (sX)Y = s(XY): scalings act on the fp32 product",
                               _apply, _proof, shapes_kernels=True)
+SCALE_AFTER_PRODUCT_ON_CHAIN = Rewrite("scale_after_product_on_chain",
+                                       "the same, also on the state chain's products not summed into the state",
+                                       lambda ir: _apply(ir, on_chain=True), _proof, shapes_kernels=True)

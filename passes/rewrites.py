@@ -11,6 +11,8 @@
                          kernels: the backward is the VJP of the program before it, then shaped too)
     scale_after_product  (diag(d)X)Y = diag(d)(XY): a scaling acts on the fp32 product, not on a
                          rounded operand (shapes kernels; only the backward has such products)
+                         (the fused forward runs it again after fold_wy, on the chain's products
+                         too: scale_after_product_on_chain)
     verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
 """
 from .rewrite import Rewrite

@@ -26,7 +26,8 @@ roles (the state and its products live in the chain, Q Kᵀ and the output block
 
 For the delta rule the program comes through fold_wy first (Program.fused_program): the chain
 forms v_new = T·(diag(β)V − diag(βΓ)K·S₀) itself, three products a chunk, and the prep before it
-solves T_r alone.
+solves T_r alone and stores T = T_r ⊙ R (partition._folded_into_prep); scale_after_product_on_chain
+puts diag(βΓ) on the product K·S₀. The chain then forms no block wider than the V-block.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ RING = 2  # copies of a ring the chain hands the output role: it fills one while
 # roles are done with chunk c, so the chain waits on a load unless depth − 1 of its chunks outlast
 # one load's latency (on the H200 a 2-deep ring ran 3 µs a chunk against the plain scan's 1.1 µs)
 LOAD_STAGES = (4, 3, 2)
-# the V-block the fused kernel's shared memory is budgeted at: at K = 128 the load ring is 3 deep
-# at 32 and only 2 at 64 (k, W and q do not narrow with the V-block)
+# the V-block the fused kernel's shared memory is budgeted at: at K = 128 the load ring is 4 deep
+# at 32 and only 2 at 64 (k, T and q do not narrow with the V-block; 3 deep at 64 is 1.5 KB over)
 FUSED_BLOCK_V = 32
 # Every buffer of the fused kernel lives for the whole kernel, so TileLang lays them out exactly
 # as smem_bytes sums them (the gdn kernel at BV = 16: 127488 bytes both ways); the parallel

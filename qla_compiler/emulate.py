@@ -30,11 +30,13 @@ class KernelEmulator:
         """op: a CompiledOp; cu_seqlens: the whole sequences'; scale: the op's scale; rounding: the
         io dtype whose rounding the buffers get as on the GPU (ir/kernel_interp.Sizes), None for
         exact. `calls` lists (kernel, value width) in launch order; `seen[kernel]` holds copies of
-        the tensors the last launch of that kernel read and wrote."""
+        the tensors the last launch of that kernel read and wrote; `programs` and `shapes`, what
+        each launch compiled for."""
         self.op, self.cu, self.scale, self.rounding = op, cu_seqlens, scale, rounding
-        self.calls, self.shapes, self.seen = [], [], {}
+        self.calls, self.programs, self.shapes, self.seen = [], [], [], {}
 
     def __call__(self, program, shape):
+        self.programs.append(program)
         self.shapes.append(shape)
         sizes = Sizes(K=shape.KP, V=shape.VP, BV=shape.BV, HV=shape.HV, G=shape.G, C=program.chunk_size,
                       head_logs=self.op._head_logs(shape.HV), rounding=self.rounding)

@@ -87,7 +87,10 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     out = []
     for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes (the fused forward's are narrower)
         cap = _program(c).kernels.block_v_max if c.kernels == "all" else c.shape.BV
-        out.append(c if cap >= c.shape.BV else dataclasses.replace(c, shape=launch(c.shape.V, n, cap)))
+        if cap < c.shape.BV:  # and the variant is the one that pays there (kernels/forward.forward)
+            narrow = launch(c.shape.V, n, cap)
+            c = dataclasses.replace(c, shape=narrow, runs_as=dataclasses.replace(narrow, scale=None))
+        out.append(c)
     if training:
         out += [dataclasses.replace(c, part=part) for part in PARTS[1:] for c in classes]
     return list(dict.fromkeys(out))

@@ -15,6 +15,7 @@ from qla_compiler.errors import PassError
 from qla_compiler.ir.kernel_interp import InterpretError, Sizes, run_kernel
 from qla_compiler.ir.kernel_interp_roles import run_roles
 from qla_compiler.kernels import forward as fwd
+from qla_compiler.passes import schedule_fused
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 from qla_compiler.testing import random_inputs, rel_err
 
@@ -64,14 +65,21 @@ def test_fused_forward_matches_reference(runs, spec):
 
 def test_the_fused_delta_rule_forms_w_and_u_on_the_fly():
     """fold_wy before the fused schedule: v_new = T·(diag(β)V − diag(βΓ)K·S₀) in the chain, so the
-    prep solves T_r alone and no W or U tensor exists (FlashQLA's split, issue 16's design)."""
+    prep solves the inverse alone and no W or U tensor exists (FlashQLA's split, issue 16's design). Then
+    scale_after_product_on_chain: K·S₀ reads the loaded keys, and diag(βΓ) scales the V-block-wide product
+    inside the pass that forms v_resid, so the chain makes no C×K block of its own."""
     prog = qla_compiler.compile_spec("gdn").fused_program
     prep, fused = prog.kernels.kernels
-    assert {p.name for p in prep.params if p.role == "out"} == {"g_cum", "T_r_rows"}
+    # the prep stores T = T_r ⊙ R (partition._folded_into_prep: T_r's only reader, same shape), so
+    # the chain loads the gated inverse instead of forming it every chunk
+    assert {p.name for p in prep.params if p.role == "out"} == {"g_cum", "T_rows"}
     tensors = {p.name for k in prog.kernels.kernels for p in k.params}
     assert not tensors & {"W_rows", "U_rows", "S0_chunks", "v_new_rows"}
     chain = next(r for r in fused.warp_roles if r.name == "chain")
-    assert [st.srcs for st in chain.body if st.op == "gemm"][:2] == [("sGk_s", "state_s"), ("T_s", "v_resid_s")]
+    assert [st.srcs for st in chain.body if st.op == "gemm"][:2] == [("k_s", "state_s"), ("T_s", "v_resid_s")]
+    assert not [b for b in fused.buffers if b.owner == "chain" and b.shape in (("C", "K"), ("C", "C"))]
+    assert fused.max_stages == 4  # what the chain no longer keeps, the load ring has
+    assert [n for n, _ in prog.stages][-4:] == ["fold_wy", "scale_after_product_on_chain", "partition", "schedule"]
 
 
 def _fused(op):
@@ -148,7 +156,7 @@ def test_a_missing_arrival_at_the_end_is_named(runs):
 def test_fused_kernel_prints_its_roles_and_barriers():
     text = str(qla_compiler.compile_spec("gdn").fused_program.kernels)
     for line in ("role chain: threads [0, 128)", "role output: threads [128, 256)", "role loads: threads [256, 384), 112",
-                 "barrier  loads_full[3]: 128 arrivals", "barrier  loads_empty[3]: 256 arrivals",
+                 "barrier  loads_full[4]: 128 arrivals", "barrier  loads_empty[4]: 256 arrivals",
                  "shared   state_s: io[K×BV] ×2 stages  (written by chain)", "wait state_s_full",
                  "arrive v_new_s_empty", "fence_async"):
         assert line in text, line
@@ -160,17 +168,22 @@ def test_lowering_emits_roles_register_budgets_and_barriers():
     assert "if tx < 128:  # role chain" in fused and "elif tx < 256:  # role output" in fused
     assert "T.set_max_nreg(192, 1)" in fused and "T.set_max_nreg(112, 0)" in fused  # 2 · 192 + 112 ≤ 3 · 168
     assert "state_s = T.alloc_shared((2, K, BV), IO)" in fused
-    assert "T.barrier_wait(loads_empty[stage3], phase3 ^ 1)" in fused  # the load ring, 3 deep
+    assert "T.barrier_wait(loads_empty[stage4], phase4 ^ 1)" in fused  # the load ring, 4 deep
     assert "T.barrier_wait(state_s_full[stage2], phase2)" in fused  # the chain's hand-over, 2 deep
-    assert "stage3 = i_c % 3" in fused and "phase2 = (i_c // 2) % 2" in fused
-    assert "k_s = T.alloc_shared((3, C, K), IO)" in fused
-    assert "barrier=loads_landed[stage3], leader_scope_threads=32" in fused
+    assert "stage4 = i_c % 4" in fused and "phase2 = (i_c // 2) % 2" in fused
+    assert "k_s = T.alloc_shared((4, C, K), IO)" in fused
+    assert "barrier=loads_landed[stage4], leader_scope_threads=32" in fused
     assert "T.Pipelined" not in fused  # (TileLang's automatic warp specialisation stays out)
 
 
-def test_unfusable_programs_keep_their_separate_kernels():
-    """At K = V = 256 the rings do not fit in shared memory: the runtime keeps the three kernels."""
+def test_unfusable_programs_keep_their_separate_kernels(monkeypatch):
+    """Where the rings do not fit in shared memory the runtime keeps the three kernels. K = V = 256
+    fits the H200's (two copies of the load ring, 213 KB: the chain forms no C×K or C×C block of
+    its own); with a budget 16 KB smaller it does not."""
     shape = fwd.scan_class(16, 64, 256, 256, 1, "bfloat16", 132)
+    program = qla_compiler.compile_spec("gdn").for_shape(shape)
+    assert fwd.fused_or_not(program).kernels.kernels[-1].max_stages == 2
+    monkeypatch.setattr(schedule_fused, "FUSED_SMEM_BUDGET", schedule_fused.FUSED_SMEM_BUDGET - 16 * 1024)
     program = qla_compiler.compile_spec("gdn").for_shape(shape)
     assert fwd.fused_or_not(program) is program
     small = qla_compiler.compile_spec("gdn")
@@ -251,16 +264,36 @@ def test_one_warps_arrival_stays_one_warps_between_masked_loads():
 
 
 def test_the_fused_forward_launches_at_v_blocks_up_to_32():
-    """Its load ring is 3 deep at 32 (2 at 64 would be all that fits): a launch takes no wider
+    """Its load ring is 4 deep at 32 (2 at 64 would be all that fits): a launch takes no wider
     V-block, and the lowering refuses one."""
     prog = qla_compiler.compile_spec("gdn")
     assert prog.fused_program.kernels.block_v_max == 32 and prog.kernels.block_v_max == 64
     k = prog.fused_program.kernels.kernels[-1]
-    assert k.max_stages == 3 and {b.stages for b in k.barriers} == {2, 3}
+    assert k.max_stages == 4 and {b.stages for b in k.barriers} == {2, 4}
     assert fwd.scan_class(16, 64, 128, 128, 1, "bfloat16", 132).BV == 64
     assert fwd.scan_class(16, 64, 128, 128, 1, "bfloat16", 132, block_v_max=32).BV == 32
     with pytest.raises(PassError, match="V-blocks up to 32"):
         lower(prog.fused_program.kernels, ShapeClass(H=16, HV=64, K=128, V=128, BV=64))
+
+
+def test_the_fused_forward_runs_the_variant_that_pays_at_its_v_block():
+    """A call whose separate kernels take V-block 64 at K = 128 runs them with the decay on the key
+    side (decay_value_side pays below K/2); the fused kernel launches at 32, so it is built from the
+    value-side variant (on the H200's 16/64 rows it had run the key side's C×K pass on its chain)."""
+    op = qla_compiler.compile("gdn", target="sm90")
+    a = random_inputs(op, T=150, H=1, HV=2, K=128, V=128, cu_seqlens=[0, 1, 70, 150], initial_state=True,
+                      dtype=torch.bfloat16, seed=3)
+    inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
+                                      a["cu_seqlens"], False)
+    ran = {}
+    for fused in (False, True):
+        with emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale, block_v=64) as emu:
+            o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+                                   op._head_logs(dims.HV), fused=fused)
+        ran[fused] = ({n for n, _ in emu.programs[-1].stages}, emu.shapes[-1].BV, o)
+    assert "decay_value_side" not in ran[False][0] and ran[False][1] == 64
+    assert "decay_value_side" in ran[True][0] and ran[True][1] == 32
+    assert rel_err(ran[True][2], ran[False][2]) <= 1e-2
 
 
 def test_the_kernel_verifier_refuses_what_the_lowering_cannot_emit():

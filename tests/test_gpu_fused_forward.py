@@ -56,17 +56,18 @@ def test_fused_other_specs(spec):
     _check(spec, make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=128, V=128))
 
 
-@pytest.mark.parametrize("K,V", [(64, 64), (100, 60)])
+@pytest.mark.parametrize("K,V", [(64, 64), (100, 60), (256, 256)])
 def test_fused_other_head_dims(K, V):
     """(100, 60): padded tiles, whose masked loads faulted in session 12 (the landed barrier's
-    arrival came from all of the loads role's threads; fixed in the lowering, not yet run here)."""
+    arrival came from all of the loads role's threads; fixed in the lowering, passed in session
+    13). (256, 256): fused since session 13's chain formed no C×K block, its load ring 2 deep."""
     op = qla_compiler.compile("gdn", target="sm90")
     _check("gdn", make_inputs(op, lens=[70, 1, 200], H=1, HV=2, K=K, V=V), fla=False)
 
 
 def test_fused_where_the_launch_rules_pick_v_block_64():
     """4/32 heads and two sequences: block_v picks 64, the fused program's KernelIR takes at most 32
-    (its 3-deep load ring), and the launch narrows to it."""
+    (its 4-deep load ring), and the launch narrows to it."""
     op = qla_compiler.compile("gdn", target="sm90")
     assert fwd.block_v(128, 32, 2, fwd.sm_count(torch.device("cuda"))) == 64
     _check("gdn", make_inputs(op, lens=[300, 200], H=4, HV=32, K=128, V=128))
