@@ -261,19 +261,18 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
     device = inputs[v_name].device
-    variant = program_for(program, dims, io, device)
+    base, variant = program, program_for(program, dims, io, device)
     if keep:
         program = variant.training_program
     else:
-        runs = inference_program(variant, context_parallel, fused)
-        narrower = program_for(program, dims, io, device, runs.kernels.block_v_max)
-        if narrower is not variant:
-            # the fused kernel launches at a narrower V-block than the variant was chosen for: the
-            # variant that pays at that one (the decay on the value side, at 32 of K = 128)
-            fused_narrower = inference_program(narrower, context_parallel, fused)
-            if fused_narrower.kernels.block_v_max == runs.kernels.block_v_max:
-                runs = fused_narrower
-        program = runs
+        program = inference_program(variant, context_parallel, fused)
+        if program is not variant:  # the fused forward, launched at V-blocks up to its own bound:
+            # the variant that pays at that V-block (the decay on the value side, at 32 of K = 128)
+            narrower = program_for(base, dims, io, device, program.kernels.block_v_max)
+            if narrower is not variant:
+                fused_narrower = inference_program(narrower, context_parallel, fused)
+                if fused_narrower.kernels.block_v_max == program.kernels.block_v_max:
+                    program = fused_narrower
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
