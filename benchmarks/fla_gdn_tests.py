@@ -227,12 +227,25 @@ def compile_items(classes: list) -> list:
     as kernels/forward.py picks them on an H200 (the scale as the op passes it: a float)."""
     from qla_compiler.kernels import forward
 
-    todo = []
+    import qla_compiler
+
+    todo, program = [], qla_compiler.compile_spec("gdn")
     for H, HV, K, V, n, io, scale, training in classes:
-        shape = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS, K ** -0.5 if scale is None else float(scale))
+        scale = K ** -0.5 if scale is None else float(scale)
+        shape = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS, scale)
         runs_as = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS)
-        todo += [(f"gdn.{part}", shape, runs_as) for part in ("training", "backward")] if training \
-            else [("gdn", shape, runs_as)]
+        if not training:
+            todo.append(("gdn", shape, runs_as))
+            continue
+        todo.append(("gdn.training", shape, runs_as))
+        width = program.for_shape(runs_as).backward_columns()[0]
+        # a backward on column blocks of V (kernels/backward.py): each block a class of its width
+        if width >= V:
+            todo.append(("gdn.backward", shape, runs_as))
+            continue
+        for w in dict.fromkeys([width] * (V // width) + ([V % width] if V % width else [])):
+            todo.append(("gdn.backward_columns", forward.scan_class(H, HV, K, w, n, io, forward.H200_SMS, scale),
+                         runs_as))
     return list(dict.fromkeys(todo))
 
 
@@ -254,7 +267,9 @@ def precompile(todo: list, tar: str | None) -> int:
         if name not in programs:
             programs[name] = qla_compiler.compile_spec(name)
         program = programs[name].for_shape(runs_as)
-        program = {"": program, "training": program.training_program, "backward": program.backward_program}[variant]
+        program = {"": lambda: program, "training": lambda: program.training_program,
+                   "backward": lambda: program.backward_program,
+                   "backward_columns": lambda: program.backward_columns()[1].backward_program}[variant]()
         try:
             kernels = load_kernels(program, shape)
             for k in program.kernels.kernels:

@@ -97,6 +97,9 @@ class Buffer:
     # and hand-offs between roles: the writer fills one copy while readers read another)
     stages: int = 1
     owner: str = ""  # the role that writes it (a warp-specialised kernel), "" where all threads do
+    # the buffer whose memory it takes (a warp-specialised kernel): that one's value is dead, in
+    # every chunk, before this one is written, and this one's before that one is written again
+    shares: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,9 @@ class Kernel:
     # kernel's prologue, body and epilogue are then empty), and the barriers between them
     warp_roles: tuple = ()
     barriers: tuple = ()
+    # a parallel kernel: the most shared memory its live buffers take at once, in bytes, at the
+    # KernelIR's head-dim tiles (what the schedule budgets; 0 where it budgets otherwise)
+    shared_peak: int = 0
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -273,20 +279,29 @@ class Kernel:
                 if st.op in ("wait", "arrive") and st.dst not in names:
                     raise ValueError(f"{self.name}: role {r.name}: `{st}` names no barrier of the kernel")
         roles = {r.name for r in self.warp_roles}
+        by_name = {b.name: b for b in self.buffers}
         for b in self.buffers:
             if b.stages > 1 and b.owner not in roles:
                 raise ValueError(f"{self.name}: the ring {b.name} has no owning role ({b.owner!r})")
+            host = by_name.get(b.shares) if b.shares else None
+            if b.shares and (host is None or host.shares or (host.shape, host.dtype, host.scope, host.stages, host.owner)
+                             != (b.shape, b.dtype, b.scope, 1, b.owner) or b.stages != 1):
+                raise ValueError(f"{self.name}: {b.name} shares {b.shares}'s memory, which is not a single buffer "
+                                 "of its shape, dtype and scope written by the same role (the roles' statements "
+                                 "interleave)")
 
     def __str__(self) -> str:
         grid = ", ".join(f"{a}:{e}" for a, e in self.grid)
-        lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}  # {self.doc}"]
+        peak = f"  shared ≤ {self.shared_peak / 1024:.0f} KB" if self.shared_peak else ""
+        lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}{peak}  # {self.doc}"]
         for p in self.params:
             lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"
                          + (" padded" if p.padded else "") + (f"   # {p.doc}" if p.doc else ""))
         for b in self.buffers:
             ring = f" ×{b.stages} stages" if b.stages > 1 else ""
             owner = f"  (written by {b.owner})" if b.owner else ""
-            lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]{ring}{owner}")
+            shares = f"  (in {b.shares}'s memory)" if b.shares else ""
+            lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]{ring}{owner}{shares}")
         lines += [f"  {b}" for b in self.barriers]
         if self.warp_roles:
             lines.append(f"  for chunk in {self.loop}, every role:")
@@ -320,12 +335,18 @@ class KernelIR:
     # class with wider tiles needs kernels scheduled for them (Program.for_shape)
     head_dims: tuple = (128, 128)
     # the widest V-block its kernels are budgeted for: a launch takes no wider one (the fused
-    # forward's deeper load ring fits in shared memory only up to 32)
+    # forward's load ring is budgeted at 64, or at 32 where 64 would leave it under 3 deep)
     block_v_max: int = 64
+    # the kernels whose live shared memory exceeds the schedule's budget at those tiles (one output's
+    # blocks alone are too many): no launch can run them, so a caller takes V in narrower column
+    # blocks where the program allows it (Program.backward_columns)
+    over_budget: tuple = ()
 
     def __str__(self) -> str:
         head = [f"kernel_program {self.name}  C={self.chunk_size}  head-dim tiles up to K={self.head_dims[0]} "
                 f"V={self.head_dims[1]}  V-blocks up to {self.block_v_max}"]
+        if self.over_budget:
+            head.append(f"  over the shared-memory budget at these tiles: {', '.join(self.over_budget)}")
         head += [f"  host: {h}" for h in self.host]
         return "\n".join(head + [""] + [str(k) + "\n" for k in self.kernels]).rstrip()
 

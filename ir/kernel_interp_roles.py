@@ -16,7 +16,8 @@ copy without waiting for it reads it before it is written. The interpreter check
   * a barrier left with some of its arrivals at the end.
 
 The statements themselves run as in kernel_interp (every grid point at once, float64); a ring
-buffer is one buffer per copy.
+buffer is one buffer per copy, and a buffer in another's memory (Buffer.shares) is that one, so a
+value overwritten while still live gives a wrong result here too.
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
                 i_slot=torch.zeros_like(i_n), active=torch.ones_like(i_n, dtype=torch.bool))
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))
     staged = {b.name: b.stages for b in kernel.buffers if b.stages > 1}
+    # a buffer in another's memory reads and writes that one's storage, as on the GPU
+    in_memory_of = {b.name: b.shares for b in kernel.buffers if b.shares}
     for name, stages in staged.items():
         blank = run.buf.pop(name)
         for s in range(stages):
@@ -144,7 +147,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
 
     def execute(state: _RoleState, st: Stmt) -> None:
         c, in_loop = state.chunk, state.section == "body"
-        names = {}
+        names = dict(in_memory_of)
         if in_loop:
             check_protocol(state, st)
             for name, stages in staged.items():

@@ -14,6 +14,8 @@ group of value heads that shares a query/key head).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from qla_compiler.layout import chunk_slots
@@ -34,16 +36,48 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     """Gradients of every input (name -> tensor shaped like the input: a key's or a value's in the io
     dtype, the out kernel's, a key's summed over its group; gates and scalars float32) and of the
     initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state.
-    With `segments` the reverse scan runs context-parallel, as the forward's can."""
-    bprog = program.backward_program
+    With `segments` the reverse scan runs context-parallel, as the forward's can. Where the
+    backward's kernels do not fit at V's tile (Program.backward_columns: K = V = 256), it runs on
+    column blocks of V, each a problem of its own columns."""
+    width, each = program.backward_columns()
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = kept[v_name].dtype if v_name in kept else d_o.dtype  # the forward's io dtype
-    total = dims.B * dims.T
-    t = {n: kept[n] for n in reads_from_forward(program) if n in kept}
-    t["d_o"] = d_o.reshape(1, total, dims.HV, dims.V).to(io).contiguous()
+    t = {n: kept[n] for n in reads_from_forward(each) | {"cu_seqlens"} if n in kept}
+    t["d_o"] = d_o.reshape(1, dims.B * dims.T, dims.HV, dims.V).to(io).contiguous()
     d_final = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=d_o.device, dtype=torch.float32)
                if d_final is None else d_final.to(torch.float32).contiguous())
-    d_h0 = run_kernels(bprog, t, dims, scale, io, kept["cu_seqlens"], d_final, segments)
+    if width >= dims.V:
+        return _backward(each, t, kinds, dims, scale, io, d_final, segments)
+    params = {p.name: p for k in each.backward_program.kernels.kernels for p in k.params}
+    parts = []
+    for v0 in range(0, dims.V, width):
+        sub = dataclasses.replace(dims, V=min(dims.V, v0 + width) - v0)
+        cols = {n: _columns(x, params.get(n), v0, sub.V) for n, x in t.items()}
+        parts.append(_backward(each, cols, kinds, sub, scale, io, d_final[..., v0:v0 + sub.V].contiguous(), segments))
+    grads = {}
+    for name, kind in kinds.items():
+        blocks = [g[name] for g, _ in parts]
+        # a value's gradient is its columns'; every other input's is the sum of every block's
+        grads[name] = (torch.cat(blocks, dim=-1) if kind == "value" else
+                       torch.stack(blocks).sum(0, dtype=torch.float32).to(blocks[0].dtype))
+    return grads, torch.cat([d for _, d in parts], dim=-1)
+
+
+def _columns(x: torch.Tensor, param, v0: int, width: int) -> torch.Tensor:
+    """Columns [v0, v0 + width) of a tensor the backward kernels read as `param` (its padding
+    columns too, where the kernels read it at the tile's width); the tensor itself without V."""
+    if param is None or "V" not in param.shape:
+        return x
+    axis = param.shape.index("V")
+    n = tile_width(width) if param.padded else width
+    return x.narrow(axis, v0, n).contiguous()
+
+
+def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments):
+    """backward() on the whole of V (t: the kernels' tensors by name, d_o among them)."""
+    bprog = bprog_of.backward_program
+    total = dims.B * dims.T
+    d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments)
     grads = {}
     for name, kind in kinds.items():
         g = t[f"d_{name}"]

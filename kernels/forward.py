@@ -78,11 +78,6 @@ def scan_stages(BV: int) -> int:
     return POLICY.scan_stages or (4 if BV <= 32 else 3)
 
 
-# the head dims the GPU backward takes: at K = V = 256 the gradient kernels' live blocks need up to
-# 353 KB of shared memory (d g's), over the 227 KB a CTA has; splitting them further is open work
-TRAINING_HEAD_DIM = 128
-
-
 def check_head_dims(K: int, V: int) -> None:
     check_head_dim("K (the key head dim)", K)
     check_head_dim("V (the value head dim)", V)
@@ -263,11 +258,13 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     device = inputs[v_name].device
     base, variant = program, program_for(program, dims, io, device)
     if keep:
+        variant.backward_columns()  # a backward the kernels cannot run fails here, before the forward
         program = variant.training_program
     else:
         program = inference_program(variant, context_parallel, fused)
         if program is not variant:  # the fused forward, launched at V-blocks up to its own bound:
-            # the variant that pays at that V-block (the decay on the value side, at 32 of K = 128)
+            # the variant that pays at that V-block (where that bound is below the separate
+            # kernels' V-block; the fused program puts the decay on the value side itself)
             narrower = program_for(base, dims, io, device, program.kernels.block_v_max)
             if narrower is not variant:
                 fused_narrower = inference_program(narrower, context_parallel, fused)
@@ -303,11 +300,6 @@ def fused_or_not(program):
 def check_call(dims, keep: bool, context_parallel) -> None:
     """What the kernels refuse, from the shapes alone (a ValueError naming the argument)."""
     check_head_dims(dims.K, dims.V)
-    if keep and max(dims.K, dims.V) > TRAINING_HEAD_DIM:
-        raise ValueError(f"{'K (the key head dim)' if dims.K > TRAINING_HEAD_DIM else 'V (the value head dim)'} = "
-                         f"{max(dims.K, dims.V)}: the GPU backward takes head dims up to {TRAINING_HEAD_DIM} "
-                         "(its gradient kernels' blocks would not fit in shared memory above); the forward "
-                         "takes up to 256 (call it without grad)")
     if context_parallel and (tile_width(dims.K) != dims.K or tile_width(dims.V) != dims.V):
         raise ValueError(f"context_parallel: the GPU kernels run it only where K and V are powers of two "
                          f"(got K = {dims.K}, V = {dims.V}); leave it None")

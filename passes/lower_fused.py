@@ -37,7 +37,9 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
     out = _signature(kernel, r) + _per_sequence_grid(r.tiles.get("V", "V"), kernel.threads)
     out.append("        tx = T.get_thread_binding()")
     for b in kernel.buffers:
-        if b.scope == "shared":
+        if b.scope == "shared" and b.shares:
+            out.append(f"        {b.name} = {b.shares}  # {b.owner}'s, in {b.shares}'s memory (dead by then)")
+        elif b.scope == "shared":
             dims = _shape(((str(b.stages),) if b.stages > 1 else ()) + b.shape, r.tiles)
             who = f"  # a ring of {b.stages}, written by {b.owner}" if b.stages > 1 else f"  # {b.owner}'s"
             out.append(f"        {b.name} = T.alloc_shared({dims}, {_dtype(b.dtype)}){who}")

@@ -45,11 +45,13 @@ from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
 from .lowerable import unsupported
-from .partition import Partition, partition
+from .partition import partition
+from .rewrite_decay_side import DECAY_VALUE_SIDE
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
 from .rewrite_wy import FOLD_WY
 from .rewrites import CHUNK_PASSES
 from .schedule import HEAD_DIMS, schedule
+from .schedule_build import columns_mixed
 from .token_step import token_step
 from .verify_exponents import verify_exponents
 
@@ -236,6 +238,36 @@ class Program:
                 self._scheduled(back, [("autodiff", back)], "backward program: ", provided=provided)
         return self._derived["backward_program"]
 
+    def backward_columns(self) -> tuple:
+        """(width, program): the column blocks of V a backward at this program's head-dim tiles runs
+        in, and the program whose backward kernels run each block. V's whole tile and this program
+        where the backward's kernels fit in shared memory; else the widest narrower tile (down to
+        64) at which they do, the program scheduled for it. Exact because the forward never mixes
+        V's columns (checked: schedule_build.columns_mixed), so a block's gradients are those of
+        the problem of its columns alone: the host sums the other inputs' over the blocks and
+        places the values' and the state's (kernels/backward.py). At K = V = 256 GDN's d g kernel
+        needs 354 KB at once, 177 KB on 64 columns.
+
+            >>> import qla_compiler
+            >>> prog = qla_compiler.compile_spec("gdn").scheduled_for((256, 256))
+            >>> width, each = prog.backward_columns()
+            >>> width, each.head_dims
+            (64, (256, 64))
+        """
+        if "backward_columns" not in self._derived:
+            (K, width), prog = self.head_dims, self
+            mixed = columns_mixed(self.chunk)
+            while prog.backward_program.kernels.over_budget and width > 64 and not mixed:
+                width //= 2
+                prog = self.scheduled_for((K, width))
+            over = prog.backward_program.kernels.over_budget
+            if over:
+                why = f"{mixed} mixes V's columns" if mixed else f"not even on column blocks of {width}"
+                raise PassError("schedule", f"backward program: {', '.join(over)} exceed the shared-memory budget "
+                                            f"at head-dim tiles K = {K}, V = {self.head_dims[1]} ({why})")
+            self._derived["backward_columns"] = (width, prog)
+        return self._derived["backward_columns"]
+
     def _need_kernels(self, where: str) -> None:
         """Refuse to schedule a program the pipeline found no kernels for (passes/lowerable.py)."""
         if self.no_kernels is not None:
@@ -259,8 +291,10 @@ class Program:
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             try:
                 chunk = self.chunk
-                # fold_wy, then the scalings it leaves on the chain's products moved onto them
-                for rewrite in (FOLD_WY, SCALE_AFTER_PRODUCT_ON_CHAIN):
+                # the decay on the value side (where this variant left it on the keys: in the fused
+                # kernel the chain runs every pass itself, so a C×BV pass beats a C×K one at any
+                # V-block), fold_wy, then the scalings it leaves on the chain's products moved onto them
+                for rewrite in (DECAY_VALUE_SIDE, FOLD_WY, SCALE_AFTER_PRODUCT_ON_CHAIN):
                     after = _run_pass(rewrite, chunk, "fused forward: ")
                     if set(after.graph.nodes) != set(chunk.graph.nodes):
                         before.append((rewrite.name, after))

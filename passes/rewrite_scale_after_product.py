@@ -29,7 +29,7 @@ import sympy as sp
 
 from qla_compiler.ir.chunk import ChunkIR
 
-from .rewrite import Rewrite, arg, is_op
+from .rewrite import Rewrite, is_op
 
 
 def _peel(ir: ChunkIR, name: str, rows: bool):

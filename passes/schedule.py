@@ -36,7 +36,7 @@ from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, Tensor
 
 from .partition import Partition
 from .schedule_build import Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params
-from .schedule_fused import FUSED_BLOCK_V, fused_kernel
+from .schedule_fused import fused_kernel
 from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, dim_sizes, live_shared, place_loads, reads,
                               smem_bytes, threads_for, zero_pad)
 
@@ -76,11 +76,15 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     if part.prep:
         kir.kernels.append(_prep_kernel(part, split_phase_loads, dims))
     if fused:
-        kir.kernels.append(fused_kernel(part, dims))
-        kir.block_v_max = min(dims["BV"], FUSED_BLOCK_V)
+        kernel, kir.block_v_max = fused_kernel(part, dims)
+        kir.kernels.append(kernel)
         return kir
     kir.kernels.append(_scan_kernel(part, dims))
     kir.kernels += _out_kernels(part, split_phase_loads, dims)
+    for k in kir.kernels:
+        if not k.loop:  # the parallel kernels: the scan's rings are budgeted by its stages instead
+            k.shared_peak = max(live_shared({b.name: b for b in k.buffers}, k.body, dims), default=0)
+    kir.over_budget = tuple(k.name for k in kir.kernels if k.shared_peak > SMEM_BUDGET)
     return kir
 
 

@@ -251,9 +251,21 @@ def check_v_columns(ir: ChunkIR, nodes) -> None:
             raise PassError("schedule", f"{n.name} contracts over V; V-blocking the scan would be wrong")
 
 
-def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
+def columns_mixed(ir: ChunkIR) -> str | None:
+    """The first node of `ir` that reads a V-wide value and is not V-wide itself (a matmul over V,
+    a reduction across it), or None: then column j of every output depends on column j of the
+    V-wide inputs alone, so the program may run on column blocks of V as separate problems."""
+    for n in ir.order():
+        if "V" not in n.shape and any("V" in ir.node(a).shape for a in n.args):
+            return n.name
+    return None
+
+
+def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
     """Statements for the node set; returns the builder (buffers, loads, body). The V-blocked
-    kernel is also the pipelined one (its loads run on a producer warpgroup)."""
+    kernel is also the pipelined one (its loads run on a producer warpgroup). `vectors`: per-token
+    vectors another role writes into shared memory each chunk (the fused kernel's loads role):
+    read from `<name>_s`, not inlined."""
     b = Builder(ir, nodes, loaded, tiled, dims)
     pipelined = tiled
     order = [n for n in ir.order() if n.name in b.nodes]
@@ -263,6 +275,9 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
 
     for n in order:  # loads first: they are the producer's work
         src = global_name(ir, n.name)
+        if n.name in vectors:
+            b.place[n.name] = b.buf(f"{ident(n.name)}_s", ("C",), "float32", "shared")
+            continue
         per_chunk = n.op == "input" and n.attr.get("kind") == "saved_state"
         if (n.op == "state_in" and n.name in b.loaded) or per_chunk:  # a state per chunk slot
             b.place[n.name] = b.buf(f"{n.name}_s", n.shape, "io", "shared")

@@ -12,7 +12,7 @@ warpgroup each, cut from the partition (no spec names here):
     padding rows zeroed when the chunk is a sequence's partial last one.
 
 Every edge across a cut is a ring of shared buffers, chunk c in copy c % depth (the loads' ring
-as deep as shared memory holds at the V-block FUSED_BLOCK_V, from LOAD_STAGES; the chain's
+as deep as shared memory holds at the V-block it is budgeted at, FUSED_BLOCK_VS; the chain's
 hand-overs RING deep), with a pair of barriers: `full` (the writer's arrivals: the copy holds
 chunk c) and `empty` (every reader's arrivals: the copy may be overwritten). A role waits on
 `full` right before its first read in the chunk and arrives on `empty` right after its last; the
@@ -43,9 +43,13 @@ RING = 2  # copies of a ring the chain hands the output role: it fills one while
 # roles are done with chunk c, so the chain waits on a load unless depth − 1 of its chunks outlast
 # one load's latency (on the H200 a 2-deep ring ran 3 µs a chunk against the plain scan's 1.1 µs)
 LOAD_STAGES = (4, 3, 2)
-# the V-block the fused kernel's shared memory is budgeted at: at K = 128 the load ring is 4 deep
-# at 32 and only 2 at 64 (k, T and q do not narrow with the V-block; 3 deep at 64 is 1.5 KB over)
-FUSED_BLOCK_V = 32
+# the V-blocks the fused kernel's shared memory may be budgeted at, widest first: the widest at
+# which the load ring is still MIN_WIDE_STAGES deep (else the narrowest that fits). The output
+# role's Q Kᵀ and its C×C mask are the same work at every V-block, done once per V-block: on the
+# H200 at BV = 32 that mask pass was half the output role's samples and the output role set the
+# pace (session 14, ncu source counters). At K = 128: 3 deep at 64 (4 at 32); at K = 256: 2 at 32.
+FUSED_BLOCK_VS = (64, 32)
+MIN_WIDE_STAGES = 3
 # Every buffer of the fused kernel lives for the whole kernel, so TileLang lays them out exactly
 # as smem_bytes sums them (the gdn kernel at BV = 16: 127488 bytes both ways); the parallel
 # kernels' SMEM_BUDGET leaves room for an allocator that packs reused memory less tightly. An
@@ -55,18 +59,24 @@ LOADS_REGISTERS = 112  # addresses, and a masked load's (K = 100: 40, 56, 88 spi
 WARP = 32
 
 
-def fused_kernel(part: Partition, dims: dict) -> Kernel:
-    """The fused scan + output kernel of a forward partition (its prep kernel stays before it)."""
+def fused_kernel(part: Partition, dims: dict) -> tuple:
+    """(the fused scan + output kernel of a forward partition, the widest V-block it is budgeted
+    for); its prep kernel stays before it."""
     ir = part.chunk
-    dims = {**dims, "BV": min(dims["BV"], FUSED_BLOCK_V)}
     if ir.reverse:
         raise PassError("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
     outputs = tuple(r for r in ir.outputs if r != "state")
     if outputs != ("o",):
         raise PassError("schedule", f"the fused kernel writes one output, o; this program has {outputs}")
 
-    # -- the two compute roles' statements, as the scan and the out kernel would have them
-    chain = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims)
+    # -- the two compute roles' statements, as the scan and the out kernel would have them, with
+    # the per-token vectors their blocks scale by (β·Γ, the decay to the chunk's end, ...) made
+    # by the loads role: once a chunk, where inlined each block element recomputes its exponential
+    loaded_out = set(part.crossing) | set(part.carried) | set(part.provided)
+    needed = ir.closure([ir.outputs["o"]], stop=loaded_out, within=set(part.out))
+    out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
+    vectors = _vectors_for_loads(ir, set(part.scan) | set(out_nodes), set(part.crossing) | set(part.provided))
+    chain = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims, vectors=vectors)
     if chain.place.get(ir.outputs["state"]) != "state":
         raise PassError("schedule", f"the next state {ir.outputs['state']} is not accumulated in the state fragment")
     handed = {}  # carried value -> its chain buffer (the ring the output role reads)
@@ -76,10 +86,7 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
     if "state_s" in handed.values() or any("state_s" in st.srcs for st in chain_body):
         chain.buf("state_s", ("K", "V"), "io", "shared")
         chain_body.insert(0, Stmt("copy", "state_s", ("state",)))
-    loaded_out = set(part.crossing) | set(part.carried) | set(part.provided)
-    needed = ir.closure([ir.outputs["o"]], stop=loaded_out, within=set(part.out))
-    out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
-    out = build(ir, out_nodes, loaded_out, tiled=True, dims=dims)
+    out = build(ir, out_nodes, loaded_out, tiled=True, dims=dims, vectors=vectors)
     o_s = out.buf("o_s", ir.node(ir.outputs["o"]).shape, "io", "shared")
     out_body = out.body + [Stmt("ewise", o_s, (), (("expr", out.ex(ir.outputs["o"], ("i", "j"))), ("index", ("i", "j")))),
                            Stmt("store", "o", (o_s,), (("rows", "n_valid"),))]
@@ -90,14 +97,19 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
         carried = next((x for x in part.carried if global_name(ir, x) == st.srcs[0]), None)
         if carried is not None:
             rename_out[st.dst] = handed[carried]
+    made = build(ir, ir.closure(vectors, stop=set(part.crossing) | set(part.provided)),
+                 part.crossing + part.provided, tiled=True, dims=dims)
+    computed = [Stmt("ewise", chain.place.get(x) or out.place[x], (), (("expr", made.ex(x, ("i",))), ("index", ("i",))))
+                for x in (n.name for n in ir.order() if n.name in vectors)]
     loads, seen = [], {}
-    for st in chain.loads + [s for s in out.loads if s.dst not in rename_out]:
+    for st in chain.loads + [s for s in out.loads if s.dst not in rename_out] + made.loads + computed:
         if st.dst in seen and seen[st.dst] != st:
             raise PassError("schedule", f"{st.dst}: loaded twice, differently ({seen[st.dst]}; {st})")
         if st.dst not in seen:
             seen[st.dst] = st
             loads.append(st)
-    private = {c.dst: c.attr["expr"][1] for c in chain.copies + out.copies}  # X_c -> X_s: the ring is held
+    private = {c.dst: c.attr["expr"][1] for c in chain.copies + out.copies + made.copies}  # X_c -> X_s: the ring is held
+    loads = [st.renamed(private) for st in loads]
     for name in set(out.buffers) & set(chain.buffers):
         if name not in seen and name not in private and name not in handed.values() and name != "state_s":
             rename_out[name] = f"{name}_out"
@@ -120,16 +132,30 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
     for st in out_body:
         if st.dst in cross:
             raise PassError("schedule", f"the output role writes {st.dst}, which the chain hands it")
-    per_copy = sum(smem_bytes([b], dims) for name, (b, _) in found.items() if name in ring)
-    fixed = sum(smem_bytes([b], dims) * (RING if name in cross else 1) for name, (b, _) in found.items()
-                if name not in ring)
-    depth = next((d for d in LOAD_STAGES if fixed + d * per_copy <= FUSED_SMEM_BUDGET), None)
-    if depth is None:
-        raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {(fixed + 2 * per_copy) // 1024} KB "
-                                    f"of shared memory at V-block {dims['BV']}, over the {FUSED_SMEM_BUDGET // 1024} KB "
-                                    "budget")
+    shares = {}
+    for role, body in (("chain", chain_body), ("output", out_body)):
+        own = {n: b for n, (b, o) in found.items() if o == role and n not in ring | cross and b.scope == "shared"}
+        shares.update(_dead_before(body, own))
+
+    def ring_depth(bv: int):
+        at = {**dims, "BV": bv}
+        per_copy = sum(smem_bytes([b], at) for name, (b, _) in found.items() if name in ring)
+        fixed = sum(smem_bytes([b], at) * (RING if name in cross else 1) for name, (b, _) in found.items()
+                    if name not in ring and name not in shares)
+        return next((d for d in LOAD_STAGES if fixed + d * per_copy <= FUSED_SMEM_BUDGET), None), \
+            (fixed + LOAD_STAGES[-1] * per_copy) // 1024
+
+    widths = [bv for bv in FUSED_BLOCK_VS if bv <= dims["BV"]]
+    fits = {bv: ring_depth(bv) for bv in widths}
+    block_v = next((bv for bv in widths if (fits[bv][0] or 0) >= MIN_WIDE_STAGES), None) or \
+        next((bv for bv in reversed(widths) if fits[bv][0]), None)
+    if block_v is None:
+        raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {fits[widths[-1]][1]} KB "
+                                    f"of shared memory at V-block {widths[-1]}, over the "
+                                    f"{FUSED_SMEM_BUDGET // 1024} KB budget")
+    depth = fits[block_v][0]
     buffers = {name: Buffer(name, b.shape, b.dtype, b.scope,
-                            depth if name in ring else RING if name in cross else 1, owner)
+                            depth if name in ring else RING if name in cross else 1, owner, shares.get(name, ""))
                for name, (b, owner) in found.items()}
 
     # -- barriers, and the roles' statements with their waits and arrivals
@@ -174,7 +200,7 @@ def fused_kernel(part: Partition, dims: dict) -> Kernel:
         kernel.verify()
     except ValueError as e:
         raise PassError("schedule", str(e)) from None
-    return kernel
+    return kernel, block_v
 
 
 def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
@@ -186,6 +212,47 @@ def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
     ps += head_params(ir, set(part.scan) | set(out_nodes))
     return ps + [Tensor("o", ("1", "T", "HV", "V"), "io", "out"),
                  Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
+
+
+def _vectors_for_loads(ir, nodes: set, loaded: set) -> set:
+    """The per-token vectors among `nodes` that scale a block and are made from loaded vectors,
+    constants and parameters alone (no block is read for them): the loads role can form each
+    once a chunk. Only those a block reads: the vectors inside them stay inlined there."""
+    def from_vectors(x) -> bool:
+        n = ir.node(x)
+        if len(n.shape) > 1 or n.op in ("valid", "positions"):
+            return False
+        if x in loaded or n.op in ("const", "param", "head_log"):
+            return True
+        if n.op == "input":
+            return n.attr.get("kind") in ("scalar", "gate", "vector")
+        return bool(n.args) and all(from_vectors(a) for a in n.args)
+
+    return {x for x in nodes if ir.node(x).shape == ("C",) and x not in loaded and ir.node(x).op != "input"
+            and from_vectors(x) and any(len(u.shape) == 2 for u in ir.users(x) if u.name in nodes)}
+
+
+def _dead_before(body: list, buffers: dict) -> dict:
+    """Shared buffers of one role that can take another's memory: B takes A's where A and B have
+    one shape and dtype, the chunk's first access to each is a write, and every access to A comes
+    before the first to B (so A's value is dead when B is written, and B's when the next chunk
+    writes A). GDN's chain: v_new_decayed in v_resid's memory, whose last reader (T·) is done."""
+    span = {}
+    for i, st in enumerate(body):
+        for name in (reads(st) | st.writes()) & set(buffers):
+            first, _ = span.get(name, (i, i))
+            span[name] = (first, i)
+    written_first = {n for n, (i, _) in span.items() if n in body[i].writes() and n not in reads(body[i])}
+    out, hosts = {}, {}
+    for b in sorted(written_first, key=lambda n: span[n][0]):
+        host = next((a for a in sorted(written_first, key=lambda n: span[n][0])
+                     if a != b and a not in out and span[a][1] < span[b][0]
+                     and (buffers[a].shape, buffers[a].dtype) == (buffers[b].shape, buffers[b].dtype)
+                     and all(span[g][1] < span[b][0] for g in hosts.get(a, ()))), None)
+        if host is not None:
+            out[b] = host
+            hosts.setdefault(host, []).append(b)
+    return out
 
 
 def _check_rings(body: list, ring: set) -> None:

@@ -86,7 +86,9 @@ def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=Non
         gen = torch.Generator().manual_seed(seed)
         d_o = torch.randn(o.shape, generator=gen).to(o.dtype)
         d_final = torch.randn(final.shape, generator=gen)
-        grads, d_h0 = bwd.backward(op.program, kept, op.kinds, dims, scale, d_o, d_final, segments)
+        v = inputs[op.value_name]  # the variant the forward ran, as the custom op passes it
+        variant = fwd.program_for(op.program, dims, v.dtype, v.device)
+        grads, d_h0 = bwd.backward(variant, kept, op.kinds, dims, scale, d_o, d_final, segments)
     return dict(o=o, final=final, d_o=d_o, d_final=d_final, grads=grads, d_h0=d_h0, emulator=emu, scale=scale)
 
 

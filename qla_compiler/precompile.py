@@ -45,6 +45,8 @@ class Compile:
     shape: ShapeClass
     runs_as: ShapeClass | None
     kernels: str = "all"  # | "scan" | "parallel"
+    # a backward on column blocks of V (Program.backward_columns): the block width (0: V whole)
+    columns: int = 0
 
 
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
@@ -92,7 +94,18 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             c = dataclasses.replace(c, shape=narrow, runs_as=dataclasses.replace(narrow, scale=None))
         out.append(c)
     if training:
-        out += [dataclasses.replace(c, part=part) for part in PARTS[1:] for c in classes]
+        out += [dataclasses.replace(c, part="training") for c in classes]
+        for c, n in zip(classes, seqs):
+            width = _variant(c).backward_columns()[0]
+            if width >= V:
+                out.append(dataclasses.replace(c, part="backward"))
+                continue
+            # each column block is a problem of its own width (the last one's may be narrower);
+            # a context-parallel scan's widened values, K + V wide, are K + width wide there
+            launched = n * context_parallel if c.kernels == "scan" else n
+            for w in dict.fromkeys([width] * (V // width) + ([V % width] if V % width else [])):
+                out.append(dataclasses.replace(c, part="backward", shape=launch(c.shape.V - V + w, launched),
+                                               columns=width))
     return list(dict.fromkeys(out))
 
 
@@ -167,10 +180,10 @@ def warmup(spec, shapes: list, training: bool = False, log=print) -> list:
 _COMPILED: dict = {}  # spec file -> its op
 
 
-def _program(c: Compile):
-    """The program a Compile names, of the op the process calls (a compiled op by its key, ops'
-    shared op for a shipped spec): the kernels it loads are then the ones that op's calls find in
-    memory, not only on disk."""
+def _variant(c: Compile):
+    """The variant of the op's program the Compile's call runs (Program.for_shape), of the op the
+    process calls (a compiled op by its key, ops' shared op for a shipped spec): the kernels it
+    loads are then the ones that op's calls find in memory, not only on disk."""
     from . import ops
     from .compiler import compile as compile_op
     from .custom_ops import _OPS
@@ -182,9 +195,17 @@ def _program(c: Compile):
         op = ops._op(c.spec)
     else:
         op = _COMPILED.get(c.spec) or _COMPILED.setdefault(c.spec, compile_op(c.spec))
+    return op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
+
+
+def _program(c: Compile):
+    """The program a Compile names: its variant's forward (as inference runs it), training
+    forward or backward (on column blocks of V, where c.columns says so)."""
     from .kernels import forward
 
-    program = op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
+    program = _variant(c)
+    if c.columns:
+        return program.backward_columns()[1].backward_program
     if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
         return forward.inference_program(program, context_parallel=c.kernels != "all")
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]

@@ -93,3 +93,41 @@ def test_head_dims_between_tiles_run_padded_and_match_autograd(ops, K, V):
     assert padded >= {"W_rows", "S0_chunks", "v_new_rows"}
     S0 = seen[kernels[1].name]["S0_chunks"]  # the scan's per-chunk states, padding zero
     assert S0.shape[-2:] == tiles and not S0[..., K:, :].any() and not S0[..., :, V:].any()
+
+
+@pytest.mark.parametrize("K, V, blocks", [(256, 256, [64] * 4), (128, 200, [128, 72])])
+def test_backward_on_column_blocks_of_v_matches_autograd(ops, K, V, blocks):
+    """Where the backward's kernels do not fit in shared memory at V's tile (K = V = 256: d g's
+    needs 354 KB), it runs on column blocks of V (Program.backward_columns), each a problem of
+    its own columns: the other inputs' gradients are the blocks' sums, v's and the initial
+    state's their columns. A block placed at the wrong columns, or a sum missing a block, is
+    O(1) off."""
+    op = ops["gdn"]
+    args = random_inputs(op, T=130, H=1, HV=2, K=K, V=V, cu_seqlens=[0, 1, 66, 130], initial_state=True,
+                         dtype=torch.bfloat16)
+    step = emulated_step(op, args)
+    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in args.items()}
+    o_ref, s_ref = op.reference(**ref)
+    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
+    for name in op.input_names:
+        assert step["grads"][name].shape == args[name].shape, name
+        assert rel_err(step["grads"][name], ref[name].grad) <= 1e-2, name
+    assert step["d_h0"].shape == args["initial_state"].shape
+    assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
+    calls = step["emulator"].calls
+    assert [w for n, w in calls if n.endswith("backward_scan")] == blocks
+    assert {w for n, w in calls if n == "gdn_scan"} == {V}  # the forward takes V whole
+
+
+def test_backward_columns_only_where_the_kernels_do_not_fit(ops):
+    """At K = V = 128 the backward takes V whole; at K = V = 256 its d g and d β kernels are over
+    the shared-memory budget (KernelIR.over_budget, printed), and on 64 columns none is."""
+    prog = ops["gdn"].program
+    assert prog.backward_columns() == (128, prog)
+    wide = prog.scheduled_for((256, 256))
+    over = wide.backward_program.kernels.over_budget
+    assert "gdn_backward_out_d_g" in over and "over the shared-memory budget" in str(wide.backward_program.kernels)
+    width, each = wide.backward_columns()
+    assert width == 64 and not each.backward_program.kernels.over_budget
+    assert all(k.shared_peak for k in each.backward_program.kernels.kernels if not k.loop)

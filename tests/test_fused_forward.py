@@ -78,7 +78,10 @@ def test_the_fused_delta_rule_forms_w_and_u_on_the_fly():
     chain = next(r for r in fused.warp_roles if r.name == "chain")
     assert [st.srcs for st in chain.body if st.op == "gemm"][:2] == [("k_s", "state_s"), ("T_s", "v_resid_s")]
     assert not [b for b in fused.buffers if b.owner == "chain" and b.shape in (("C", "K"), ("C", "C"))]
-    assert fused.max_stages == 4  # what the chain no longer keeps, the load ring has
+    # what the chain no longer keeps, and v_new_decayed in v_resid's memory, give the load ring
+    # a third copy at V-block 64
+    assert fused.max_stages == 3 and prog.kernels.block_v_max == 64
+    assert fused.buffer("v_new_decayed_s").shares == "v_resid_s"
     assert [n for n, _ in prog.stages][-4:] == ["fold_wy", "scale_after_product_on_chain", "partition", "schedule"]
 
 
@@ -153,10 +156,30 @@ def test_a_missing_arrival_at_the_end_is_named(runs):
         _replay(op, scale, emu.seen[k.name], _without(k, "output", lambda s: s.op == "arrive" and s.dst == "v_new_s_empty"))
 
 
+def test_the_loads_role_makes_the_vectors_the_blocks_scale_by():
+    """The per-token vectors the compute roles' blocks scale by are made once a chunk by the loads
+    role into its ring (session 14's ncu: inlined, every block element recomputed its exponential,
+    ~40% of the chain's element-wise passes); the blocks read them. The C×C mask's exponential of
+    a difference stays per element (it is no vector), on the pre-scaled log2 gates."""
+    from qla_compiler.ir.kernel import expr_str
+
+    k = _fused(qla_compiler.compile("gdn", target="sm90"))
+    roles = {r.name: r for r in k.warp_roles}
+    made = {st.dst for st in roles["loads"].body if st.op == "ewise"}
+    assert made == {"g_cum_log2_s", "Gamma_s", "s_Gamma_s", "decay_to_end_s"}
+    assert all(k.buffer(x).stages == k.max_stages and k.buffer(x).owner == "loads" for x in made)
+    blocks = [expr_str(st.attr["expr"]) for r in ("chain", "output") for st in roles[r].body
+              if st.op == "ewise" and len(st.attr["index"]) == 2]
+    mask, decay = "exp2((g_cum_log2_s[i] − g_cum_log2_s[j]))", "exp2(g_cum_log2_s[n_valid - 1])"  # (a scalar)
+    assert any(mask in e for e in blocks)
+    assert not [e for e in blocks if "exp2(" in e.replace(mask, "").replace(decay, "")], blocks
+
+
 def test_fused_kernel_prints_its_roles_and_barriers():
     text = str(qla_compiler.compile_spec("gdn").fused_program.kernels)
     for line in ("role chain: threads [0, 128)", "role output: threads [128, 256)", "role loads: threads [256, 384), 112",
-                 "barrier  loads_full[4]: 128 arrivals", "barrier  loads_empty[4]: 256 arrivals",
+                 "barrier  loads_full[3]: 128 arrivals", "barrier  loads_empty[3]: 256 arrivals",
+                 "v_new_decayed_s: io[C×BV]  (written by chain)  (in v_resid_s's memory)",
                  "shared   state_s: io[K×BV] ×2 stages  (written by chain)", "wait state_s_full",
                  "arrive v_new_s_empty", "fence_async"):
         assert line in text, line
@@ -168,11 +191,12 @@ def test_lowering_emits_roles_register_budgets_and_barriers():
     assert "if tx < 128:  # role chain" in fused and "elif tx < 256:  # role output" in fused
     assert "T.set_max_nreg(192, 1)" in fused and "T.set_max_nreg(112, 0)" in fused  # 2 · 192 + 112 ≤ 3 · 168
     assert "state_s = T.alloc_shared((2, K, BV), IO)" in fused
-    assert "T.barrier_wait(loads_empty[stage4], phase4 ^ 1)" in fused  # the load ring, 4 deep
+    assert "T.barrier_wait(loads_empty[stage3], phase3 ^ 1)" in fused  # the load ring, 3 deep
     assert "T.barrier_wait(state_s_full[stage2], phase2)" in fused  # the chain's hand-over, 2 deep
-    assert "stage4 = i_c % 4" in fused and "phase2 = (i_c // 2) % 2" in fused
-    assert "k_s = T.alloc_shared((4, C, K), IO)" in fused
-    assert "barrier=loads_landed[stage4], leader_scope_threads=32" in fused
+    assert "stage3 = i_c % 3" in fused and "phase2 = (i_c // 2) % 2" in fused
+    assert "k_s = T.alloc_shared((3, C, K), IO)" in fused
+    assert "v_new_decayed_s = v_resid_s  # chain's, in v_resid_s's memory" in fused
+    assert "barrier=loads_landed[stage3], leader_scope_threads=32" in fused
     assert "T.Pipelined" not in fused  # (TileLang's automatic warp specialisation stays out)
 
 
@@ -199,7 +223,7 @@ def test_fused_cuda_has_setmaxnreg_and_mbarriers_and_no_spills(tmp_path):
     from qla_compiler.kernels.runtime import lower_to_cuda
 
     program = qla_compiler.compile_spec("gdn").fused_program
-    cuda = lower_to_cuda(program, ShapeClass(H=2, HV=8, K=128, V=128, BV=32))["gdn_fused"]
+    cuda = lower_to_cuda(program, ShapeClass(H=2, HV=8, K=128, V=128, BV=64))["gdn_fused"]  # (the widest)
     budgets = [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda)]
     assert len(budgets) == 3 and "warpgroup_reg_dealloc<112>" in cuda
     assert "state_s_full[(i_c & 1)].arrive()" in cuda and ".wait(" in cuda and "tma_load(" in cuda
@@ -263,23 +287,50 @@ def test_one_warps_arrival_stays_one_warps_between_masked_loads():
             len(lines[i]) - len(lines[i].lstrip()), (guard, lines[i])
 
 
-def test_the_fused_forward_launches_at_v_blocks_up_to_32():
-    """Its load ring is 4 deep at 32 (2 at 64 would be all that fits): a launch takes no wider
-    V-block, and the lowering refuses one."""
+def test_the_fused_forward_launches_at_v_blocks_up_to_64():
+    """Its shared memory is budgeted at the widest V-block whose load ring is still 3 deep: 64 at
+    K = 128 (the output role's Q Kᵀ and mask, the same at every V-block, run half as often as at
+    32), 32 at K = 256, where 64 does not fit; the lowering refuses a wider launch."""
     prog = qla_compiler.compile_spec("gdn")
-    assert prog.fused_program.kernels.block_v_max == 32 and prog.kernels.block_v_max == 64
+    assert prog.fused_program.kernels.block_v_max == 64 and prog.kernels.block_v_max == 64
     k = prog.fused_program.kernels.kernels[-1]
-    assert k.max_stages == 4 and {b.stages for b in k.barriers} == {2, 4}
+    assert k.max_stages == 3 and {b.stages for b in k.barriers} == {2, 3}
     assert fwd.scan_class(16, 64, 128, 128, 1, "bfloat16", 132).BV == 64
-    assert fwd.scan_class(16, 64, 128, 128, 1, "bfloat16", 132, block_v_max=32).BV == 32
+    wide = prog.scheduled_for((256, 256)).fused_program.kernels
+    assert wide.block_v_max == 32 and wide.kernels[-1].max_stages == 2
     with pytest.raises(PassError, match="V-blocks up to 32"):
-        lower(prog.fused_program.kernels, ShapeClass(H=16, HV=64, K=128, V=128, BV=64))
+        lower(wide, ShapeClass(H=2, HV=8, K=256, V=256, BV=64))
 
 
-def test_the_fused_forward_runs_the_variant_that_pays_at_its_v_block():
+def test_a_buffer_in_anothers_memory_is_that_memory_in_the_interpreter(runs):
+    """Buffer.shares is what the interpreter runs, as the GPU does. A mutant chain that forms v_new
+    from v_resid once more after v_new_decayed was written reads v_new_decayed there when the two
+    share memory (another o), and v_resid's own value when they do not (the same o). Sharing
+    across roles, whose statements interleave, the verifier refuses."""
+    op, _, (_, _, emu, scale), _ = runs["gdn"]
+    k = _fused(op)
+    seen = emu.seen[k.name]
+    assert k.buffer("v_new_decayed_s").shares == "v_resid_s"
+    chain = next(r for r in k.warp_roles if r.name == "chain")
+    body = list(chain.body)
+    again = next(st for st in body if st.op == "gemm" and st.srcs == ("T_s", "v_resid_s"))
+    body.insert(next(i for i, st in enumerate(body) if st.dst == "v_new_decayed_s") + 1, again)
+    roles = tuple(dataclasses.replace(r, body=tuple(body)) if r is chain else r for r in k.warp_roles)
+    mutant = dataclasses.replace(k, warp_roles=roles)
+    apart = dataclasses.replace(mutant, buffers=[dataclasses.replace(b, shares="") for b in k.buffers])
+    assert torch.equal(_replay(op, scale, seen, apart)["o"], seen["o"])
+    assert not torch.equal(_replay(op, scale, seen, mutant)["o"], seen["o"])
+    across = dataclasses.replace(k, buffers=[dataclasses.replace(b, shares="v_resid_s") if b.name == "o_s" else b
+                                             for b in k.buffers])
+    with pytest.raises(ValueError, match="o_s shares v_resid_s's memory"):
+        across.verify()
+
+
+def test_the_fused_forward_keeps_the_decay_on_the_value_side():
     """A call whose separate kernels take V-block 64 at K = 128 runs them with the decay on the key
-    side (decay_value_side pays below K/2); the fused kernel launches at 32, so it is built from the
-    value-side variant (on the H200's 16/64 rows it had run the key side's C×K pass on its chain)."""
+    side (decay_value_side pays below K/2 there); the fused kernel, at the same V-block, takes it
+    on the value side anyway (Program.fused_program): its chain runs every pass itself, so a C×BV
+    pass beats the key side's C×K one (on the H200's 16/64 rows it had run that C×K pass)."""
     op = qla_compiler.compile("gdn", target="sm90")
     a = random_inputs(op, T=150, H=1, HV=2, K=128, V=128, cu_seqlens=[0, 1, 70, 150], initial_state=True,
                       dtype=torch.bfloat16, seed=3)
@@ -292,7 +343,7 @@ def test_the_fused_forward_runs_the_variant_that_pays_at_its_v_block():
                                    op._head_logs(dims.HV), fused=fused)
         ran[fused] = ({n for n, _ in emu.programs[-1].stages}, emu.shapes[-1].BV, o)
     assert "decay_value_side" not in ran[False][0] and ran[False][1] == 64
-    assert "decay_value_side" in ran[True][0] and ran[True][1] == 32
+    assert "decay_value_side" in ran[True][0] and ran[True][1] == 64
     assert rel_err(ran[True][2], ran[False][2]) <= 1e-2
 
 

@@ -66,8 +66,8 @@ def test_fused_other_head_dims(K, V):
 
 
 def test_fused_where_the_launch_rules_pick_v_block_64():
-    """4/32 heads and two sequences: block_v picks 64, the fused program's KernelIR takes at most 32
-    (its 4-deep load ring), and the launch narrows to it."""
+    """4/32 heads and two sequences: block_v picks 64, which the fused program's KernelIR takes
+    (its load ring 3 deep there, v_new_decayed in v_resid's memory): the fused kernel runs at 64."""
     op = qla_compiler.compile("gdn", target="sm90")
     assert fwd.block_v(128, 32, 2, fwd.sm_count(torch.device("cuda"))) == 64
     _check("gdn", make_inputs(op, lens=[300, 200], H=4, HV=32, K=128, V=128))

@@ -183,9 +183,7 @@ def _run(fn, args, cotangents, l2norm, dtype=None) -> dict:
     return {"o": o.detach(), "final_state": final.detach(), **{f"d{n}": a[n].grad for n in GRADS}}
 
 
-def _check(args, *, l2norm=False, fla_nan_expected=False, grads=True):
-    """`grads=False`: the forward only (o and the final state), where the GPU backward does not
-    take the head dims."""
+def _check(args, *, l2norm=False, fla_nan_expected=False):
     fla_op = _fla()  # first: without FLA the test fails before any work
     op = qla_compiler.compile("gdn", target="sm90")
     io = args["v"].dtype
@@ -193,12 +191,12 @@ def _check(args, *, l2norm=False, fla_nan_expected=False, grads=True):
     ref = _run(op.reference, args, cot, l2norm, dtype=torch.float64)
     with torch.no_grad():
         o, final = op(**args, use_qk_l2norm_in_kernel=l2norm)
-    ours = {"o (no grad)": o, "final_state (no grad)": final, **(_run(op, args, cot, l2norm) if grads else {})}
+    ours = {"o (no grad)": o, "final_state (no grad)": final, **_run(op, args, cot, l2norm)}
     fla_args = {n: (x.long() if n == "cu_seqlens" else x) for n, x in args.items()}
     fla = _run(fla_op, fla_args, cot, l2norm)
 
     assert o.dtype == io and final.dtype == torch.float32
-    for n in GRADS if grads else ():
+    for n in GRADS:
         assert ours[f"d{n}"] is not None and ours[f"d{n}"].dtype == args[n].dtype, n
     rows, failures = [], []
     for name, x in ours.items():
@@ -232,13 +230,7 @@ def test_gdn_real_data(case, dtype):
 
 @pytest.mark.parametrize("K,V", HEAD_DIM_CASES, ids=[f"K{K}-V{V}" for K, V in HEAD_DIM_CASES])
 def test_gdn_head_dims_on_uniform_keys(K, V):
-    """Above 128 the forward only: the GPU backward refuses such head dims with a ValueError
-    naming the argument (kernels/forward.TRAINING_HEAD_DIM), checked here too."""
+    """Every head dim trains: above 128 the backward runs on column blocks of V
+    (Program.backward_columns; at K = 256 blocks of 64)."""
     args = make_inputs(lens=HEAD_DIM_LENS, K=K, V=V, dtype=torch.bfloat16, keys="uniform", gate="fla", seed=K + V)
-    trains = max(K, V) <= 128
-    _check(args, grads=trains)
-    if not trains:
-        op = qla_compiler.compile("gdn", target="sm90")
-        leaf = {**args, "q": args["q"].detach().clone().requires_grad_()}
-        with pytest.raises(ValueError, match=r"the GPU backward takes head dims up to 128"):
-            op(**leaf)
+    _check(args)

@@ -517,3 +517,16 @@ def test_padded_scan_reads_its_masked_blocks_through_a_private_copy():
             copies = [m.start() for m in re.finditer(rf"^\s*\*\(uint4\*\)\(\(\(bfloat16_t\*\){x}_c\)", consumer, re.M)]
             assert copies and max(copies) < release, (name, x)
             assert not re.search(rf"\(bfloat16_t\*\){x}\)", consumer[release:]), (name, x)
+
+
+def test_columns_mixed_finds_what_reads_across_v():
+    """The backward's column blocks are exact only for a forward that never mixes V's columns:
+    columns_mixed names the first node that reads a V-wide value and is not V-wide itself."""
+    from qla_compiler.passes.schedule_build import columns_mixed
+
+    ir = qla_compiler.compile_spec("gdn").chunk
+    assert columns_mixed(ir) is None
+    mixed = ir.copy()
+    v = next(n.name for n in mixed.order() if n.shape == ("C", "V"))
+    mixed.add("across_v", "rowsum", v)
+    assert columns_mixed(mixed) == "across_v"

@@ -19,15 +19,17 @@ from qla_compiler.testing import random_inputs
 
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("cp", [None, 2])
-@pytest.mark.parametrize("heads, cu", [((1, 2), [0, 30, 100]), ((2, 8), [0, 10, 20, 40, 60, 100])])
-def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads, cu):
+@pytest.mark.parametrize("heads, cu, K", [((1, 2), [0, 30, 100], 64), ((2, 8), [0, 10, 20, 40, 60, 100], 64),
+                                         ((1, 2), [0, 30, 100], 256)])
+def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads, cu, K):
     """Every (program, shape class, kernel) a call loads — the forward; with training also a
-    training step's forward and backward; with context parallelism the segment scans too — is one
-    the warm-up of its deployment compiles, and the warm-up compiles nothing no call loads."""
+    training step's forward and backward (at K = V = 256 on column blocks of V); with context
+    parallelism the segment scans too — is one the warm-up of its deployment compiles, and the
+    warm-up compiles nothing no call loads."""
     op = ops._op("gdn")
     H, HV = heads
-    a = random_inputs(op, T=100, H=H, HV=HV, K=64, V=64, cu_seqlens=cu, initial_state=True, dtype=torch.bfloat16)
-    emu, launched = KernelEmulator(op, a["cu_seqlens"], 64 ** -0.5), set()
+    a = random_inputs(op, T=100, H=H, HV=HV, K=K, V=K, cu_seqlens=cu, initial_state=True, dtype=torch.bfloat16)
+    emu, launched = KernelEmulator(op, a["cu_seqlens"], K ** -0.5), set()
 
     def recording(program, shape):
         kernels = emu(program, shape)
@@ -39,11 +41,14 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads,
     for grad in (False, True) if training else (False,):  # inference, and a training step
         leaves = {n: a[n].detach().requires_grad_(grad) for n in (*op.input_names, "initial_state")}
         inputs = {n: leaves[n] for n in op.input_names}
-        o, final = op._run_kernels(inputs, 64 ** -0.5, leaves["initial_state"], a["cu_seqlens"], cp)
+        o, final = op._run_kernels(inputs, K ** -0.5, leaves["initial_state"], a["cu_seqlens"], cp)
         if grad:
             (o.float().sum() + final.sum()).backward()
 
-    todo = shape_classes("gdn", H=H, HV=HV, K=64, n_seqs=len(cu) - 1, context_parallel=cp, training=training)
+    todo = shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=len(cu) - 1, context_parallel=cp, training=training)
+    if training and K == 256:
+        assert {c.shape.V for c in todo if c.part == "backward"} >= {64} and all(
+            c.columns == 64 for c in todo if c.part == "backward")
     warmed = {(id(_program(c).kernels), c.shape, n) for c in todo for n in _kernel_names(c)}
     assert launched == warmed
 
