@@ -214,12 +214,15 @@ def fla_classes(params: dict) -> list:
     return out
 
 
-def real_data_classes() -> list:
-    """The same for tests/test_gpu_real_data.py: each case runs the op without and with grad."""
+def real_data_classes(head_dims_only: bool = False) -> list:
+    """The same for tests/test_gpu_real_data.py: each case runs the op without and with grad
+    (`head_dims_only`: its head-dim cases alone)."""
     spec = importlib.util.spec_from_file_location("test_gpu_real_data", REPO / "tests" / "test_gpu_real_data.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return [(*c, None, training) for c in mod.shape_classes() for training in (False, True)]
+    cases = [(mod.H, mod.HV, K, V, len(mod.HEAD_DIM_LENS), "bfloat16") for K, V in mod.HEAD_DIM_CASES] \
+        if head_dims_only else mod.shape_classes()
+    return [(*c, None, training) for c in cases for training in (False, True)]
 
 
 def compile_items(classes: list) -> list:
@@ -298,6 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precompile", action="store_true", help="compile those classes here (no GPU or FLA needed)")
     ap.add_argument("--real-data", action="store_true", help="with --classes/--precompile: also "
                     "tests/test_gpu_real_data.py's classes")
+    ap.add_argument("--head-dims", action="store_true", help="with --classes/--precompile: only "
+                    "tests/test_gpu_real_data.py's head-dim cases (K, V up to 256, with gradients; no FLA test file needed)")
     ap.add_argument("--tar", metavar="PATH", help="with --precompile: then pack the cache entries it used")
     ap.add_argument("--shard", metavar="I/N", help="with --precompile: only every N-th item from the I-th "
                     "(N processes share the cores; then one run with --tar), as precompile.py --shard")
@@ -305,7 +310,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     tests = a.tests.resolve()
     missing = f"no FLA test file at {tests}: save FLA's tests/ops/test_gdn.py there or pass --tests PATH"
-    if a.classes or a.precompile:
+    if (a.classes or a.precompile) and a.head_dims:
+        classes = real_data_classes(head_dims_only=True)
+    elif a.classes or a.precompile:
         if not tests.is_file() and not a.real_data:
             print(missing, file=sys.stderr)
             return 2
@@ -313,6 +320,7 @@ def main(argv=None) -> int:
             print(f"{missing}; only tests/test_gpu_real_data.py's classes", file=sys.stderr)
         classes = (fla_classes(fla_test_params(tests)) if tests.is_file() else []) \
             + (real_data_classes() if a.real_data else [])
+    if a.classes or a.precompile:
         todo = compile_items(classes)
         if a.shard:
             i, n = map(int, a.shard.split("/"))

@@ -2,12 +2,14 @@
 # Compile on this CPU what a GPU job will launch, and pack it as .gpu/tl-cache.tar, so that the
 # device's minutes go to running (a fresh GPU node restores the tar: ../shared/gpu/README.md).
 #
-#   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--backward]
+#   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
 # the longest part, ~20 minutes here). --real-data: tests/test_gpu_real_data.py's classes and
-# those of FLA's own tests when .gpu/fla_tests/test_gdn.py is there. --backward: the training
+# those of FLA's own tests when .gpu/fla_tests/test_gdn.py is there. --head-dims: only that
+# file's head-dim cases, K and V up to 256 with gradients (~5 minutes), and the bench rows at
+# K = V = 256 and 100 (forward; 16/64:8x4096:256 also trained). --backward: the training
 # step's classes of the bench rows (qla-bench --backward; the node compiled them in session 13,
 # which used up the step's timeout). Two processes per step (this
 # machine's cores); a fresh cache directory each run, so the tar holds no stale kernels.
@@ -18,6 +20,7 @@ PY=${PY:-.venv/bin/python}
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$(mktemp -d /tmp/tlc-job.XXXX)} OMP_NUM_THREADS=1
 LOGS=$(mktemp -d /tmp/precompile-logs.XXXX)
 ROWS="2/8:1x32768 2/8:1x8192 2/8:8x4096 4/16:1x32768 4/16:8x4096 8/32:1x32768 16/64:1x32768 16/64:1x2048 16/64:8x4096"
+WIDE="16/64:8x4096:256 2/8:1x8192:256 16/64:8x4096:100"  # issue 15's rows beside FLA
 FUSED="delta_net:2/2:128:bfloat16:16 simple_gla:2/2:128:bfloat16:16 retnet:2/2:128:bfloat16:16 linear_attn:2/2:128:bfloat16:16"
 FUSED="$FUSED gdn:2/2:128:bfloat16:16 gdn:1/2:64:bfloat16:16 gdn:2/8:128:bfloat16:32 gdn:2/8:128:bfloat16:16"
 FUSED="$FUSED gdn:1/2:256:bfloat16:16"
@@ -36,6 +39,9 @@ for a in "$@"; do
   case $a in
     --tests) sharded tests $PY benchmarks/precompile.py --tests ;;
     --real-data) sharded real $PY benchmarks/fla_gdn_tests.py --precompile --real-data ;;
+    --head-dims) sharded heads $PY benchmarks/fla_gdn_tests.py --precompile --head-dims
+                 sharded wide $PY benchmarks/precompile.py --bench --rows $WIDE
+                 sharded wide_backward $PY benchmarks/precompile.py --bench --backward --rows 16/64:8x4096:256 ;;
     --backward) sharded backward $PY benchmarks/precompile.py --bench --backward --rows $ROWS ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac

@@ -48,6 +48,8 @@ class ChunkIR:
     outputs: dict = field(default_factory=dict)  # role -> node: "o" (C×V), "state" (K×V)
     history: tuple = ()  # names of the passes that produced this program
     reverse: bool = False  # the scan runs from the last chunk to the first (a backward program)
+    # a backward program's output roles that are an input's gradient -> that input (of the forward)
+    gradient_of: dict = field(default_factory=dict)
 
     # ---- building -------------------------------------------------------------------------
     def add(self, name: str, op: str, /, *args: str, **attrs) -> str:
@@ -73,7 +75,7 @@ class ChunkIR:
 
     def copy(self) -> "ChunkIR":
         return ChunkIR(self.name, self.chunk_size, self.graph.copy(), dict(self.outputs), self.history,
-                       self.reverse)
+                       self.reverse, dict(self.gradient_of))
 
     # ---- reading --------------------------------------------------------------------------
     def node(self, name: str) -> Node:
@@ -193,6 +195,9 @@ class ChunkIR:
         for role, o in self.outputs.items():
             if o not in self.graph:
                 raise ValueError(f"output {role} = {o} does not exist")
+        for role, x in self.gradient_of.items():
+            if role not in self.outputs:
+                raise ValueError(f"gradient_of names {role} (of {x}), which is no output of the program")
 
     # ---- display ----------------------------------------------------------------------------
     def __str__(self) -> str:
@@ -214,7 +219,8 @@ class ChunkIR:
                 lines.append(f"  # {title}")
                 width = max(len(f"{n.name}:{_shape(n.shape)}") for n in group)
                 lines += [f"  {f'{n.name}:{_shape(n.shape)}':<{width}} = {_rhs(n)}" for n in group]
-        outs = " ".join(f"{r}={v}" for r, v in self.outputs.items())
+        outs = " ".join(f"{r}={v}" + (f" (∂/∂{self.gradient_of[r]})" if r in self.gradient_of else "")
+                        for r, v in self.outputs.items())
         lines.append(f"}} out {outs}")
         return "\n".join(lines)
 

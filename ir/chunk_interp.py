@@ -46,7 +46,7 @@ def run_backward(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict,
         if kind in ("saved_state", "cotangent_value"):
             blocks[n.attr["name"]] = states if kind == "saved_state" else d_o
     outs, d_initial, _ = _scan(ir, blocks, lengths, params, head_consts, d_final, False)
-    return {role[2:]: g for role, g in outs.items() if role.startswith("d_")}, d_initial
+    return {ir.gradient_of[role]: g for role, g in outs.items() if role in ir.gradient_of}, d_initial
 
 
 def _scan(ir: ChunkIR, blocks, lengths, params, head_consts, initial_state, save_states):

@@ -78,9 +78,10 @@ def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, s
     bprog = bprog_of.backward_program
     total = dims.B * dims.T
     d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments)
+    role = {x: r for r, x in bprog.chunk.gradient_of.items()}  # input -> the out kernel's tensor
     grads = {}
     for name, kind in kinds.items():
-        g = t[f"d_{name}"]
+        g = t[role[name]]
         if kind == "key" and dims.HV != dims.H:  # per value head: the query/key head's sums its group
             g = g.view(1, total, dims.H, dims.HV // dims.H, dims.K).sum(3)  # accumulates in float32
         grads[name] = g.reshape(dims.B, dims.T, *g.shape[2:])

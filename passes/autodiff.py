@@ -279,6 +279,7 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
     if S0 not in grads:
         raise PassError("autodiff", f"neither output depends on the state {S0}")
     bwd.outputs = {f"d_{n.name}": grads[n.name] for n in fwd.inputs() if n.name in grads and n.name in leaves}
+    bwd.gradient_of = {f"d_{n.name}": n.name for n in fwd.inputs() if f"d_{n.name}" in bwd.outputs}
     bwd.outputs["state"] = grads[S0]
     bwd = CSE.run(bwd)  # merges repeated products; drops the forward nodes the backward does not need
     bwd.verify()

@@ -297,7 +297,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
     for role in roles:
         x = ir.outputs[role]
         shape = ir.node(x).shape
-        of = ir.node(role[2:]) if role.startswith("d_") and role[2:] in ir.graph else None
+        of = ir.node(ir.gradient_of[role]) if role in ir.gradient_of else None
         if role == "o" or (of is not None and of.attr.get("kind") in ("value", "key")):
             # the op's output, or a value's or key's gradient per value head, in the io dtype the op
             # returns (a key's the host sums over its group, in float32, as FLA sums its bf16

@@ -236,3 +236,12 @@ def test_backward_program_matches_autograd_through_the_interpreter():
     for name, w in zip([*leaves, "initial_state"], want):
         got = d_h0 if name == "initial_state" else grads[name]
         assert rel_err(got, w) <= 1e-12, name
+
+    # which output is which input's gradient is a field of the program, not its role's name
+    assert bwd.gradient_of == {"d_k": "k", "d_v": "v", "d_g": "g"} and "d_k=d_k (∂/∂k)" in str(bwd)
+    renamed = bwd.copy()
+    renamed.outputs = {("grad_of_k" if r == "d_k" else r): x for r, x in bwd.outputs.items()}
+    renamed.gradient_of = {("grad_of_k" if r == "d_k" else r): x for r, x in bwd.gradient_of.items()}
+    renamed.verify()
+    again, _ = run_backward(renamed, blocks, lengths, {}, {}, states, d_o, d_S)
+    assert again.keys() == grads.keys() and torch.equal(again["k"], grads["k"])
