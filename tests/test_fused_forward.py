@@ -63,6 +63,26 @@ def test_fused_forward_matches_reference(runs, spec):
     assert rel_err(final, final_sep) <= (5e-3 if folded else 1e-12)
 
 
+@pytest.mark.parametrize("spec", ["gdn", "simple_gla"])
+def test_fused_forward_at_v_block_64_matches_reference(spec):
+    """At the V-block the big rows launch (64, two V-blocks of K = V = 128), where the load ring is
+    3 deep and v_new_decayed lives in v_resid's memory: o and the final state as the reference's,
+    every kernel run by the interpreter at that V-block."""
+    op = qla_compiler.compile(spec, target="sm90")
+    a = random_inputs(op, T=400, H=1, HV=2, K=128, V=128, cu_seqlens=LENS, initial_state=True,
+                      dtype=torch.bfloat16, seed=5)
+    inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
+                                      a["cu_seqlens"], False)
+    with emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale, block_v=64) as emu:
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+                               op._head_logs(dims.HV), fused=True)
+    assert emu.calls[-1][0] == f"{spec}_fused" and emu.shapes[-1].BV == 64
+    assert emu.programs[-1].kernels.kernels[-1].max_stages >= 3
+    ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in a.items()}
+    o_ref, s_ref = op.reference(**ref)
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2
+
+
 def test_the_fused_delta_rule_forms_w_and_u_on_the_fly():
     """fold_wy before the fused schedule: v_new = T·(diag(β)V − diag(βΓ)K·S₀) in the chain, so the
     prep solves the inverse alone and no W or U tensor exists (FlashQLA's split, issue 16's design). Then
