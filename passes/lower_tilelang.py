@@ -436,7 +436,7 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
     # wgmma) overwritten by a later chunk's, S0 15% off. Its readers take a private copy instead,
     # made first thing in the chunk's work, before the stage can go back (as the scan's vectors are
     # read, schedule.py).
-    private = {x: f"{x}_c" for x in r.masked_loads} if scan else {}
+    private = {x: f"{x}_c" for x in sorted(r.masked_loads)} if scan else {}
     for x, own in private.items():
         b = kernel.buffer(x)
         r.dtype[own], r.aliases[own] = b.dtype, x

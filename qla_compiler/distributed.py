@@ -120,7 +120,8 @@ def run_cp(op, inputs: dict, dims, scale: float, initial_state, ctx: CPContext, 
     B = torch.zeros(HV, K, V, dtype=work, device=device)
     lens = (ctx.local_cu[1:] - ctx.local_cu[:-1]).tolist()
     if ctx.continues:  # M from zero values and the identity state, H from the values and a zero state
-        # (two scans of widths K and V rather than one of K + V: the GPU backward takes up to 128)
+        # (two scans of widths K and V rather than one of K + V, which at K = V = 128 would run the
+        # kernels of 256-wide tiles, the backward on column blocks)
         one = torch.tensor([0, lens[0]], device=device)
         x = inputs[op.value_name][:, :lens[0]]
         eye = torch.eye(K, dtype=work, device=device).expand(1, HV, K, K)

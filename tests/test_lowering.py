@@ -4,9 +4,11 @@ CI has no GPU but has TileLang and nvcc, so it can lower every spec to CUDA, che
 kernels use tensor-core wgmma and TMA, and compile them with ptxas to catch register spills.
 """
 import dataclasses
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -530,3 +532,15 @@ def test_columns_mixed_finds_what_reads_across_v():
     v = next(n.name for n in mixed.order() if n.shape == ("C", "V"))
     mixed.add("across_v", "rowsum", v)
     assert columns_mixed(mixed) == "across_v"
+
+
+def test_the_generated_source_does_not_depend_on_the_hash_seed():
+    """The TileLang source is TileLang's cache key: kernels precompiled in one process are found
+    by another only if both generate the same text. Sets iterated in the lowering once ordered a
+    padded backward's private copies by the process's string hashing (a cache miss on the GPU
+    node, which then compiled again)."""
+    cmd = [sys.executable, "-m", "qla_compiler.cli", "gdn", "--emit", "tilelang", "--backward",
+           "--shape", "H=2,HV=8,K=100,V=60,io=bfloat16"]
+    texts = {subprocess.run(cmd, capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(texts) == 1
