@@ -228,9 +228,9 @@ def real_data_classes(head_dims_only: bool = False) -> list:
 def compile_items(classes: list) -> list:
     """(program variant, ShapeClass, the class that picks the program's variant) of each call,
     as kernels/forward.py picks them on an H200 (the scale as the op passes it: a float)."""
-    from qla_compiler.kernels import forward
-
     import qla_compiler
+    from qla_compiler.kernels import forward
+    from qla_compiler.kernels.backward import column_blocks
 
     todo, program = [], qla_compiler.compile_spec("gdn")
     for H, HV, K, V, n, io, scale, training in classes:
@@ -246,7 +246,7 @@ def compile_items(classes: list) -> list:
         if width >= V:
             todo.append(("gdn.backward", shape, runs_as))
             continue
-        for w in dict.fromkeys([width] * (V // width) + ([V % width] if V % width else [])):
+        for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
             todo.append(("gdn.backward_columns", forward.scan_class(H, HV, K, w, n, io, forward.H200_SMS, scale),
                          runs_as))
     return list(dict.fromkeys(todo))

@@ -50,8 +50,8 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
         return _backward(each, t, kinds, dims, scale, io, d_final, segments)
     params = {p.name: p for k in each.backward_program.kernels.kernels for p in k.params}
     parts = []
-    for v0 in range(0, dims.V, width):
-        sub = dataclasses.replace(dims, V=min(dims.V, v0 + width) - v0)
+    for v0, w in column_blocks(dims.V, width):
+        sub = dataclasses.replace(dims, V=w)
         cols = {n: _columns(x, params.get(n), v0, sub.V) for n, x in t.items()}
         parts.append(_backward(each, cols, kinds, sub, scale, io, d_final[..., v0:v0 + sub.V].contiguous(), segments))
     grads = {}
@@ -61,6 +61,16 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
         grads[name] = (torch.cat(blocks, dim=-1) if kind == "value" else
                        torch.stack(blocks).sum(0, dtype=torch.float32).to(blocks[0].dtype))
     return grads, torch.cat([d for _, d in parts], dim=-1)
+
+
+def column_blocks(V: int, width: int) -> list:
+    """(first column, width) of each column block of V the backward runs on (the last one may be
+    narrower; precompile compiles each width's classes).
+
+    >>> column_blocks(256, 64), column_blocks(200, 128), column_blocks(128, 128)
+    ([(0, 64), (64, 64), (128, 64), (192, 64)], [(0, 128), (128, 72)], [(0, 128)])
+    """
+    return [(v0, min(V, v0 + width) - v0) for v0 in range(0, V, width)]
 
 
 def _columns(x: torch.Tensor, param, v0: int, width: int) -> torch.Tensor:

@@ -256,20 +256,14 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
     device = inputs[v_name].device
-    base, variant = program, program_for(program, dims, io, device)
+    variant = program_for(program, dims, io, device)
     if keep:
         variant.backward_columns()  # a backward the kernels cannot run fails here, before the forward
         program = variant.training_program
     else:
+        # (the fused program is the same from every variant: it puts the decay on the value side
+        # itself, the one kernel-shaping choice that depends on the V-block)
         program = inference_program(variant, context_parallel, fused)
-        if program is not variant:  # the fused forward, launched at V-blocks up to its own bound:
-            # the variant that pays at that V-block (where that bound is below the separate
-            # kernels' V-block; the fused program puts the decay on the value side itself)
-            narrower = program_for(base, dims, io, device, program.kernels.block_v_max)
-            if narrower is not variant:
-                fused_narrower = inference_program(narrower, context_parallel, fused)
-                if fused_narrower.kernels.block_v_max == program.kernels.block_v_max:
-                    program = fused_narrower
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
@@ -340,12 +334,11 @@ def call_tensors(inputs: dict, kinds: dict, dims, initial_state, cu_seqlens, hea
     return tensors, cu, h0
 
 
-def program_for(program, dims, io, device, block_v_max: int = 64):
+def program_for(program, dims, io, device):
     """The variant of `program` this call runs (Program.for_shape: the kernel-shaping rewrites that
     pay at its V-block), chosen once per call from its shape without context parallelism, so the
-    backward runs the same variant as the forward it follows; `block_v_max`: for kernels that take
-    V-blocks up to that (the fused forward's)."""
-    return program.for_shape(shape_class(dims, dims.V, dims.N, None, io, device, block_v_max))
+    backward runs the same variant as the forward it follows."""
+    return program.for_shape(shape_class(dims, dims.V, dims.N, None, io, device))
 
 
 def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments=None):

@@ -242,10 +242,11 @@ def _dead_before(body: list, buffers: dict) -> dict:
         for name in (reads(st) | st.writes()) & set(buffers):
             first, _ = span.get(name, (i, i))
             span[name] = (first, i)
-    written_first = {n for n, (i, _) in span.items() if n in body[i].writes() and n not in reads(body[i])}
+    written_first = sorted((n for n, (i, _) in span.items() if n in body[i].writes() and n not in reads(body[i])),
+                           key=lambda n: span[n][0])
     out, hosts = {}, {}
-    for b in sorted(written_first, key=lambda n: span[n][0]):
-        host = next((a for a in sorted(written_first, key=lambda n: span[n][0])
+    for b in written_first:
+        host = next((a for a in written_first
                      if a != b and a not in out and span[a][1] < span[b][0]
                      and (buffers[a].shape, buffers[a].dtype) == (buffers[b].shape, buffers[b].dtype)
                      and all(span[g][1] < span[b][0] for g in hosts.get(a, ()))), None)

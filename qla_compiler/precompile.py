@@ -60,6 +60,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     qla-bench --scan-stages and --block-v force instead of the launch rules."""
     from .context_parallel import check_segments
     from .kernels import forward
+    from .kernels.backward import column_blocks
 
     V = V or K
     if H < 1 or HV % H:
@@ -87,12 +88,9 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
                         for w in (K + V, V)]
         seqs += [n] * (len(classes) - len(seqs))
     out = []
-    for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes (the fused forward's are narrower)
+    for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
         cap = _program(c).kernels.block_v_max if c.kernels == "all" else c.shape.BV
-        if cap < c.shape.BV:  # and the variant is the one that pays there (kernels/forward.forward)
-            narrow = launch(c.shape.V, n, cap)
-            c = dataclasses.replace(c, shape=narrow, runs_as=dataclasses.replace(narrow, scale=None))
-        out.append(c)
+        out.append(dataclasses.replace(c, shape=launch(c.shape.V, n, cap)) if cap < c.shape.BV else c)
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
         for c, n in zip(classes, seqs):
@@ -103,7 +101,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             # each column block is a problem of its own width (the last one's may be narrower);
             # a context-parallel scan's widened values, K + V wide, are K + width wide there
             launched = n * context_parallel if c.kernels == "scan" else n
-            for w in dict.fromkeys([width] * (V // width) + ([V % width] if V % width else [])):
+            for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
                 out.append(dataclasses.replace(c, part="backward", shape=launch(c.shape.V - V + w, launched),
                                                columns=width))
     return list(dict.fromkeys(out))
