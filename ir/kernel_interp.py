@@ -40,8 +40,8 @@ class Sizes:
     # buffer is rounded to its own dtype whenever a statement writes it (io, float32, tf32), as on
     # the GPU, so the interpreter predicts the kernels' rounding error. Products accumulate exactly
     # (the GPU's float32 accumulation adds less than the rounding of their operands), and the
-    # triangular inverse is exact before its float32 result is rounded (its tf32 merges' error is
-    # bounded in kernels/tri_inverse.py).
+    # triangular inverse is exact before its float32 result is rounded (its float32 substitution's
+    # error is bounded in kernels/tri_inverse.py).
     rounding: torch.dtype | None = None
 
     def of(self, dim: str) -> int:
