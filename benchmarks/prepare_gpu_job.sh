@@ -24,6 +24,9 @@ WIDE="16/64:8x4096:256 2/8:1x8192:256 16/64:8x4096:100"  # issue 15's rows besid
 FUSED="delta_net:2/2:128:bfloat16:16 simple_gla:2/2:128:bfloat16:16 retnet:2/2:128:bfloat16:16 linear_attn:2/2:128:bfloat16:16"
 FUSED="$FUSED gdn:2/2:128:bfloat16:16 gdn:1/2:64:bfloat16:16 gdn:2/8:128:bfloat16:32 gdn:2/8:128:bfloat16:16"
 FUSED="$FUSED gdn:1/2:256:bfloat16:16"
+# the wide fused kernel (V-block 128, four roles) as tests/test_gpu_fused_forward.py forces it
+FUSED="$FUSED gdn:2/8:128:bfloat16:128 delta_net:2/2:128:bfloat16:128 simple_gla:2/2:128:bfloat16:128"
+FUSED="$FUSED retnet:2/2:128:bfloat16:128 linear_attn:2/2:128:bfloat16:128 gdn:1/2:100:bfloat16:128"
 
 sharded() {  # NAME COMMAND...: the command in two shards, then a check of both logs
   local name=$1; shift

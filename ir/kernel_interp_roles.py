@@ -16,7 +16,7 @@ copy without waiting for it reads it before it is written. The interpreter check
   * a barrier left with some of its arrivals at the end.
 
 The statements themselves run as in kernel_interp (every grid point at once, float64); a ring
-buffer is one buffer per copy, and a buffer in another's memory (Buffer.shares) is that one, so a
+buffer (or a buffer one role hands another, a ring of one) is one buffer per copy, and a buffer in another's memory (Buffer.shares) is that one, so a
 value overwritten while still live gives a wrong result here too.
 """
 from __future__ import annotations
@@ -104,7 +104,11 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
     at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, n_valid=torch.zeros_like(i_n),
                 i_slot=torch.zeros_like(i_n), active=torch.ones_like(i_n, dtype=torch.bool))
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))
-    staged = {b.name: b.stages for b in kernel.buffers if b.stages > 1}
+    # the rings, and the buffers one role hands another (a ring one copy deep): the protocol is
+    # checked on each copy
+    read_by = {b.name: {r.name for r in kernel.warp_roles if any(b.name in _reads(s) for s in r.body)}
+               for b in kernel.buffers}
+    staged = {b.name: b.stages for b in kernel.buffers if b.stages > 1 or read_by[b.name] - {b.owner}}
     # a buffer in another's memory reads and writes that one's storage, as on the GPU
     in_memory_of = {b.name: b.shares for b in kernel.buffers if b.shares}
     for name, stages in staged.items():
@@ -116,7 +120,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
     n_chunks = int(chunks.max()) if len(grid) else 0
     roles = {r.name: r for r in kernel.warp_roles}
     states = [_RoleState(roles[n], n_chunks) for n in (order or roles)]
-    readers = {name: {r.name for r in kernel.warp_roles if any(name in _reads(s) for s in r.body)} for name in staged}
+    readers = {name: read_by[name] for name in staged}
     last_read = {(r.name, name): max(i for i, s in enumerate(r.body) if name in _reads(s))
                  for r in kernel.warp_roles for name in staged if r.name in readers[name]}
     version, released = {}, {}

@@ -95,11 +95,11 @@ def sm_count(device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_block_v(V: int, HV: int, N: int, device) -> int:
+def choose_block_v(V: int, HV: int, N: int, device, widest: int | None = None) -> int:
     """The V-block for this GPU (see block_v), or the policy's."""
     if POLICY.block_v:
-        return min(POLICY.block_v, V)
-    return block_v(V, HV, N, sm_count(device))
+        return min(POLICY.block_v, tile_width(V))  # (a V-block tiles the padded width)
+    return block_v(V, HV, N, sm_count(device), widest=widest)
 
 
 def widest_v_block(K: int) -> int:
@@ -108,9 +108,9 @@ def widest_v_block(K: int) -> int:
     return 64 if tile_width(K) <= 128 else 32
 
 
-def block_v(V: int, HV: int, N: int, sms: int, K: int = 128) -> int:
-    """The widest V-block (up to widest_v_block(K)) that still gives ~70% of the SMs a CTA, else
-    the narrowest (16).
+def block_v(V: int, HV: int, N: int, sms: int, K: int = 128, widest: int | None = None) -> int:
+    """The widest V-block (up to `widest`, by default widest_v_block(K)) that still gives ~70% of
+    the SMs a CTA, else the narrowest (16).
 
     The scan is one CTA per (sequence, value head, V-block) and its per-chunk time is mostly
     latency, so more CTAs beat wider tiles while the grid is short of the SMs. On the H200, 2/8
@@ -121,12 +121,24 @@ def block_v(V: int, HV: int, N: int, sms: int, K: int = 128) -> int:
     >>> block_v(128, 16, 1, 132), block_v(128, 32, 1, 132), block_v(128, 64, 1, 132), block_v(256, 64, 1, 132, K=256)
     (16, 32, 64, 32)
     """
-    widest = widest_v_block(K)
+    widest = widest or widest_v_block(K)
     V = tile_width(V)  # the V-blocks tile the padded width
-    for bv in (64, 32, 16):
+    for bv in (128, 64, 32, 16):
         if bv <= min(V, widest) and (V // bv) * HV * N >= 0.7 * sms:
             return bv
     return 16
+
+
+def wide_fused(K: int, V: int, HV: int, N: int, sms: int) -> bool:
+    """Whether a fused inference call runs the wide fused kernel (Program.fused_wide_program: V-block
+    128, its chain on a state and a value role): where its grid at that width still gives ~70% of
+    the SMs a CTA (block_v's rule), and the state, K×128 float32, fits a warpgroup (K's tile ≤ 128).
+    The output role's Q Kᵀ and mask, the same work at every V-block, then run once per value head.
+
+    >>> wide_fused(128, 128, 64, 8, 132), wide_fused(128, 128, 64, 1, 132), wide_fused(256, 256, 64, 8, 132)
+    (True, False, False)
+    """
+    return tile_width(K) <= 128 and tile_width(V) >= 128 and block_v(V, HV, N, sms, K, widest=128) == 128
 
 
 def scan_warpgroups(K: int, V: int, BV: int, HV: int, N: int, sms: int) -> int:
@@ -263,7 +275,9 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     else:
         # (the fused program is the same from every variant: it puts the decay on the value side
         # itself, the one kernel-shaping choice that depends on the V-block)
-        program = inference_program(variant, context_parallel, fused)
+        wide = POLICY.block_v == 128 if POLICY.block_v else wide_fused(dims.K, dims.V, dims.HV, dims.N,
+                                                                        sm_count(device))
+        program = inference_program(variant, context_parallel, fused, wide)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
@@ -271,24 +285,28 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
 
 
-def inference_program(program, context_parallel=None, fused=None):
+def inference_program(program, context_parallel=None, fused=None, wide: bool = False):
     """The kernels an inference call of `program` (its variant, program_for) runs: the fused
     forward where `fused` (None: the launch policy) asks for it and the call is not
-    context-parallel, else the separate kernels (what precompile compiles, too)."""
+    context-parallel (the wide one where `wide`: wide_fused), else the separate kernels (what
+    precompile compiles, too)."""
     if (POLICY.fused if fused is None else fused) and not context_parallel:
-        return fused_or_not(program)
+        return fused_or_not(program, wide)
     return program
 
 
-def fused_or_not(program):
-    """The program's fused forward (Program.fused_program), or the program itself where the
-    schedule cannot fuse it (its rings would not fit in shared memory at its head-dim tiles)."""
+def fused_or_not(program, wide: bool = False):
+    """The program's fused forward (Program.fused_wide_program where `wide`, else or where that
+    one does not fit, Program.fused_program), or the program itself where the schedule cannot
+    fuse it (its rings would not fit in shared memory at its head-dim tiles)."""
     from qla_compiler.errors import PassError
 
-    try:
-        return program.fused_program
-    except PassError:
-        return program
+    for variant in ("fused_wide_program", "fused_program") if wide else ("fused_program",):
+        try:
+            return getattr(program, variant)
+        except PassError:
+            pass
+    return program
 
 
 def check_call(dims, keep: bool, context_parallel) -> None:
@@ -390,9 +408,9 @@ def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:
 def shape_class(dims, width: int, n_seqs: int, scale: float, io, device, block_v_max: int = 64) -> ShapeClass:
     """What a launch compiles for on this GPU (scan_class), for a program whose kernels take
     V-blocks up to `block_v_max` (KernelIR.block_v_max)."""
+    widest = block_v_max if block_v_max > 64 else widest_v_block(dims.K)  # (the wide fused kernel's: 128)
     return scan_class(dims.H, dims.HV, dims.K, width, n_seqs, IO_DTYPES[io], sm_count(device), scale,
-                      BV=min(choose_block_v(width, dims.HV, n_seqs, device), widest_v_block(dims.K)),
-                      block_v_max=block_v_max)
+                      BV=min(choose_block_v(width, dims.HV, n_seqs, device, widest), widest), block_v_max=block_v_max)
 
 
 def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int) -> None:

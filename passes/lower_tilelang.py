@@ -71,8 +71,9 @@ class ShapeClass:
     def __post_init__(self):
         # (the op checks its head dims, kernels/forward.check_head_dims: context parallelism's
         # scan runs on values widened past them)
-        if self.BV not in (16, 32, 64) or self.VP % self.BV:
-            raise ValueError(f"BV={self.BV}: the V-block must be 16, 32 or 64 and divide V's tile {self.VP}")
+        if self.BV not in (16, 32, 64, 128) or self.VP % self.BV:
+            raise ValueError(f"BV={self.BV}: the V-block must be 16, 32, 64 or 128 (the wide fused kernel's) and "
+                             f"divide V's tile {self.VP}")
         if self.state not in ("float32", *IO_DTYPES):
             raise ValueError(f"state={self.state!r}: a state pool is float32, bfloat16 or float16")
         if self.scan_warpgroups not in (1, 2) or (self.scan_warpgroups == 2 and self.BV < 32):

@@ -287,7 +287,24 @@ class Program:
             >>> [k.name for k in qla_compiler.compile_spec("gdn").fused_program.kernels.kernels]
             ['gdn_prep', 'gdn_fused']
         """
-        if "fused_program" not in self._derived:
+        return self._fused(wide=False)
+
+    @property
+    def fused_wide_program(self) -> "Program":
+        """The fused forward at V-block 128 (schedule_fused.WIDE_BLOCK_V), for calls whose grid
+        fills the GPU at that width: its chain cut into a state role and a value role, so four roles
+        in all; the same chunk program as fused_program.
+
+            >>> import qla_compiler
+            >>> fused = qla_compiler.compile_spec("gdn").fused_wide_program.kernels
+            >>> fused.block_v_max, [r.name for r in fused.kernels[-1].warp_roles]
+            (128, ['state', 'value', 'output', 'loads'])
+        """
+        return self._fused(wide=True)
+
+    def _fused(self, wide: bool) -> "Program":
+        key = "fused_wide_program" if wide else "fused_program"
+        if key not in self._derived:
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             try:
                 chunk = self.chunk
@@ -299,25 +316,26 @@ class Program:
                     if set(after.graph.nodes) != set(chunk.graph.nodes):
                         before.append((rewrite.name, after))
                         chunk = after
-                self._derived["fused_program"] = self._scheduled(chunk, before, "fused forward: ", fused=True)
+                self._derived[key] = self._scheduled(chunk, before, "fused forward: ", fused=True, wide=wide)
             except PassError as e:  # kept: the runtime asks on every call (kernels/forward.fused_or_not)
-                self._derived["fused_program"] = e
-        got = self._derived["fused_program"]
+                self._derived[key] = e
+        got = self._derived[key]
         if isinstance(got, PassError):
             raise got
         return got
 
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
-                   fused: bool = False, **split) -> "Program":
+                   fused: bool = False, wide: bool = False, **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
         schedule (for this program's head-dim tiles; `fused`: schedule's): a Program whose stages
-        are `before` and those two (`into`, if given). A failure names the pass."""
+        are `before` and those two (`into`, if given); `wide`: the fused kernel's (schedule). A
+        failure names the pass."""
         self._need_kernels(where)
         prog = into or Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before),
                                head_dims=self.head_dims)
         ir = chunk
         for p in (Pass("partition", lambda c: partition(c, **split), "split into kernels"),
-                  Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims, fused=fused),
+                  Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims, fused=fused, wide=wide),
                        "place buffers, order statements")):
             ir = _run_pass(p, ir, where)
             prog._keep(p.name, ir)

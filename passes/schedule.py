@@ -57,12 +57,12 @@ SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 
 
 def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS,
-             fused: bool = False) -> KernelIR:
+             fused: bool = False, wide: bool = False) -> KernelIR:
     """The KernelIR of a partitioned chunk program, its shared memory and registers budgeted for
     head-dim tiles up to `head_dims` (K, V): the kernels of larger tiles differ (more threads, fewer
     stages, outputs split across kernels), those of smaller ones would only waste memory. With
     `fused` (a forward), the scan and the out kernel are one warp-specialised kernel
-    (schedule_fused.py).
+    (schedule_fused.py); `wide`: that kernel at V-block 128, its chain on two roles.
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
@@ -76,7 +76,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     if part.prep:
         kir.kernels.append(_prep_kernel(part, split_phase_loads, dims))
     if fused:
-        kernel, kir.block_v_max = fused_kernel(part, dims)
+        kernel, kir.block_v_max = fused_kernel(part, dims, wide)
         kir.kernels.append(kernel)
         return kir
     kir.kernels.append(_scan_kernel(part, dims))

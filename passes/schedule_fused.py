@@ -4,7 +4,9 @@ One CTA per (V-block, value head, sequence) walks the sequence's chunks with thr
 warpgroup each, cut from the partition (no spec names here):
 
   * `chain`: the scan's nodes — the loop-carried path from the state entering a chunk to the
-    state leaving it, the state in registers for the whole sequence;
+    state leaving it, the state in registers for the whole sequence (at V-block 128, the wide
+    kernel, cut in two: `state`, the statements that touch the state fragment, and `value`, the
+    products that form the chunk's new values from the entering state: four roles);
   * `output`: the out kernel's nodes, on the V-block: what the output needs of the state (the
     entering state, and for the delta rule v_new) it reads from the chain through shared memory
     instead of from HBM, so the per-chunk states and v_new never leave the SM;
@@ -12,17 +14,19 @@ warpgroup each, cut from the partition (no spec names here):
     padding rows zeroed when the chunk is a sequence's partial last one.
 
 Every edge across a cut is a ring of shared buffers, chunk c in copy c % depth (the loads' ring
-as deep as shared memory holds at the V-block it is budgeted at, FUSED_BLOCK_VS; the chain's
-hand-overs RING deep), with a pair of barriers: `full` (the writer's arrivals: the copy holds
-chunk c) and `empty` (every reader's arrivals: the copy may be overwritten). A role waits on
+as deep as shared memory holds at the V-block it is budgeted at, FUSED_BLOCK_VS; the hand-overs
+between compute roles RING deep, in the wide kernel one deep where two do not fit), with a pair of
+barriers: `full` (the writer's arrivals: the copy holds chunk c) and `empty` (every reader's
+arrivals: the copy may be overwritten). A role waits on
 `full` right before its first read in the chunk and arrives on `empty` right after its last; the
 writer waits on `empty` right before its first write and publishes with a proxy fence and an
 arrival on `full` right after its last. So the chain never waits for the output except through a
 full ring: the output of chunk c overlaps the chain's chunk c + 1.
 
 Registers: setmaxnreg moves the loads role down to LOADS_REGISTERS and shares the rest of the
-CTA's pool (3 · 168 at 384 threads: ir/kernel.entry_registers) evenly between the two compute
-roles (the state and its products live in the chain, Q Kᵀ and the output block in the output role).
+CTA's pool (3 · 168 at 384 threads, 4 · 128 at 512: ir/kernel.entry_registers) between the compute
+roles: a state role of its own gets the state's registers first, the others evenly (the state and
+its products live in the chain, Q Kᵀ and the output block in the output role).
 
 For the delta rule the program comes through fold_wy first (Program.fused_program): the chain
 forms v_new = T·(diag(β)V − diag(βΓ)K·S₀) itself, three products a chunk, and the prep before it
@@ -38,7 +42,7 @@ from .partition import Partition
 from .schedule_build import build, global_name, head_params, input_params
 from .schedule_memory import THREADS, reads, smem_bytes, zero_pad
 
-RING = 2  # copies of a ring the chain hands the output role: it fills one while the output reads the other
+RING = 2  # copies of a hand-over between compute roles: the writer fills one while the readers read the other
 # copies of the load ring, the deepest that fits: the loads of chunk c + depth start when both
 # roles are done with chunk c, so the chain waits on a load unless depth − 1 of its chunks outlast
 # one load's latency (on the H200 a 2-deep ring ran 3 µs a chunk against the plain scan's 1.1 µs)
@@ -57,17 +61,34 @@ MIN_WIDE_STAGES = 3
 FUSED_SMEM_BUDGET = 224 * 1024
 LOADS_REGISTERS = 112  # addresses, and a masked load's (K = 100: 40, 56, 88 spilled; ptxas, sm_90a)
 WARP = 32
+# The wide kernel's V-block: the output role's Q Kᵀ and mask once per value head, not per V-block,
+# and half the CTAs of 64 to walk the same chunks. Its state, K×128 float32, is 128 registers a
+# thread at K = 128: the chain is cut in two roles (the state, and the value products), as FlashQLA
+# does, and the hand-offs go one deep where two do not fit beside a two-deep load ring.
+WIDE_BLOCK_V = 128
+STATE_EXTRA_REGISTERS = 40  # the state role's addresses and its decay pass, beside the state itself
+ROLE_DOCS = {
+    "chain": "the state chain: S in registers; hands the entering state (and the chunk's new values) on",
+    "state": "the state: S in registers, its decay and update; hands the entering state on",
+    "value": "the chain's products, from the entering state to the chunk's new values",
+    "output": "the output from the entering state and the chunk's own tokens",
+    "loads": "TMA loads of the next chunks into the rings (one warp issues), padding rows zeroed",
+}
 
 
-def fused_kernel(part: Partition, dims: dict) -> tuple:
+def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     """(the fused scan + output kernel of a forward partition, the widest V-block it is budgeted
-    for); its prep kernel stays before it."""
+    for); its prep kernel stays before it. `wide`: at V-block WIDE_BLOCK_V, the chain cut into a
+    state role and a value role (four roles in all)."""
     ir = part.chunk
     if ir.reverse:
         raise PassError("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
     outputs = tuple(r for r in ir.outputs if r != "state")
     if outputs != ("o",):
         raise PassError("schedule", f"the fused kernel writes one output, o; this program has {outputs}")
+    if wide and dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS > 255:
+        raise PassError("schedule", f"the wide fused kernel's state, K×{WIDE_BLOCK_V} float32 at K = {dims['K']}, "
+                                    "does not fit one warpgroup's registers")
 
     # -- the two compute roles' statements, as the scan and the out kernel would have them, with
     # the per-token vectors their blocks scale by (β·Γ, the decay to the chunk's end, ...) made
@@ -117,72 +138,94 @@ def fused_kernel(part: Partition, dims: dict) -> tuple:
     chain_body = [st.renamed(private) for st in chain_body]
     out_body = [st.renamed(rename_out) for st in out_body]
 
-    # -- buffers, with their rings and owners; the load ring as deep as shared memory allows
+    # -- the compute roles: the chain as one role, or (wide) cut in two where the state and the
+    # chain's products would not fit one warpgroup's registers: the state role, every statement
+    # that touches the state fragment (its decay, its update, its copy for the products), and the
+    # value role, the rest of the chain (the products from the entering state to the new values)
+    bodies = _split_chain(chain_body) if wide else {"chain": chain_body}
+    bodies["output"] = out_body
+
+    # -- buffers, their owners (the role that writes each) and the hand-offs between roles
     ring = {st.dst for st in loads}
-    cross = set(handed.values())
     found = {}
-    for role, b in (("chain", chain), ("output", out)):
-        names = rename_out if role == "output" else {}
+    for b, names in ((chain, {}), (out, rename_out)):
         for buf in b.buffers.values():
             name = names.get(buf.name, buf.name)
             if name in private or buf.name in private or name in found:
                 continue
-            found[name] = (buf, "loads" if name in ring else ("chain" if name in cross else role))
-    _check_rings(chain_body + out_body, ring)
-    for st in out_body:
-        if st.dst in cross:
-            raise PassError("schedule", f"the output role writes {st.dst}, which the chain hands it")
+            found[name] = buf
+    _check_rings([st for body in bodies.values() for st in body], ring)
+    owner, handoffs = _owners(bodies, {n: b for n, b in found.items() if n not in ring})
+    owner.update(dict.fromkeys(ring, "loads"))
     shares = {}
-    for role, body in (("chain", chain_body), ("output", out_body)):
-        own = {n: b for n, (b, o) in found.items() if o == role and n not in ring | cross and b.scope == "shared"}
+    for role, body in bodies.items():
+        own = {n: b for n, b in found.items() if owner.get(n) == role and n not in handoffs and b.scope == "shared"}
         shares.update(_dead_before(body, own))
 
-    def ring_depth(bv: int):
+    def ring_depth(bv: int, handed_depth: int):
         at = {**dims, "BV": bv}
-        per_copy = sum(smem_bytes([b], at) for name, (b, _) in found.items() if name in ring)
-        fixed = sum(smem_bytes([b], at) * (RING if name in cross else 1) for name, (b, _) in found.items()
-                    if name not in ring and name not in shares)
+        per_copy = sum(smem_bytes([found[n]], at) for n in ring)
+        fixed = sum(smem_bytes([b], at) * (handed_depth if n in handoffs else 1) for n, b in found.items()
+                    if n not in ring and n not in shares)
         return next((d for d in LOAD_STAGES if fixed + d * per_copy <= FUSED_SMEM_BUDGET), None), \
             (fixed + LOAD_STAGES[-1] * per_copy) // 1024
 
-    widths = [bv for bv in FUSED_BLOCK_VS if bv <= dims["BV"]]
-    fits = {bv: ring_depth(bv) for bv in widths}
-    block_v = next((bv for bv in widths if (fits[bv][0] or 0) >= MIN_WIDE_STAGES), None) or \
-        next((bv for bv in reversed(widths) if fits[bv][0]), None)
-    if block_v is None:
-        raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {fits[widths[-1]][1]} KB "
-                                    f"of shared memory at V-block {widths[-1]}, over the "
-                                    f"{FUSED_SMEM_BUDGET // 1024} KB budget")
-    depth = fits[block_v][0]
+    if wide:  # the hand-offs as deep as the budget allows with the load ring still two deep
+        block_v = WIDE_BLOCK_V
+        fits = {d: ring_depth(block_v, d) for d in (RING, 1)}
+        handed_depth = next((d for d, (stages, _) in fits.items() if (stages or 0) >= 2), None)
+        if handed_depth is None:
+            raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {fits[1][1]} KB of shared "
+                                        f"memory at V-block {block_v}, over the {FUSED_SMEM_BUDGET // 1024} KB budget")
+        depth = fits[handed_depth][0]
+    else:
+        handed_depth = RING
+        widths = [bv for bv in FUSED_BLOCK_VS if bv <= dims["BV"]]
+        fits = {bv: ring_depth(bv, RING) for bv in widths}
+        block_v = next((bv for bv in widths if (fits[bv][0] or 0) >= MIN_WIDE_STAGES), None) or \
+            next((bv for bv in reversed(widths) if fits[bv][0]), None)
+        if block_v is None:
+            raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {fits[widths[-1]][1]} KB "
+                                        f"of shared memory at V-block {widths[-1]}, over the "
+                                        f"{FUSED_SMEM_BUDGET // 1024} KB budget")
+        depth = fits[block_v][0]
     buffers = {name: Buffer(name, b.shape, b.dtype, b.scope,
-                            depth if name in ring else RING if name in cross else 1, owner, shares.get(name, ""))
-               for name, (b, owner) in found.items()}
+                            depth if name in ring else handed_depth if name in handoffs else 1, owner[name],
+                            shares.get(name, ""))
+               for name, b in found.items()}
 
     # -- barriers, and the roles' statements with their waits and arrivals
-    readers = [r for r, body in (("chain", chain_body), ("output", out_body)) if any(reads(s) & ring for s in body)]
+    readers = [r for r, body in bodies.items() if any(reads(s) & ring for s in body)]
     loaded = tuple(st.dst for st in loads)
     barriers = [Barrier("loads_landed", WARP, depth, "the TMA loads of a chunk have landed", "landed", loaded),
                 Barrier("loads_full", THREADS, depth, "a chunk's loads are in their ring copy, padding zeroed",
                         "full", loaded),
                 Barrier("loads_empty", THREADS * len(readers), depth, "every reader is done with the copy", "empty",
                         loaded)]
-    for x in sorted(cross):
-        barriers += [Barrier(f"{x}_full", THREADS, RING, f"the chain has written the chunk's {x}", "full", (x,)),
-                     Barrier(f"{x}_empty", THREADS, RING, f"the output role has read the chunk's {x}", "empty", (x,))]
-    out_body = _independent_first(out_body, cross)
-    chain_body = _synced(_synced(chain_body, ring, "loads", reader=True), cross, None, reader=False)
-    out_body = _synced(_synced(out_body, ring, "loads", reader=True), cross, None, reader=True)
+    for x in sorted(handoffs):
+        took = " and ".join(sorted(handoffs[x]))
+        barriers += [Barrier(f"{x}_full", THREADS, handed_depth, f"the {owner[x]} role has written the chunk's {x}",
+                             "full", (x,)),
+                     Barrier(f"{x}_empty", THREADS * len(handoffs[x]), handed_depth,
+                             f"the {took} role{'s have' if len(handoffs[x]) > 1 else ' has'} read the chunk's {x}",
+                             "empty", (x,))]
+    for role, body in bodies.items():
+        read = {x for x, rs in handoffs.items() if role in rs}
+        written = {x for x in handoffs if owner[x] == role}
+        if role == "output":
+            body = _independent_first(body, read)
+        body = _synced(body, ring, "loads", reader=True) if role in readers else body
+        bodies[role] = _synced(_synced(body, read, None, reader=True), written, None, reader=False)
     loads_body = _loads_role(loads)
-    budget = (3 * entry_registers(3 * THREADS) - LOADS_REGISTERS) // 2 // 8 * 8
-    roles = (
-        Role("chain", 0, THREADS, budget, (Stmt("load_state", "state", ("initial_state",)),), tuple(chain_body),
-             (Stmt("store_state", "final_state", ("state",)),),
-             doc="the state chain: S in registers; hands the entering state (and the chunk's new values) on"),
-        Role("output", THREADS, THREADS, budget, (), tuple(out_body), (),
-             doc="the output from the entering state and the chunk's own tokens"),
-        Role("loads", 2 * THREADS, THREADS, LOADS_REGISTERS, (), tuple(loads_body), (),
-             doc="TMA loads of the next chunks into the rings (one warp issues), padding rows zeroed"),
-    )
+    roles, first = [], 0
+    for role, budget in _budgets(list(bodies), dims).items():
+        state = role == next(iter(bodies))  # the first role holds the state
+        roles.append(Role(role, first, THREADS, budget,
+                          (Stmt("load_state", "state", ("initial_state",)),) if state else (), tuple(bodies[role]),
+                          (Stmt("store_state", "final_state", ("state",)),) if state else (), doc=ROLE_DOCS[role]))
+        first += THREADS
+    roles.append(Role("loads", first, THREADS, LOADS_REGISTERS, (), tuple(loads_body), (), doc=ROLE_DOCS["loads"]))
+    roles = tuple(roles)
 
     params, names = [], set()
     for p in _params(ir, part, out_nodes, loaded_out):
@@ -191,7 +234,7 @@ def fused_kernel(part: Partition, dims: dict) -> tuple:
             params.append(p)
     nodes = tuple(n.name for n in ir.order() if n.name in set(part.scan) | set(out_nodes))
     kernel = Kernel(
-        f"{ir.name}_fused", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 3 * THREADS, params,
+        f"{ir.name}_fused", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), len(roles) * THREADS, params,
         list(buffers.values()), [], [], [], loop="chunks of the sequence", max_stages=depth,
         roles=tuple(f"{r.name}: {r.doc}" for r in roles),
         doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
@@ -201,6 +244,63 @@ def fused_kernel(part: Partition, dims: dict) -> tuple:
     except ValueError as e:
         raise PassError("schedule", str(e)) from None
     return kernel, block_v
+
+
+def _split_chain(body: list) -> dict:
+    """The chain's statements as two roles: `state`, those that read or write the state fragment
+    (the loop-carried accumulator), and `value`, the rest (what the state's update needs from the
+    entering state); a chain with no such rest (linear attention) is the state role alone. What one
+    role hands the other goes through shared memory (_owners)."""
+    touches = [bool({"state"} & (reads(st) | st.writes())) for st in body]
+    state = [st for st, t in zip(body, touches) if t]
+    value = [st for st, t in zip(body, touches) if not t]
+    if not state:
+        raise PassError("schedule", "the chain cannot be cut into a state role and a value role: "
+                                    "no statement touches the state")
+    return {"state": state, "value": value} if value else {"state": state}
+
+
+def _owners(bodies: dict, buffers: dict) -> tuple:
+    """(the role that writes each buffer, the hand-offs: buffer -> the other roles that read it).
+    A buffer two roles write, or a fragment another role reads, cannot be cut between them: a
+    PassError names it. A buffer no role touches is dropped."""
+    writers, readers = {}, {}
+    for role, body in bodies.items():
+        for st in body:
+            for w in st.writes() & set(buffers):
+                writers.setdefault(w, set()).add(role)
+            for r in reads(st) & set(buffers):
+                readers.setdefault(r, set()).add(role)
+    owner, handoffs = {}, {}
+    for name, buf in buffers.items():
+        ws, rs = writers.get(name, set()), readers.get(name, set())
+        if not ws and not rs:
+            continue
+        if len(ws) != 1:
+            raise PassError("schedule", f"{name} is written by {' and '.join(sorted(ws)) or 'no'} role"
+                                        f"{'s' if len(ws) != 1 else ''}: a buffer between roles has one writer")
+        owner[name] = next(iter(ws))
+        if rs - ws:
+            if buf.scope != "shared":
+                raise PassError("schedule", f"the fragment {name} is written by the {owner[name]} role and read by "
+                                            f"the {' and '.join(sorted(rs - ws))} role: registers stay in one role")
+            handoffs[name] = rs - ws
+    return owner, handoffs
+
+
+def _budgets(roles: list, dims: dict) -> dict:
+    """Each compute role's register budget: the CTA's pool (its threads · entry_registers) less
+    the loads role's LOADS_REGISTERS; a state role of its own gets the state's registers and
+    STATE_EXTRA_REGISTERS, the other roles share the rest evenly."""
+    threads = (len(roles) + 1) * THREADS
+    left = (len(roles) + 1) * entry_registers(threads) - LOADS_REGISTERS
+    out = {}
+    if "state" in roles:
+        out["state"] = (dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS + 7) // 8 * 8
+        left -= out["state"]
+    rest = [r for r in roles if r not in out]
+    share = left // len(rest) // 8 * 8
+    return {r: out.get(r, share) for r in roles}
 
 
 def _params(ir, part: Partition, out_nodes, loaded_out) -> list:

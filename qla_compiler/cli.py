@@ -50,7 +50,8 @@ def main(argv=None) -> int:
                     help="with --emit kernel/tilelang/cuda: the token-step kernel for decoding (op.recurrent)")
     ap.add_argument("--fused", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the forward with its scan and output fused into one "
-                         "warp-specialised kernel (roles, register budgets, barriers; QLA_FUSED_FORWARD=1 runs it)")
+                         "warp-specialised kernel (roles, register budgets, barriers; QLA_FUSED_FORWARD=1 runs it); "
+                         "at --shape ...,BV=128 the wide one, its chain on a state and a value role")
     ap.add_argument("--training", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the forward's kernels as a training step runs "
                          "them (they also store what the backward loads, e.g. T_r); with --precompile: also "
@@ -109,8 +110,9 @@ def main(argv=None) -> int:
             if args.emit in ("kernel", "tilelang", "cuda"):  # the kernels this shape class runs
                 shape = parse_shape(args.shape)
                 prog = prog.for_shape(shape)
+            fused = "fused_wide_program" if shape is not None and shape.BV > 64 else "fused_program"
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
-                                  ("token_step", "token_step_program"), ("fused", "fused_program")):
+                                  ("token_step", "token_step_program"), ("fused", fused)):
                 if getattr(args, flag):
                     if args.emit not in ("kernel", "tilelang", "cuda"):
                         raise ValueError(f"--{flag.replace('_', '-')} goes with --emit kernel, tilelang or cuda")
@@ -171,9 +173,10 @@ def parse_shape(text: str):
         except ValueError as e:
             raise ValueError(f"--shape: {e}") from None
     BV = fields.get("BV")
-    if BV is not None and (BV not in (16, 32, 64) or tile_width(V) % BV):
-        raise ValueError(f"--shape: BV={BV} must be 16, 32 or 64 and divide V's tile {tile_width(V)}")
-    shape = scan_class(H, HV, K, V, 1, fields.get("io", "bfloat16"), H200_SMS, BV=BV)
+    if BV is not None and (BV not in (16, 32, 64, 128) or tile_width(V) % BV):
+        raise ValueError(f"--shape: BV={BV} must be 16, 32, 64 or 128 (the wide fused kernel's) and divide V's "
+                         f"tile {tile_width(V)}")
+    shape = scan_class(H, HV, K, V, 1, fields.get("io", "bfloat16"), H200_SMS, BV=BV, block_v_max=max(BV or 0, 64))
     try:
         return dataclasses.replace(shape, **{f: fields[f] for f in ("stages", "scan_warpgroups") if f in fields})
     except ValueError as e:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .passes.lower_tilelang import ShapeClass
+from .passes.lower_tilelang import ShapeClass, tile_width
 
 PARTS = ("forward", "training", "backward")  # the program: as inference runs it; a training step's two
 FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "sms")
@@ -47,6 +47,9 @@ class Compile:
     kernels: str = "all"  # | "scan" | "parallel"
     # a backward on column blocks of V (Program.backward_columns): the block width (0: V whole)
     columns: int = 0
+    # an inference call that runs the wide fused kernel (kernels/forward.wide_fused, where the
+    # launch policy fuses the forward)
+    wide: bool = False
 
 
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
@@ -74,8 +77,10 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs
 
     def launch(width, n, block_v_max=64):
-        shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=min(block_v, width) if block_v else None,
-                                   block_v_max=block_v_max)
+        # (as kernels/forward.shape_class: past 64 the wide fused kernel's rule)
+        BV = min(block_v, tile_width(width)) if block_v else \
+            forward.block_v(width, HV, n, sms, K, widest=block_v_max) if block_v_max > 64 else None
+        shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
     classes, seqs = [], []  # as the separate kernels run them (a training step too)
@@ -89,8 +94,11 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         seqs += [n] * (len(classes) - len(seqs))
     out = []
     for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
+        if c.kernels == "all" and forward.POLICY.fused and \
+                (block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms)):
+            c = dataclasses.replace(c, wide=True)
         cap = _program(c).kernels.block_v_max if c.kernels == "all" else c.shape.BV
-        out.append(dataclasses.replace(c, shape=launch(c.shape.V, n, cap)) if cap < c.shape.BV else c)
+        out.append(dataclasses.replace(c, shape=launch(c.shape.V, n, cap)) if cap < c.shape.BV or c.wide else c)
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
         for c, n in zip(classes, seqs):
@@ -205,7 +213,7 @@ def _program(c: Compile):
     if c.columns:
         return program.backward_columns()[1].backward_program
     if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
-        return forward.inference_program(program, context_parallel=c.kernels != "all")
+        return forward.inference_program(program, context_parallel=c.kernels != "all", wide=c.wide)
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 
 

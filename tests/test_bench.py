@@ -50,7 +50,7 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
         return o, final
 
     with mock.patch.object(fwd, "load_kernels", emu), \
-            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device: 32), \
+            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device, widest=None: 32), \
             mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):
         with_backward(recording)(**args)
     assert [k.name for k in op.program.backward_program.kernels.kernels] == [n for n, _ in emu.calls[-len(

@@ -383,3 +383,121 @@ def test_the_kernel_verifier_refuses_what_the_lowering_cannot_emit():
     for message, roles in cases.items():
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(k, warp_roles=tuple(sorted(roles, key=lambda r: r.first))).verify()
+
+
+# ---- the wide fused kernel (V-block 128: the chain cut into a state role and a value role) ---------
+
+def _wide_forward(spec, seed=5):
+    op = qla_compiler.compile(spec, target="sm90")
+    a = random_inputs(op, T=400, H=1, HV=2, K=128, V=128, cu_seqlens=LENS, initial_state=True,
+                      dtype=torch.bfloat16, seed=seed)
+    inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
+                                      a["cu_seqlens"], False)
+    with emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale, block_v=128) as emu:
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+                               op._head_logs(dims.HV), fused=True)
+    ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in a.items()}
+    return op, (o, final), op.reference(**ref), emu, scale
+
+
+@pytest.fixture(scope="module")
+def wide_runs():
+    return {spec: _wide_forward(spec) for spec in SPECS}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_wide_fused_forward_matches_reference(wide_runs, spec):
+    """Every spec at V-block 128 through the role interpreter (every wait, arrival and hand-off
+    checked, the one-deep hand-offs included): o and the final state as the reference's. The
+    delta rule and the gated specs cut their chain in two; linear attention's chain is the state's
+    update alone, so its state role is the chain."""
+    op, (o, final), (o_ref, s_ref), emu, _ = wide_runs[spec]
+    kernel = emu.programs[-1].kernels.kernels[-1]
+    assert emu.calls[-1][0] == f"{spec}_fused" and emu.shapes[-1].BV == 128
+    roles = [r.name for r in kernel.warp_roles]
+    assert roles == (["state", "output", "loads"] if spec == "linear_attn" else ["state", "value", "output", "loads"])
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2
+
+
+def test_the_wide_kernel_cuts_the_chain_at_the_state():
+    """The state role holds S and does only what touches it: its copy for the products, its decay,
+    its update by Kᵀ·(decayed v_new); the value role forms v_new from the entering state. Each
+    crosses to the other through a one-deep hand-off (a pair of barriers); the entering state goes
+    to two roles, so its empty barrier counts both. The load ring stays two deep at 219 KB."""
+    prog = qla_compiler.compile_spec("gdn").fused_wide_program
+    k = prog.kernels.kernels[-1]
+    roles = {r.name: r for r in k.warp_roles}
+    assert prog.kernels.block_v_max == 128 and k.threads == 512 and k.max_stages == 2
+    assert [st.op for st in roles["state"].body if st.op not in ("wait", "arrive", "fence_async")] == \
+        ["copy", "ewise", "gemm"]
+    assert [st.srcs for st in roles["value"].body if st.op == "gemm"] == [("k_s", "state_s"), ("T_s", "v_resid_s")]
+    bars = {b.name: b for b in k.barriers}
+    assert bars["state_s_empty"].arrivals == 256 and bars["state_s_full"].stages == 1
+    assert bars["v_new_decayed_s_empty"].arrivals == 128 and bars["loads_empty"].arrivals == 3 * 128
+    assert {b.name: (b.owner, b.stages) for b in k.buffers if b.name in ("state_s", "v_new_decayed_s", "v_new_s")} == \
+        {"state_s": ("state", 1), "v_new_decayed_s": ("value", 1), "v_new_s": ("value", 1)}
+    # the state's registers, then the rest shared: 168 + 3 · 112 ≤ 4 · 128
+    assert [r.registers for r in k.warp_roles] == [168, 112, 112, 112]
+
+
+WIDE_MUTANTS = {
+    # the state role updates S from the value role's hand-off before it is written
+    "state skips the full wait": ("state", lambda s: s.op == "wait" and s.dst == "v_new_decayed_s_full",
+                                  r"reads v_new_decayed_s without waiting on the barrier that hands it over"),
+    # the value role overwrites its one-deep hand-off while the state role may still read it
+    "value skips the empty wait": ("value", lambda s: s.op == "wait" and s.dst == "v_new_decayed_s_empty",
+                                   r"writes v_new_decayed_s without waiting for its readers to be done"),
+    # the value role never gives the entering state back: the state role cannot write the next one
+    "value never releases the state": ("value", lambda s: s.op == "arrive" and s.dst == "state_s_empty",
+                                       r"deadlock: .*waits on state_s_empty"),
+}
+
+
+@pytest.mark.parametrize("mutant", WIDE_MUTANTS)
+def test_wide_barrier_mistakes_are_named(wide_runs, mutant):
+    op, _, _, emu, scale = wide_runs["gdn"]
+    k = emu.programs[-1].kernels.kernels[-1]
+    role, pred, message = WIDE_MUTANTS[mutant]
+    t = {n: x.clone() for n, x in emu.seen[k.name].items()}
+    sizes = Sizes(K=128, V=128, BV=128, HV=2, G=2, C=64, head_logs=op._head_logs(2))
+    run_roles(k, {n: x.clone() for n, x in t.items()}, sizes, scale)  # the kernel as scheduled runs
+    for order in (None, ("value", "output", "loads", "state"), ("loads", "output", "value", "state")):
+        try:
+            run_roles(_without(k, role, pred), {n: x.clone() for n, x in t.items()}, sizes, scale, order=order)
+        except InterpretError as e:
+            assert re.search(message, str(e)), str(e)
+            return
+    pytest.fail(f"{mutant}: no role order made the interpreter see it")
+
+
+def test_the_runtime_takes_the_wide_kernel_where_its_grid_fills_the_gpu():
+    """wide_fused: 16/64 heads and eight sequences give 512 CTAs at V-block 128 (the wide kernel);
+    one sequence gives 64, under 70% of 132 SMs (the narrow kernel at 64); K = 256 never (its state
+    would not fit a warpgroup)."""
+    assert fwd.wide_fused(128, 128, 64, 8, 132) and not fwd.wide_fused(128, 128, 64, 1, 132)
+    assert not fwd.wide_fused(256, 256, 64, 8, 132) and not fwd.wide_fused(128, 64, 64, 8, 132)
+    with pytest.raises(PassError, match="does not fit one warpgroup's registers"):
+        qla_compiler.compile_spec("gdn").scheduled_for((256, 256)).fused_wide_program
+    from qla_compiler.precompile import shape_classes
+    with fwd.launch_policy(fused=True):
+        got = [(c.wide, c.shape.BV) for c in shape_classes("gdn", H=16, HV=64, K=128, n_seqs=[1, 8], sms=132)]
+    assert got == [(False, 64), (True, 128)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_wide_fused_cuda_has_four_register_budgets_and_no_spills(tmp_path):
+    """setmaxnreg 168 for the state role, 112 for the others, within the pool of 512 threads at
+    ptxas's 128 registers each; no spills."""
+    from test_lowering import _ptxas_report
+
+    from qla_compiler.kernels.runtime import lower_to_cuda
+
+    program = qla_compiler.compile_spec("gdn").fused_wide_program
+    cuda = lower_to_cuda(program, ShapeClass(H=16, HV=64, K=128, V=128, BV=128))["gdn_fused"]
+    budgets = [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda)]
+    assert sorted(budgets) == [112, 112, 112, 168]
+    report = _ptxas_report(cuda, tmp_path)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), spills
+    used = int(re.search(r"'gdn_fused_kernel'.*?Used (\d+) registers", report, re.S).group(1))
+    assert sum(budgets) * 128 <= 512 * used, (budgets, used)

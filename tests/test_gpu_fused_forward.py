@@ -71,3 +71,46 @@ def test_fused_where_the_launch_rules_pick_v_block_64():
     op = qla_compiler.compile("gdn", target="sm90")
     assert fwd.block_v(128, 32, 2, fwd.sm_count(torch.device("cuda"))) == 64
     _check("gdn", make_inputs(op, lens=[300, 200], H=4, HV=32, K=128, V=128))
+
+
+# ---- the wide fused kernel: V-block 128, the chain on a state and a value role (four roles) ----------
+
+def _wide_runs(op, args) -> bool:
+    """Whether the call's fused kernel is the wide one (the launch rules, or the policy's V-block)."""
+    _, dims, _ = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                             args["cu_seqlens"], False)
+    program = fwd.program_for(op.program, dims, torch.bfloat16, args["q"].device)
+    wide = fwd.POLICY.block_v == 128 if fwd.POLICY.block_v else \
+        fwd.wide_fused(dims.K, dims.V, dims.HV, dims.N, fwd.sm_count(args["q"].device))
+    return [r.name for r in fwd.fused_or_not(program, wide).kernels.kernels[-1].warp_roles][:2] == ["state", "value"]
+
+
+@pytest.mark.parametrize("case", GDN_CASES)
+def test_fused_wide_gdn_forward(case):
+    op = qla_compiler.compile("gdn", target="sm90")
+    args = make_inputs(op, H=2, HV=8, K=128, V=128, **GDN_CASES[case])
+    with fwd.launch_policy(block_v=128):
+        assert _wide_runs(op, args)
+        _check("gdn", args)
+
+
+@pytest.mark.parametrize("spec", ["delta_net", "simple_gla", "retnet", "linear_attn"])
+def test_fused_wide_other_specs(spec):
+    op = qla_compiler.compile(spec, target="sm90")
+    with fwd.launch_policy(block_v=128):
+        _check(spec, make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=128, V=128))
+
+
+def test_fused_wide_in_padded_tiles():
+    """K = V = 100 in 128-wide tiles: the op's own blocks load masked by the loads role."""
+    op = qla_compiler.compile("gdn", target="sm90")
+    with fwd.launch_policy(block_v=128):
+        _check("gdn", make_inputs(op, lens=[70, 1, 200], H=1, HV=2, K=100, V=100), fla=False)
+
+
+def test_fused_wide_where_the_launch_rules_pick_it():
+    """16/64 heads and eight sequences: 512 CTAs at V-block 128, so the rules run the wide kernel."""
+    op = qla_compiler.compile("gdn", target="sm90")
+    args = make_inputs(op, lens=[300, 1, 64, 129, 200, 77, 500, 2], H=16, HV=64, K=128, V=128)
+    assert _wide_runs(op, args)
+    _check("gdn", args)
