@@ -144,6 +144,9 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     # value role, the rest of the chain (the products from the entering state to the new values)
     bodies = _split_chain(chain_body) if wide else {"chain": chain_body}
     bodies["output"] = out_body
+    kinds = {b.name: b.scope for b in (*chain.buffers.values(), *out.buffers.values())}
+    kinds.update({rename_out.get(n, n): b.scope for n, b in out.buffers.items()})
+    bodies = {role: _through_fragments(body, kinds) for role, body in bodies.items()}
 
     # -- buffers, their owners (the role that writes each) and the hand-offs between roles
     ring = {st.dst for st in loads}
@@ -258,6 +261,51 @@ def _split_chain(body: list) -> dict:
         raise PassError("schedule", "the chain cannot be cut into a state role and a value role: "
                                     "no statement touches the state")
     return {"state": state, "value": value} if value else {"state": state}
+
+
+def _through_fragments(body: list, scope: dict) -> list:
+    """A role's element-wise writes of shared blocks from other shared blocks, made in registers
+    first: X_s = f(F, ...) with F a fragment of X_s's shape that f reads element for element
+    becomes F = f(F, ...) in place, then a copy F → X_s (FlashQLA's order). Why: in one loop, a
+    shared write followed by the next element's shared read of a ring copy (its stage a runtime
+    index) is one TileLang 0.1.15 cannot prove disjoint, so its thread-sync pass put a named
+    barrier between every two elements (32 `bar.sync` a pass on the H200's ncu trace, session 15);
+    a loop that writes registers and a copy that reads them need none. A copy of F that came after
+    the write (the undecayed v_new the output role reads) moves before it, so F's value is taken
+    before it changes; a write whose F is read otherwise later stays as it is."""
+    out = list(body)
+    i = 0
+    while i < len(out):
+        st = out[i]
+        if st.op != "ewise" or scope.get(st.dst) != "shared" or not any(scope.get(r) == "shared" for r in reads(st)):
+            i += 1
+            continue
+        idx = st.attr["index"]
+        frags = [r for r in reads(st) if scope.get(r) == "fragment" and _read_at(st.attr["expr"], r, idx)]
+        later = out[i + 1:]
+        for f in frags:
+            moved = [x for x in later if f in reads(x) or f in x.writes()]
+            if all(x.op == "copy" and x.srcs == (f,) and x.dst not in reads(st) for x in moved):
+                rest = [x for x in later if x not in moved]
+                out[i:] = moved + [Stmt("ewise", f, (), st.attrs), Stmt("copy", st.dst, (f,))] + rest
+                i += len(moved) + 1
+                break
+        i += 1
+    return out
+
+
+def _read_at(expr, name: str, idx: tuple) -> bool:
+    """Whether `expr` reads `name`, and only at the element `idx` (so it can be rewritten in place)."""
+    found = []
+
+    def walk(e):
+        if isinstance(e, tuple):
+            if len(e) >= 2 and e[0] == "buf" and e[1] == name:
+                found.append(tuple(e[2:]))
+            for x in e:
+                walk(x)
+    walk(expr)
+    return bool(found) and all(f == tuple(idx) for f in found)
 
 
 def _owners(bodies: dict, buffers: dict) -> tuple:

@@ -324,9 +324,10 @@ def test_the_fused_forward_launches_at_v_blocks_up_to_64():
 
 def test_a_buffer_in_anothers_memory_is_that_memory_in_the_interpreter(runs):
     """Buffer.shares is what the interpreter runs, as the GPU does. A mutant chain that forms v_new
-    from v_resid once more after v_new_decayed was written reads v_new_decayed there when the two
-    share memory (another o), and v_resid's own value when they do not (the same o). Sharing
-    across roles, whose statements interleave, the verifier refuses."""
+    from v_resid once more after v_new_decayed was written, and the decayed v_new from it again,
+    reads v_new_decayed there when the two share memory (another state, so another o), and
+    v_resid's own value when they do not (the same o). Sharing across roles, whose statements
+    interleave, the verifier refuses."""
     op, _, (_, _, emu, scale), _ = runs["gdn"]
     k = _fused(op)
     seen = emu.seen[k.name]
@@ -334,7 +335,10 @@ def test_a_buffer_in_anothers_memory_is_that_memory_in_the_interpreter(runs):
     chain = next(r for r in k.warp_roles if r.name == "chain")
     body = list(chain.body)
     again = next(st for st in body if st.op == "gemm" and st.srcs == ("T_s", "v_resid_s"))
-    body.insert(next(i for i, st in enumerate(body) if st.dst == "v_new_decayed_s") + 1, again)
+    at = next(i for i, st in enumerate(body) if st.dst == "v_new_decayed_s")
+    decay = body[at - 1]
+    assert decay.op == "ewise" and decay.dst == "v_new"  # (the decay in place, then its copy)
+    body[at + 1:at + 1] = [again, decay, body[at]]
     roles = tuple(dataclasses.replace(r, body=tuple(body)) if r is chain else r for r in k.warp_roles)
     mutant = dataclasses.replace(k, warp_roles=roles)
     apart = dataclasses.replace(mutant, buffers=[dataclasses.replace(b, shares="") for b in k.buffers])
