@@ -23,10 +23,12 @@ ROWS="2/8:1x32768 2/8:1x8192 2/8:8x4096 4/16:1x32768 4/16:8x4096 8/32:1x32768 16
 WIDE="16/64:8x4096:256 2/8:1x8192:256 16/64:8x4096:100"  # issue 15's rows beside FLA
 FUSED="delta_net:2/2:128:bfloat16:16 simple_gla:2/2:128:bfloat16:16 retnet:2/2:128:bfloat16:16 linear_attn:2/2:128:bfloat16:16"
 FUSED="$FUSED gdn:2/2:128:bfloat16:16 gdn:1/2:64:bfloat16:16 gdn:2/8:128:bfloat16:32 gdn:2/8:128:bfloat16:16"
-FUSED="$FUSED gdn:1/2:256:bfloat16:16"
+FUSED="$FUSED gdn:1/2:256:bfloat16:16 gdn:4/32:128:bfloat16:64"
 # the wide fused kernel (V-block 128, four roles) as tests/test_gpu_fused_forward.py forces it
 FUSED="$FUSED gdn:2/8:128:bfloat16:128 delta_net:2/2:128:bfloat16:128 simple_gla:2/2:128:bfloat16:128"
 FUSED="$FUSED retnet:2/2:128:bfloat16:128 linear_attn:2/2:128:bfloat16:128 gdn:1/2:100:bfloat16:128"
+# tests/test_gpu_real_data.py's fused forward cases (2/4 heads: V-block 16, and the wide kernel)
+FUSED="$FUSED gdn:2/4:128:bfloat16:16 gdn:2/4:128:bfloat16:128"
 
 sharded() {  # NAME COMMAND...: the command in two shards, then a check of both logs
   local name=$1; shift

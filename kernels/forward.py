@@ -33,17 +33,17 @@ class LaunchPolicy:
     a block of calls): `sms` the SM count the rules see (None: the device's), `block_v` the scans'
     V-block (None: block_v's rule), `scan_stages` the scan's pipeline stages (None: scan_stages'
     rule), `fused` whether inference calls run the fused, warp-specialised forward
-    (passes/schedule_fused.py; off by default until the H200 has run and timed it,
-    QLA_FUSED_FORWARD=1 turns it on), `kernels` what loads a program's kernels for a shape class
-    (None: the compiled ones, runtime.load_kernels; the emulator stands in on the CPU)."""
+    (passes/schedule_fused.py; None: where it pays, fused_pays; QLA_FUSED_FORWARD=1 or 0 sets it
+    for the process), `kernels` what loads a program's kernels for a shape class (None: the
+    compiled ones, runtime.load_kernels; the emulator stands in on the CPU)."""
     sms: int | None = None
     block_v: int | None = None
     scan_stages: int | None = None
-    fused: bool = False
+    fused: bool | None = None
     kernels: Callable | None = None
 
 
-POLICY = LaunchPolicy(fused=os.environ.get("QLA_FUSED_FORWARD", "0") == "1")
+POLICY = LaunchPolicy(fused={"1": True, "0": False}.get(os.environ.get("QLA_FUSED_FORWARD", "")))
 
 
 @contextlib.contextmanager
@@ -127,6 +127,27 @@ def block_v(V: int, HV: int, N: int, sms: int, K: int = 128, widest: int | None 
         if bv <= min(V, widest) and (V // bv) * HV * N >= 0.7 * sms:
             return bv
     return 16
+
+
+def fused_pays(K: int, V: int, HV: int, N: int, sms: int) -> bool:
+    """Whether an inference call runs the fused forward by default: where its grid, at block_v's
+    V-block, gives ~70% of the SMs a CTA. On the H200 (session 15) the fused kernel beat the
+    separate scan and out kernels on the seven bench rows whose grid does (1.04–1.71× faster), and
+    was 7–8% slower on the two that do not (2/8 heads, one sequence: 64 CTAs at V-block 16), its
+    hand-offs a latency each chunk that a short grid cannot hide.
+
+    >>> fused_pays(128, 128, 8, 1, 132), fused_pays(128, 128, 16, 1, 132), fused_pays(128, 128, 8, 8, 132)
+    (False, True, True)
+    """
+    bv = block_v(V, HV, N, sms, K)
+    return (tile_width(V) // bv) * HV * N >= 0.7 * sms
+
+
+def runs_fused(K: int, V: int, HV: int, N: int, sms: int, fused=None) -> bool:
+    """Whether an inference call runs the fused forward: `fused`, else the launch policy's, else
+    where it pays (fused_pays)."""
+    choice = POLICY.fused if fused is None else fused
+    return fused_pays(K, V, HV, N, sms) if choice is None else choice
 
 
 def wide_fused(K: int, V: int, HV: int, N: int, sms: int) -> bool:
@@ -275,9 +296,10 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     else:
         # (the fused program is the same from every variant: it puts the decay on the value side
         # itself, the one kernel-shaping choice that depends on the V-block)
-        wide = POLICY.block_v == 128 if POLICY.block_v else wide_fused(dims.K, dims.V, dims.HV, dims.N,
-                                                                        sm_count(device))
-        program = inference_program(variant, context_parallel, fused, wide)
+        sms = sm_count(device)
+        wide = POLICY.block_v == 128 if POLICY.block_v else wide_fused(dims.K, dims.V, dims.HV, dims.N, sms)
+        program = inference_program(variant, context_parallel, runs_fused(dims.K, dims.V, dims.HV, dims.N, sms,
+                                                                         fused), wide)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
@@ -285,12 +307,11 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
 
 
-def inference_program(program, context_parallel=None, fused=None, wide: bool = False):
+def inference_program(program, context_parallel=None, fused: bool = False, wide: bool = False):
     """The kernels an inference call of `program` (its variant, program_for) runs: the fused
-    forward where `fused` (None: the launch policy) asks for it and the call is not
-    context-parallel (the wide one where `wide`: wide_fused), else the separate kernels (what
-    precompile compiles, too)."""
-    if (POLICY.fused if fused is None else fused) and not context_parallel:
+    forward where `fused` (runs_fused) and the call is not context-parallel (the wide one where
+    `wide`: wide_fused), else the separate kernels (what precompile compiles, too)."""
+    if fused and not context_parallel:
         return fused_or_not(program, wide)
     return program
 

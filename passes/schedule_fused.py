@@ -284,9 +284,10 @@ def _through_fragments(body: list, scope: dict) -> list:
         frags = [r for r in reads(st) if scope.get(r) == "fragment" and _read_at(st.attr["expr"], r, idx)]
         later = out[i + 1:]
         for f in frags:
-            moved = [x for x in later if f in reads(x) or f in x.writes()]
+            touch = [f in reads(x) or f in x.writes() for x in later]
+            moved = [x for x, t in zip(later, touch) if t]
             if all(x.op == "copy" and x.srcs == (f,) and x.dst not in reads(st) for x in moved):
-                rest = [x for x in later if x not in moved]
+                rest = [x for x, t in zip(later, touch) if not t]
                 out[i:] = moved + [Stmt("ewise", f, (), st.attrs), Stmt("copy", st.dst, (f,))] + rest
                 i += len(moved) + 1
                 break

@@ -47,9 +47,9 @@ class Compile:
     kernels: str = "all"  # | "scan" | "parallel"
     # a backward on column blocks of V (Program.backward_columns): the block width (0: V whole)
     columns: int = 0
-    # an inference call that runs the wide fused kernel (kernels/forward.wide_fused, where the
-    # launch policy fuses the forward)
-    wide: bool = False
+    # an inference call that runs the fused forward (kernels/forward.runs_fused): "narrow", or
+    # "wide" (kernels/forward.wide_fused); "" where it runs the separate kernels
+    fused: str = ""
 
 
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
@@ -94,11 +94,11 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         seqs += [n] * (len(classes) - len(seqs))
     out = []
     for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
-        if c.kernels == "all" and forward.POLICY.fused and \
-                (block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms)):
-            c = dataclasses.replace(c, wide=True)
+        if c.kernels == "all" and forward.runs_fused(K, V, HV, n, sms):
+            wide = block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms)
+            c = dataclasses.replace(c, fused="wide" if wide else "narrow")
         cap = _program(c).kernels.block_v_max if c.kernels == "all" else c.shape.BV
-        out.append(dataclasses.replace(c, shape=launch(c.shape.V, n, cap)) if cap < c.shape.BV or c.wide else c)
+        out.append(dataclasses.replace(c, shape=launch(c.shape.V, n, cap)) if cap < c.shape.BV or cap > 64 else c)
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
         for c, n in zip(classes, seqs):
@@ -213,7 +213,8 @@ def _program(c: Compile):
     if c.columns:
         return program.backward_columns()[1].backward_program
     if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
-        return forward.inference_program(program, context_parallel=c.kernels != "all", wide=c.wide)
+        return forward.inference_program(program, context_parallel=c.kernels != "all", fused=bool(c.fused),
+                                         wide=c.fused == "wide")
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 
 

@@ -271,12 +271,29 @@ def test_the_policy_picks_the_fused_kernel_for_inference_only(runs):
     op, a, _, _ = runs["simple_gla"]
     inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
                                       a["cu_seqlens"], False)
+    before = fwd.POLICY.fused
     for keep, expect in ((False, "simple_gla_fused"), (True, "simple_gla_out")):
         with fwd.launch_policy(fused=True), emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale) as emu:
             fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
                         op._head_logs(dims.HV), keep=keep)
         assert emu.calls[-1][0] == expect
-    assert not fwd.POLICY.fused
+    assert fwd.POLICY.fused is before
+
+
+def test_by_default_inference_is_fused_where_the_grid_fills_the_gpu(runs):
+    """With no policy set (fused None), an inference call runs the fused forward where its grid at
+    block_v's V-block gives 70% of the SMs a CTA (fused_pays), the separate kernels elsewhere: this
+    test's 2 value heads and 4 sequences give 8 CTAs of 132 SMs (separate), 2 SMs' worth of policy
+    (fused)."""
+    op, a, _, _ = runs["gdn"]
+    inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
+                                      a["cu_seqlens"], False)
+    for sms, expect in ((132, "gdn_out"), (2, "gdn_fused")):
+        with emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale) as emu, \
+                fwd.launch_policy(fused=None, sms=sms):
+            fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+                        op._head_logs(dims.HV))
+        assert emu.calls[-1][0] == expect, (sms, emu.calls)
 
 
 def test_fused_forward_in_padded_tiles():
@@ -484,8 +501,8 @@ def test_the_runtime_takes_the_wide_kernel_where_its_grid_fills_the_gpu():
         qla_compiler.compile_spec("gdn").scheduled_for((256, 256)).fused_wide_program
     from qla_compiler.precompile import shape_classes
     with fwd.launch_policy(fused=True):
-        got = [(c.wide, c.shape.BV) for c in shape_classes("gdn", H=16, HV=64, K=128, n_seqs=[1, 8], sms=132)]
-    assert got == [(False, 64), (True, 128)]
+        got = [(c.fused, c.shape.BV) for c in shape_classes("gdn", H=16, HV=64, K=128, n_seqs=[1, 8], sms=132)]
+    assert got == [("narrow", 64), ("wide", 128)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
@@ -505,3 +522,24 @@ def test_wide_fused_cuda_has_four_register_budgets_and_no_spills(tmp_path):
     assert spills and all(s == ("0", "0") for s in spills), spills
     used = int(re.search(r"'gdn_fused_kernel'.*?Used (\d+) registers", report, re.S).group(1))
     assert sum(budgets) * 128 <= 512 * used, (budgets, used)
+
+
+def test_element_wise_writes_of_shared_blocks_go_through_registers():
+    """In both fused kernels no compute role's element-wise statement writes a shared block while
+    reading one (schedule_fused._through_fragments): such a loop, reading a ring copy at a runtime
+    stage, got a TileLang named barrier between every two elements. The write happens in the
+    fragment it reads, then one copy to shared memory; the undecayed v_new the output role reads is
+    copied out before the decay changes it."""
+    prog = qla_compiler.compile_spec("gdn")
+    for kernels in (prog.fused_program.kernels, prog.fused_wide_program.kernels):
+        k = kernels.kernels[-1]
+        scope = {b.name: b.scope for b in k.buffers}
+        for r in k.warp_roles:
+            if r.name == "loads":
+                continue
+            bad = [str(st) for st in r.body if st.op == "ewise" and scope[st.dst] == "shared"
+                   and any(scope.get(x) == "shared" for x in st.reads())]
+            assert not bad, (r.name, bad)
+        body = [str(st) for st in next(r for r in k.warp_roles if r.name in ("chain", "value")).body]
+        assert body.index("v_new_s = copy v_new") < body.index("v_new[i,j] = (decay_to_end_s[i] · v_new[i, j])") \
+            < body.index("v_new_decayed_s = copy v_new")

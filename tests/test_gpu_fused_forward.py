@@ -77,8 +77,8 @@ def test_fused_where_the_launch_rules_pick_v_block_64():
 
 def _wide_runs(op, args) -> bool:
     """Whether the call's fused kernel is the wide one (the launch rules, or the policy's V-block)."""
-    _, dims, _ = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
-                             args["cu_seqlens"], False)
+    _, dims, _ = op._prepare((), {n: args[n] for n in op.input_names}, None, args.get("initial_state"),
+                             args.get("cu_seqlens"), False)
     program = fwd.program_for(op.program, dims, torch.bfloat16, args["q"].device)
     wide = fwd.POLICY.block_v == 128 if fwd.POLICY.block_v else \
         fwd.wide_fused(dims.K, dims.V, dims.HV, dims.N, fwd.sm_count(args["q"].device))

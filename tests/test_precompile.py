@@ -55,9 +55,11 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads,
 
 def test_every_number_of_sequences_by_default():
     """Without N the warm-up covers any batch: the classes of 1 … SMs + 1 sequences, past which
-    the launch rules no longer change."""
+    the launch rules no longer change (V-block 128 where enough sequences fill the GPU at it: the
+    fused forward's wide kernel, which inference calls run by default there)."""
     every = shape_classes("gdn", H=2, HV=8, K=128)
-    assert {c.shape.BV for c in every} == {16, 32, 64}
+    assert {c.shape.BV for c in every} == {16, 32, 64, 128}
+    assert {c.fused for c in every if c.shape.BV == 128} == {"wide"}
     assert set(shape_classes("gdn", H=2, HV=8, K=128, n_seqs=list(range(1, 1000)))) == set(every)
 
 
