@@ -29,6 +29,9 @@ case "${1:-}" in
       touch '$J'/done' > $J/runner.log 2>&1 &
     echo "started $(wc -l < "$2") steps" ;;
   poll)
+    # a machine without the job is a fresh one: the lease lapsed between calls (30 s idle) and
+    # took the job with it; say so now rather than wait out SECONDS (session 16 lost 8 minutes so)
+    [ -f $J/steps ] || { echo "no job on this machine: the lease lapsed since start; start again" >&2; exit 3; }
     end=$(( $(date +%s) + ${2:-300} ))
     while [ ! -f $J/done ] && [ "$(date +%s)" -lt $end ]; do
       tar -C $J --exclude=./src -czf "$OUT/job.tgz" . 2>/dev/null

@@ -51,5 +51,7 @@ for a in "$@"; do
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
-tar -C "$TILELANG_CACHE_DIR" -czf .gpu/tl-cache.tar .
+# (not cuda-binaries/: nvcc's cache for compiling, which a kernel-cache hit never reads; each
+# kernel's executable.so holds its cubin, and the tar stays under half the size)
+tar -C "$TILELANG_CACHE_DIR" --exclude=./*/cuda-binaries -czf .gpu/tl-cache.tar .
 echo ".gpu/tl-cache.tar: $(du -h .gpu/tl-cache.tar | cut -f1); .gpu in all: $(du -sh .gpu | cut -f1) (the device tool carries 64 MiB)"

@@ -100,6 +100,14 @@ class Buffer:
     # the buffer whose memory it takes (a warp-specialised kernel): that one's value is dead, in
     # every chunk, before this one is written, and this one's before that one is written again
     shares: str = ""
+    # elements of padding after each row of a 2-D shared block (its shape stays the logical one):
+    # a row of 64 floats is 256 bytes, so the same column of different rows falls in one bank, and
+    # threads that store a wgmma accumulator's rows, or read one column across rows, serialise
+    row_pad: int = 0
+
+    def alloc_shape(self) -> tuple:
+        """Its shape as allocated: the last dim padded by row_pad."""
+        return self.shape[:-1] + (f"{self.shape[-1]} + {self.row_pad}",) if self.row_pad else self.shape
 
 
 @dataclass(frozen=True)
@@ -252,10 +260,13 @@ class Kernel:
         return next(b for b in self.buffers if b.name == name)
 
     def verify(self) -> None:
-        """What a warp-specialised kernel's lowering relies on (ValueError naming what breaks it):
-        its roles are whole warpgroups, in order, covering its threads; their register budgets are
-        setmaxnreg's (multiples of 8 in [24, 256]) and fit the SM; every wait and arrival names a
-        barrier; every ring has an owner among the roles."""
+        """What the lowering relies on (ValueError naming what breaks it): only 2-D shared blocks
+        pad their rows; a warp-specialised kernel's roles are whole warpgroups, in order, covering
+        its threads; their register budgets are setmaxnreg's (multiples of 8 in [24, 256]) and fit
+        the SM; every wait and arrival names a barrier; every ring has an owner among the roles."""
+        for b in self.buffers:
+            if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
+                raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")
         if not self.warp_roles:
             return
         at = 0
@@ -301,7 +312,8 @@ class Kernel:
             ring = f" ×{b.stages} stages" if b.stages > 1 else ""
             owner = f"  (written by {b.owner})" if b.owner else ""
             shares = f"  (in {b.shares}'s memory)" if b.shares else ""
-            lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]{ring}{owner}{shares}")
+            pad = f"  (rows padded by {b.row_pad})" if b.row_pad else ""
+            lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]{ring}{owner}{shares}{pad}")
         lines += [f"  {b}" for b in self.barriers]
         if self.warp_roles:
             lines.append(f"  for chunk in {self.loop}, every role:")
@@ -341,6 +353,11 @@ class KernelIR:
     # blocks alone are too many): no launch can run them, so a caller takes V in narrower column
     # blocks where the program allows it (Program.backward_columns)
     over_budget: tuple = ()
+
+    def verify(self) -> None:
+        """Every kernel's verify (ValueError naming the kernel and what breaks it)."""
+        for k in self.kernels:
+            k.verify()
 
     def __str__(self) -> str:
         head = [f"kernel_program {self.name}  C={self.chunk_size}  head-dim tiles up to K={self.head_dims[0]} "

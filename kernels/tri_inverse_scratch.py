@@ -1,12 +1,25 @@
 """What the schedule and the lowering need to know of kernels/tri_inverse.py's macro, without
-TileLang: its input's dtype and the scratch buffers to allocate for it. tri_inverse.py imports
-TileLang to define the macro; the passes import only this (so does `qla-compile --emit chunk`).
+TileLang: its input's dtype and row padding, and the scratch buffers to allocate for it.
+tri_inverse.py imports TileLang to define the macro; the passes import only this (so does
+`qla-compile --emit chunk`).
 
-    >>> list(SCRATCH), INPUT_DTYPE
-    (['D_s', 'T_s', 'P_s'], 'float32')
+    >>> list(SCRATCH), INPUT_DTYPE, INPUT_ROW_PAD
+    (['D_s', 'T_s', 'P_s'], 'float32', 4)
+
+Why the padding. A row of C = 64 floats is 256 bytes, a multiple of the 32 banks' 128, so one
+column of different rows is one bank. The macro reads A and T by rows that differ from thread to
+thread: a column sweep reads A[i, j] for the 8 rows of a warp, the 32-merge A[32 + r, l] and
+T[32 + r, 32 + l] for its 4 (8-way and 4-way conflicts, most of the inverse's shared-memory time
+on the H200, session 15's ncu). Rows 68 floats apart put those 8 rows in 8 distinct banks, and
+the store of β ⊙ K Kᵀ from a wgmma accumulator (4 column pairs of 8 rows a warp) meets 2-way
+conflicts where it met 8-way.
 """
+from qla_compiler.ir.kernel import Buffer
 
 BLOCK = 16  # the diagonal blocks solved by substitution
-# name suffix -> (scope, dtype, shape) of the scratch buffers, in the order the macro takes them
-SCRATCH = {"D_s": ("shared", "float32", ("C", str(BLOCK))), "T_s": ("shared", "float32", ("C", "C")), "P_s": ("shared", "float32", ("C", str(BLOCK)))}
 INPUT_DTYPE = "float32"  # A_s, read in float32
+INPUT_ROW_PAD = 4  # A_s's rows, 68 floats apart at C = 64
+# name suffix -> the scratch buffer, in the order the macro takes them
+SCRATCH = {"D_s": Buffer("D_s", ("C", str(BLOCK)), "float32", "shared"),
+           "T_s": Buffer("T_s", ("C", "C"), "float32", "shared", row_pad=4),
+           "P_s": Buffer("P_s", ("C", str(BLOCK)), "float32", "shared")}

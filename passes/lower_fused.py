@@ -40,7 +40,7 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
         if b.scope == "shared" and b.shares:
             out.append(f"        {b.name} = {b.shares}  # {b.owner}'s, in {b.shares}'s memory (dead by then)")
         elif b.scope == "shared":
-            dims = _shape(((str(b.stages),) if b.stages > 1 else ()) + b.shape, r.tiles)
+            dims = _shape(((str(b.stages),) if b.stages > 1 else ()) + b.alloc_shape(), r.tiles)
             who = f"  # a ring of {b.stages}, written by {b.owner}" if b.stages > 1 else f"  # {b.owner}'s"
             out.append(f"        {b.name} = T.alloc_shared({dims}, {_dtype(b.dtype)}){who}")
     for bar in kernel.barriers:

@@ -298,7 +298,7 @@ class _Render:
 
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
 SCRATCH = {
-    "inverse": {k: (scope, _shape(shape), dt) for k, (scope, dt, shape) in INVERSE_SCRATCH.items()},
+    "inverse": {k: (b.scope, _shape(b.alloc_shape()), b.dtype) for k, b in INVERSE_SCRATCH.items()},
     "cumsum": {"acc": ("fragment", "(C,)", "float32")},
 }
 
@@ -371,7 +371,7 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
     out = _signature(kernel, r) + _per_sequence_grid(V, kernel.threads)
     for b in kernel.buffers:
         alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
-        out.append(f"        {b.name} = {alloc}({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})")
+        out.append(f"        {b.name} = {alloc}({_shape(b.alloc_shape(), r.tiles)}, {_dtype(b.dtype)})")
     slot = next(s for s in kernel.prologue if s.op == "load_state").attr["slot"]
     out += [f"        slot = {slot}[i_n]",
             "        if slot != -2:  # -2: a padding entry of the batch, which reads and writes nothing"]
@@ -404,7 +404,7 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
                 "        n_valid = chunk_map[i_slot, 1]  # 0 for unused slots: nothing is stored"]
     for b in kernel.buffers:
         alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
-        out.append(f"        {b.name} = {alloc}({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})")
+        out.append(f"        {b.name} = {alloc}({_shape(b.alloc_shape(), r.tiles)}, {_dtype(b.dtype)})")
         for s in (st for st in kernel.body if st.dst == b.name and st.op in SCRATCH):
             for suffix, (scope, shape, dt) in SCRATCH[s.op].items():
                 alloc = "T.alloc_shared" if scope == "shared" else "T.alloc_fragment"

@@ -78,13 +78,21 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     if fused:
         kernel, kir.block_v_max = fused_kernel(part, dims, wide)
         kir.kernels.append(kernel)
-        return kir
+        return _verified(kir)
     kir.kernels.append(_scan_kernel(part, dims))
     kir.kernels += _out_kernels(part, split_phase_loads, dims)
     for k in kir.kernels:
         if not k.loop:  # the parallel kernels: the scan's rings are budgeted by its stages instead
             k.shared_peak = max(live_shared({b.name: b for b in k.buffers}, k.body, dims), default=0)
     kir.over_budget = tuple(k.name for k in kir.kernels if k.shared_peak > SMEM_BUDGET)
+    return _verified(kir)
+
+
+def _verified(kir: KernelIR) -> KernelIR:
+    try:
+        kir.verify()
+    except ValueError as e:
+        raise PassError("schedule", str(e)) from None
     return kir
 
 
@@ -113,6 +121,13 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
         if x in b.io_copy:  # already rounded to io in shared memory for a wgmma: the store reads that
             # (instead of keeping the float32 value, or what it is computed from, live to the end)
             b.place[x] = b.io_copy[x]
+        elif x not in b.place and len(ir.node(x).shape) == 2 and ir.node(x).op != "matmul":
+            # an element-wise block (T = T_r ⊙ R; a product's scaling, the backward prep's): computed
+            # straight into the io block it leaves from, as whole rows, with no pass over a
+            # fragment first (see _rows_block)
+            rows = _rows_block(b, x, part.crossing)
+            b.ewise(rows, x)
+            b.place[x] = rows
         elif x not in b.place and not (ir.node(x).shape != ("C",) and b.overwrite_fragment(x)):
             # an element-wise combination: computed into registers for the store, over the one
             # fragment it reads where it can be (a product's scaling: scale_after_product)
@@ -124,10 +139,15 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
         if x in early:
             continue
         staging = next((f for f in free if b.buffers[f].shape == b.buffers[b.place[x]].shape), None)
+        if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment" and not staging \
+                and ir.node(x).op != "matmul":
+            staging = _rows_block(b, x, part.crossing)
         if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment" and staging:
-            # a wgmma fragment spreads each row over 4 threads in 8-byte pieces: staged in a
-            # shared block whose work is done, the chunk leaves as whole 128-byte rows
-            free.remove(staging)
+            # a wgmma fragment spreads each row over 4 threads in 8-byte pieces, the inverse's
+            # holds a column a thread: staged in a shared block (one whose work is done where
+            # there is one), the chunk leaves as whole 128-byte rows
+            if staging in free:
+                free.remove(staging)
             b.body.append(Stmt("copy", staging, (b.place[x],)))
             b.place[x] = staging
         stores.append(_store_rows(ir, b, x))
@@ -149,6 +169,18 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
                   list(b.buffers.values()), [], body, [],
                   roles=(f"all {threads // 32} warps: " + "; ".join(work),),
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
+
+
+def _rows_block(b: Builder, x: str, crossing) -> str:
+    """An io shared block for a crossing block that is not a wgmma's result to leave from as
+    whole rows: one whose work is done where there is one, else its own. The inverse's fragment,
+    and an element-wise one over it, holds one column of every other row in each thread, and went
+    out from registers as 2-byte stores, 32 a thread (the solve-only prep, session 15's ncu: with
+    the mask pass, ~30 % of its time); written to shared memory, the chunk leaves as a bulk copy
+    of 128-byte rows (session 16, H200: that prep 1.07 → 0.85 ms at 16/64, with the padding)."""
+    shape = b.ir.node(x).shape
+    free = next((n for n in _free_at_end(b, crossing) if b.buffers[n].shape == shape), None)
+    return free or b.buf(f"{x}_rows_s", shape, "io", "shared")
 
 
 def _store_early(b: Builder, crossing) -> set:

@@ -3,13 +3,15 @@ by the placement rules schedule.py's docstring lists (what lives where, what is 
 fragment a sum accumulates in)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 from qla_compiler.ir.kernel import Buffer, Stmt, Tensor
-from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE
+from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE, INPUT_ROW_PAD as INVERSE_ROW_PAD
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
@@ -326,6 +328,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
             if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
                 raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")
             A = b.buf(f"{n.args[0]}_s", n.shape, INVERSE_INPUT_DTYPE, "shared")
+            b.buffers[A] = replace(b.buffers[A], row_pad=INVERSE_ROW_PAD)
             b.ewise(A, n.args[0])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             b.body.append(Stmt("inverse", b.place[name], (A,)))

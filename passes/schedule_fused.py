@@ -35,8 +35,10 @@ puts diag(βΓ) on the product K·S₀. The chain then forms no block wider than
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from qla_compiler.errors import PassError
-from qla_compiler.ir.kernel import Barrier, Buffer, Kernel, Role, Stmt, Tensor, entry_registers
+from qla_compiler.ir.kernel import Barrier, Kernel, Role, Stmt, Tensor, entry_registers
 
 from .partition import Partition
 from .schedule_build import build, global_name, head_params, input_params
@@ -192,9 +194,8 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
                                         f"of shared memory at V-block {widths[-1]}, over the "
                                         f"{FUSED_SMEM_BUDGET // 1024} KB budget")
         depth = fits[block_v][0]
-    buffers = {name: Buffer(name, b.shape, b.dtype, b.scope,
-                            depth if name in ring else handed_depth if name in handoffs else 1, owner[name],
-                            shares.get(name, ""))
+    buffers = {name: replace(b, stages=depth if name in ring else handed_depth if name in handoffs else 1,
+                             owner=owner[name], shares=shares.get(name, ""))
                for name, b in found.items()}
 
     # -- barriers, and the roles' statements with their waits and arrivals
@@ -242,11 +243,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         roles=tuple(f"{r.name}: {r.doc}" for r in roles),
         doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
         nodes=nodes, outputs=("o",), warp_roles=roles, barriers=tuple(barriers))
-    try:
-        kernel.verify()
-    except ValueError as e:
-        raise PassError("schedule", str(e)) from None
-    return kernel, block_v
+    return kernel, block_v  # (schedule verifies it)
 
 
 def _split_chain(body: list) -> dict:

@@ -36,7 +36,7 @@ def buffer_bytes(b: Buffer, dims: dict) -> int:
     n = _DTYPE_BYTES[b.dtype]
     for d in b.shape:
         n *= dims[d]
-    return n
+    return n + n // dims[b.shape[-1]] * b.row_pad if b.row_pad else n
 
 
 def smem_bytes(buffers, dims: dict) -> int:
@@ -137,7 +137,7 @@ def live_shared(buffers: dict, stmts: list, dims: dict) -> list:
     """Bytes of shared memory live at each statement: every shared buffer from its first touch
     (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
     live = [smem_bytes(bs, dims) for bs in _live(buffers, stmts, "shared")]
-    scratch = smem_bytes([Buffer("", shape, dt, scope) for scope, dt, shape in INVERSE_SCRATCH.values()], dims)
+    scratch = smem_bytes(INVERSE_SCRATCH.values(), dims)
     return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
 
 

@@ -462,6 +462,42 @@ def test_prep_stores_its_wgmma_copies():
     assert len(copies) == 1 and len(reads) == 2 and copies[0] < reads[0]
 
 
+def test_the_solve_only_prep_stores_T_as_whole_rows_from_a_padded_inverse():
+    """The fused forward's prep: T = T_r ⊙ R is written straight into an io shared block and
+    leaves as a bulk copy of whole rows (from registers it went out as 2-byte stores); the
+    inverse's input block is padded so that one column of different rows falls in different
+    banks, and the padding shows in the KernelIR and in the allocation."""
+    prog = qla_compiler.compile_spec("gdn")
+    prep = prog.fused_program.kernels.kernels[0]
+    stores = {s.dst: s.srcs[0] for s in prep.body if s.op == "store"}
+    block = prep.buffer(stores["T_rows"])
+    assert (block.scope, block.dtype, block.shape) == ("shared", "io", ("C", "C"))
+    assert prep.buffer("A_r_s").row_pad == 4 and "rows padded by 4" in str(prep)
+    src = lower(prog.fused_program.kernels, ShapeClass(H=2, HV=8, K=128, V=128, BV=16))
+    assert "A_r_s = T.alloc_shared((C, C + 4), \"float32\")" in src
+    assert "T_r_T_s = T.alloc_shared((C, C + 4), \"float32\")" in src
+    assert f"T.copy({stores['T_rows']}, T_rows[0, t0:t0 + C, i_hv, 0:C])" in src
+
+
+def test_an_inverse_stored_as_it_is_stages_through_a_block_of_its_own():
+    """DeltaNet's fused prep stores the inverse itself (no gate mask over it) and has no io block
+    of its shape left free: the fragment is copied into a block of its own for the row store."""
+    prep = qla_compiler.compile_spec("delta_net").fused_program.kernels.kernels[0]
+    stores = {s.dst: s.srcs[0] for s in prep.body if s.op == "store"}
+    block = prep.buffer(stores["T_rows"])
+    assert (block.scope, block.dtype, block.shape) == ("shared", "io", ("C", "C"))
+    copy = next(s for s in prep.body if s.op == "copy" and s.dst == block.name)
+    assert prep.buffer(copy.srcs[0]).scope == "fragment"
+
+
+def test_only_a_2d_shared_block_pads_its_rows():
+    prep = qla_compiler.compile_spec("gdn").fused_program.kernels.kernels[0]
+    bad = dataclasses.replace(prep, buffers=[dataclasses.replace(b, row_pad=4) if b.name == "T_r" else b
+                                             for b in prep.buffers])
+    with pytest.raises(ValueError, match="T_r pads its rows by 4: only a 2-D shared block"):
+        bad.verify()
+
+
 def test_a_scan_takes_no_more_stages_than_its_shared_memory_holds():
     """A pipeline stage is one more buffer per load. At 3 stages GDN's backward scan would need
     257 KB at BV = 64 (its launch failed on the H200): it lowers with 2; the forward's takes 3."""
