@@ -121,3 +121,26 @@ def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_pa
     assert len(lines) == 3 and cache() == files
     c = done[0][1]  # what the op's first call at this class finds in memory: no lowering, no load
     assert set(load_kernels(_program(c), c.shape)._compiled) == {name for name, *_ in done}
+
+
+def test_a_fused_class_that_falls_back_says_so(monkeypatch):
+    """A fused program that does not schedule falls back to the separate kernels (the runtime's
+    rule); precompile says so, since a scheduling bug falls back the same way (session 16: one
+    did, silently, on DeltaNet's fused prep)."""
+    from qla_compiler import precompile
+    from qla_compiler.kernels import runtime
+
+    todo = [c for c in shape_classes("delta_net", H=16, HV=64, K=128, V=128, n_seqs=8) if c.fused][:1]
+    assert todo, "16/64 heads × 8 sequences run the fused forward by the launch rules"
+    lines = []
+
+    class NoCompile:
+        def get(self, *args, **kwargs):
+            pass
+    monkeypatch.setattr(runtime, "load_kernels", lambda program, shape: NoCompile())
+    precompile.compile_classes(todo, log=lines.append)
+    assert not any("not schedulable" in ln for ln in lines)
+    monkeypatch.setattr(fwd, "fused_or_not", lambda program, wide=False: program)
+    lines.clear()
+    precompile.compile_classes(todo, log=lines.append)
+    assert "fused forward at H=16 HV=64 K=128 V=128: not schedulable, the separate kernels instead" in lines[0]
