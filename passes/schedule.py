@@ -125,7 +125,7 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
             # an element-wise block (T = T_r ⊙ R; a product's scaling, the backward prep's): computed
             # straight into the io block it leaves from, as whole rows, with no pass over a
             # fragment first (see _rows_block)
-            rows = _rows_block(b, x, part.crossing)
+            rows = _rows_block(b, x, _free_at_end(b, part.crossing), own=True)
             b.ewise(rows, x)
             b.place[x] = rows
         elif x not in b.place and not (ir.node(x).shape != ("C",) and b.overwrite_fragment(x)):
@@ -138,16 +138,13 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
     for x in part.crossing:
         if x in early:
             continue
-        staging = next((f for f in free if b.buffers[f].shape == b.buffers[b.place[x]].shape), None)
-        if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment" and not staging \
-                and ir.node(x).op != "matmul":
-            staging = _rows_block(b, x, part.crossing)
-        if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment" and staging:
+        staging = None
+        if ir.node(x).shape != ("C",) and b.buffers[b.place[x]].scope == "fragment":
             # a wgmma fragment spreads each row over 4 threads in 8-byte pieces, the inverse's
             # holds a column a thread: staged in a shared block (one whose work is done where
             # there is one), the chunk leaves as whole 128-byte rows
-            if staging in free:
-                free.remove(staging)
+            staging = _rows_block(b, x, free, own=ir.node(x).op != "matmul")
+        if staging:
             b.body.append(Stmt("copy", staging, (b.place[x],)))
             b.place[x] = staging
         stores.append(_store_rows(ir, b, x))
@@ -171,16 +168,20 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
                   doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
 
 
-def _rows_block(b: Builder, x: str, crossing) -> str:
-    """An io shared block for a crossing block that is not a wgmma's result to leave from as
-    whole rows: one whose work is done where there is one, else its own. The inverse's fragment,
+def _rows_block(b: Builder, x: str, free: list, own: bool) -> str | None:
+    """An io shared block of `x`'s shape for it to leave from as whole rows: one of the `free`
+    ones (_free_at_end; taken from the list), else, where `own`, one of its own (for a block
+    that is not a wgmma's result, whose fragment gains most from it). The inverse's fragment,
     and an element-wise one over it, holds one column of every other row in each thread, and went
     out from registers as 2-byte stores, 32 a thread (the solve-only prep, session 15's ncu: with
     the mask pass, ~30 % of its time); written to shared memory, the chunk leaves as a bulk copy
     of 128-byte rows (session 16, H200: that prep 1.07 → 0.85 ms at 16/64, with the padding)."""
     shape = b.ir.node(x).shape
-    free = next((n for n in _free_at_end(b, crossing) if b.buffers[n].shape == shape), None)
-    return free or b.buf(f"{x}_rows_s", shape, "io", "shared")
+    block = next((n for n in free if b.buffers[n].shape == shape), None)
+    if block is not None:
+        free.remove(block)
+        return block
+    return b.buf(f"{x}_rows_s", shape, "io", "shared") if own else None
 
 
 def _store_early(b: Builder, crossing) -> set:
