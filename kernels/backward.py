@@ -57,9 +57,16 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     grads = {}
     for name, kind in kinds.items():
         blocks = [g[name] for g, _ in parts]
-        # a value's gradient is its columns'; every other input's is the sum of every block's
-        grads[name] = (torch.cat(blocks, dim=-1) if kind == "value" else
-                       torch.stack(blocks).sum(0, dtype=torch.float32).to(blocks[0].dtype))
+        if kind == "value":  # a value's gradient is its columns'
+            grads[name] = torch.cat(blocks, dim=-1)
+            continue
+        # every other input's is the sum of every block's (float32 partials, schedule's
+        # partial_keys: a key's leaves in the io dtype once summed), added in place: stacking
+        # them first copied 4 GB at K = V = 256, 16/64 heads, 32768 tokens
+        total = blocks[0].float()
+        for b in blocks[1:]:
+            total += b
+        grads[name] = total.to(io if kind == "key" else blocks[0].dtype)
     return grads, torch.cat([d for _, d in parts], dim=-1)
 
 

@@ -319,13 +319,14 @@ def inference_program(program, context_parallel=None, fused: bool = False, wide:
 def fused_or_not(program, wide: bool = False):
     """The program's fused forward (Program.fused_wide_program where `wide`, else or where that
     one does not fit, Program.fused_program), or the program itself where the schedule cannot
-    fuse it (its rings would not fit in shared memory at its head-dim tiles)."""
-    from qla_compiler.errors import PassError
+    fuse it (errors.NotFusable: e.g. its rings would not fit in shared memory at its head-dim
+    tiles); any other failure of the fused schedule is a bug, and raises."""
+    from qla_compiler.errors import NotFusable
 
     for variant in ("fused_wide_program", "fused_program") if wide else ("fused_program",):
         try:
             return getattr(program, variant)
-        except PassError:
+        except NotFusable:
             pass
     return program
 

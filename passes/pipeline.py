@@ -84,6 +84,9 @@ class Program:
     checked: dict = field(default_factory=dict)  # check mode: pass -> relative errors (o, final state)
     # why the chunk program has no kernels (passes/lowerable.py): the pipeline stopped before partition
     no_kernels: str | None = None
+    # its backward runs on one column block of V (backward_columns): each block's key gradients are
+    # partial sums the host adds, so its out kernel writes them in float32 (schedule's partial_keys)
+    column_block: bool = False
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
@@ -146,15 +149,16 @@ class Program:
         tiles = (max(HEAD_DIMS[0], shape.KP), max(HEAD_DIMS[1], shape.VP))
         return prog if tiles == prog.head_dims or prog.kernels is None else prog.scheduled_for(tiles)
 
-    def scheduled_for(self, head_dims: tuple) -> "Program":
+    def scheduled_for(self, head_dims: tuple, column_block: bool = False) -> "Program":
         """This program with its kernels scheduled for head-dim tiles up to `head_dims` (K, V):
         shared memory and registers budgeted at those sizes (more threads, fewer stages, outputs
-        split). Its training and backward programs are scheduled the same way."""
-        key = ("head_dims", tuple(head_dims))
+        split). Its training and backward programs are scheduled the same way; `column_block`: its
+        backward runs on one of V's column blocks (backward_columns)."""
+        key = ("head_dims", tuple(head_dims), column_block)
         if key not in self._derived:
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             prog = Program(self.path, self.target, self.chunk_size, self.recurrence, self.chunk,
-                           stages=list(before), head_dims=tuple(head_dims))
+                           stages=list(before), head_dims=tuple(head_dims), column_block=column_block)
             self._derived[key] = prog._scheduled(self.chunk, before, "", into=prog)
         return self._derived[key]
 
@@ -234,8 +238,8 @@ class Program:
             # anyway, one matmul per chunk, rather than have every training step keep it
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
                         and (x in carried or self.chunk.node(x).op != "matmul")]
-            self._derived["backward_program"] = \
-                self._scheduled(back, [("autodiff", back)], "backward program: ", provided=provided)
+            self._derived["backward_program"] = self._scheduled(
+                back, [("autodiff", back)], "backward program: ", partial_keys=self.column_block, provided=provided)
         return self._derived["backward_program"]
 
     def backward_columns(self) -> tuple:
@@ -259,7 +263,7 @@ class Program:
             mixed = columns_mixed(self.chunk)
             while prog.backward_program.kernels.over_budget and width > 64 and not mixed:
                 width //= 2
-                prog = self.scheduled_for((K, width))
+                prog = self.scheduled_for((K, width), column_block=True)
             over = prog.backward_program.kernels.over_budget
             if over:
                 why = f"{mixed} mixes V's columns" if mixed else f"not even on column blocks of {width}"
@@ -325,17 +329,18 @@ class Program:
         return got
 
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
-                   fused: bool = False, wide: bool = False, **split) -> "Program":
+                   fused: bool = False, wide: bool = False, partial_keys: bool = False, **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
-        schedule (for this program's head-dim tiles; `fused`: schedule's): a Program whose stages
-        are `before` and those two (`into`, if given); `wide`: the fused kernel's (schedule). A
-        failure names the pass."""
+        schedule (for this program's head-dim tiles; `fused`, `wide`, `partial_keys`: schedule's):
+        a Program whose stages are `before` and those two (`into`, if given). A failure names the
+        pass."""
         self._need_kernels(where)
         prog = into or Program(self.path, self.target, self.chunk_size, self.recurrence, chunk, stages=list(before),
                                head_dims=self.head_dims)
         ir = chunk
         for p in (Pass("partition", lambda c: partition(c, **split), "split into kernels"),
-                  Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims, fused=fused, wide=wide),
+                  Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims, fused=fused, wide=wide,
+                                                                partial_keys=partial_keys),
                        "place buffers, order statements")):
             ir = _run_pass(p, ir, where)
             prog._keep(p.name, ir)
@@ -392,7 +397,7 @@ def _run_pass(p, ir, where: str = ""):
     except PassError as e:
         if not where:
             raise
-        raise PassError(p.name, f"{where}{e}") from e
+        raise type(e)(p.name, f"{where}{e}") from e  # the kind kept (errors.NotFusable)
     except Exception as e:  # noqa: BLE001 - a crash inside a pass names the pass
         raise PassError(p.name, f"{where}{type(e).__name__}: {e}") from e
 

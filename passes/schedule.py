@@ -57,12 +57,14 @@ SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 
 
 def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS,
-             fused: bool = False, wide: bool = False) -> KernelIR:
+             fused: bool = False, wide: bool = False, partial_keys: bool = False) -> KernelIR:
     """The KernelIR of a partitioned chunk program, its shared memory and registers budgeted for
     head-dim tiles up to `head_dims` (K, V): the kernels of larger tiles differ (more threads, fewer
     stages, outputs split across kernels), those of smaller ones would only waste memory. With
     `fused` (a forward), the scan and the out kernel are one warp-specialised kernel
-    (schedule_fused.py); `wide`: that kernel at V-block 128, its chain on two roles.
+    (schedule_fused.py); `wide`: that kernel at V-block 128, its chain on two roles. With
+    `partial_keys` (a backward on one of V's column blocks) the out kernel writes key gradients in
+    float32: the host adds every block's, and bf16 partials would round each before the sum.
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
@@ -80,7 +82,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         kir.kernels.append(kernel)
         return _verified(kir)
     kir.kernels.append(_scan_kernel(part, dims))
-    kir.kernels += _out_kernels(part, split_phase_loads, dims)
+    kir.kernels += _out_kernels(part, split_phase_loads, dims, partial_keys)
     for k in kir.kernels:
         if not k.loop:  # the parallel kernels: the scan's rings are budgeted by its stages instead
             k.shared_peak = max(live_shared({b.name: b for b in k.buffers}, k.body, dims), default=0)
@@ -96,7 +98,7 @@ def _verified(kir: KernelIR) -> KernelIR:
     return kir
 
 
-def _out_kernels(part: Partition, split_phase: bool, dims: dict) -> list:
+def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: bool) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
     kernel per group of outputs, each recomputing what its outputs need. What must fit is the peak
     of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
@@ -105,7 +107,7 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict) -> list:
     roles = tuple(r for r in part.chunk.outputs if r != "state")
 
     def split(group):
-        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase, dims)
+        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase, dims, partial_keys)
         if max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) <= SMEM_BUDGET or len(group) == 1:
             return [k]
         half = (len(group) + 1) // 2
@@ -320,7 +322,8 @@ def _issue_stores_early(body: list, stores: list) -> list:
     return out
 
 
-def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, dims: dict) -> Kernel:
+def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, dims: dict,
+                partial_keys: bool = False) -> Kernel:
     ir = part.chunk
     loaded = set(part.crossing) | set(part.carried) | set(part.provided)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
@@ -331,11 +334,13 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
         x = ir.outputs[role]
         shape = ir.node(x).shape
         of = ir.node(ir.gradient_of[role]) if role in ir.gradient_of else None
-        if role == "o" or (of is not None and of.attr.get("kind") in ("value", "key")):
+        io_kinds = ("value",) if partial_keys else ("value", "key")
+        if role == "o" or (of is not None and of.attr.get("kind") in io_kinds):
             # the op's output, or a value's or key's gradient per value head, in the io dtype the op
             # returns (a key's the host sums over its group, in float32, as FLA sums its bf16
-            # per-value-head d q, d k: half the bytes written and read of float32 partials), staged
-            # in shared memory for whole-row stores
+            # per-value-head d q, d k: half the bytes written and read of float32 partials; not where
+            # the host also sums over column blocks, partial_keys), staged in shared memory for
+            # whole-row stores
             buf = b.buf(f"{role}_s", shape, "io", "shared")
             stores += [Stmt("ewise", buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
                        Stmt("store", role, (buf,), (("rows", "n_valid"),))]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from qla_compiler.errors import PassError
+from qla_compiler.errors import NotFusable, PassError
 from qla_compiler.ir.kernel import Barrier, Kernel, Role, Stmt, Tensor, entry_registers
 
 from .partition import Partition
@@ -84,13 +84,13 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     state role and a value role (four roles in all)."""
     ir = part.chunk
     if ir.reverse:
-        raise PassError("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
+        raise NotFusable("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
     outputs = tuple(r for r in ir.outputs if r != "state")
     if outputs != ("o",):
-        raise PassError("schedule", f"the fused kernel writes one output, o; this program has {outputs}")
+        raise NotFusable("schedule", f"the fused kernel writes one output, o; this program has {outputs}")
     if wide and dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS > 255:
-        raise PassError("schedule", f"the wide fused kernel's state, K×{WIDE_BLOCK_V} float32 at K = {dims['K']}, "
-                                    "does not fit one warpgroup's registers")
+        raise NotFusable("schedule", f"the wide fused kernel's state, K×{WIDE_BLOCK_V} float32 at K = {dims['K']}, "
+                         "does not fit one warpgroup's registers")
 
     # -- the two compute roles' statements, as the scan and the out kernel would have them, with
     # the per-token vectors their blocks scale by (β·Γ, the decay to the chunk's end, ...) made
@@ -180,8 +180,8 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         fits = {d: ring_depth(block_v, d) for d in (RING, 1)}
         handed_depth = next((d for d, (stages, _) in fits.items() if (stages or 0) >= 2), None)
         if handed_depth is None:
-            raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {fits[1][1]} KB of shared "
-                                        f"memory at V-block {block_v}, over the {FUSED_SMEM_BUDGET // 1024} KB budget")
+            raise NotFusable("schedule", f"{ir.name}_fused: its rings and blocks need {fits[1][1]} KB of shared "
+                             f"memory at V-block {block_v}, over the {FUSED_SMEM_BUDGET // 1024} KB budget")
         depth = fits[handed_depth][0]
     else:
         handed_depth = RING
@@ -190,9 +190,9 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         block_v = next((bv for bv in widths if (fits[bv][0] or 0) >= MIN_WIDE_STAGES), None) or \
             next((bv for bv in reversed(widths) if fits[bv][0]), None)
         if block_v is None:
-            raise PassError("schedule", f"{ir.name}_fused: its rings and blocks need {fits[widths[-1]][1]} KB "
-                                        f"of shared memory at V-block {widths[-1]}, over the "
-                                        f"{FUSED_SMEM_BUDGET // 1024} KB budget")
+            raise NotFusable("schedule", f"{ir.name}_fused: its rings and blocks need {fits[widths[-1]][1]} KB "
+                             f"of shared memory at V-block {widths[-1]}, over the "
+                             f"{FUSED_SMEM_BUDGET // 1024} KB budget")
         depth = fits[block_v][0]
     buffers = {name: replace(b, stages=depth if name in ring else handed_depth if name in handoffs else 1,
                              owner=owner[name], shares=shares.get(name, ""))
@@ -255,8 +255,8 @@ def _split_chain(body: list) -> dict:
     state = [st for st, t in zip(body, touches) if t]
     value = [st for st, t in zip(body, touches) if not t]
     if not state:
-        raise PassError("schedule", "the chain cannot be cut into a state role and a value role: "
-                                    "no statement touches the state")
+        raise NotFusable("schedule", "the chain cannot be cut into a state role and a value role: "
+                         "no statement touches the state")
     return {"state": state, "value": value} if value else {"state": state}
 
 
@@ -345,7 +345,7 @@ def _budgets(roles: list, dims: dict) -> dict:
         out["state"] = (dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS + 7) // 8 * 8
         left -= out["state"]
     rest = [r for r in roles if r not in out]
-    share = left // len(rest) // 8 * 8
+    share = min(left // len(rest) // 8 * 8, 256)  # setmaxnreg's largest (a small state leaves more)
     return {r: out.get(r, share) for r in roles}
 
 

@@ -24,3 +24,10 @@ class PassError(RuntimeError):
     def __init__(self, pass_name: str, message: str):
         self.pass_name = pass_name
         super().__init__(f"pass '{pass_name}': {message}")
+
+
+class NotFusable(PassError):
+    """The schedule cannot fuse a program's scan and output kernel at its head-dim tiles: a
+    backward, more outputs than o, a chain that does not split into roles, or rings and state
+    that do not fit the SM. The runtime runs the separate kernels instead; any other PassError
+    from the fused schedule is a bug and propagates."""

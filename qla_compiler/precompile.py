@@ -156,8 +156,8 @@ def compile_classes(todo: list, log=print) -> list:
     for c in todo:
         program = _program(c)
         if c.fused and not any(k.warp_roles for k in program.kernels.kernels):
-            # (the runtime's fallback, kernels/forward.fused_or_not: said here, since a fused
-            # program that fails to schedule for a bug falls back the same way, silently)
+            # (the runtime's fallback, kernels/forward.fused_or_not, on errors.NotFusable: said
+            # here, where a deployment would otherwise not learn that its class runs unfused)
             log(f"{c.spec} {c.fused} fused forward at H={c.shape.H} HV={c.shape.HV} K={c.shape.K} "
                 f"V={c.shape.V}: not schedulable, the separate kernels instead")
         kernels = load_kernels(program, c.shape)

@@ -234,6 +234,29 @@ def test_unfusable_programs_keep_their_separate_kernels(monkeypatch):
     assert fwd.fused_or_not(small) is small.fused_program
 
 
+def test_a_fused_schedule_bug_is_raised_not_run_unfused(monkeypatch):
+    """Only errors.NotFusable (no room, no such kernel) sends a call to the separate kernels; any
+    other failure of the fused schedule is a bug and reaches the caller, where falling back would
+    hide it behind slower kernels."""
+    from qla_compiler.errors import NotFusable, PassError
+
+    def broken(*args, **kwargs):
+        raise PassError("schedule", "a role reads a fragment another role wrote")
+    monkeypatch.setattr(schedule_fused, "_budgets", broken)
+    with pytest.raises(PassError, match="a role reads a fragment") as e:
+        fwd.fused_or_not(qla_compiler.compile_spec("gdn"))
+    assert not isinstance(e.value, NotFusable)
+
+
+@pytest.mark.parametrize("spec", ["linear_attn", "gdn"])
+def test_wide_fused_budgets_are_setmaxnreg_budgets_at_small_k(spec):
+    """At K = 64 the wide kernel's state role needs few registers, and the rest of the pool shared
+    by two roles came to 288 a thread, more than setmaxnreg takes (256): the verifier refused it."""
+    kernels = qla_compiler.compile_spec(spec).scheduled_for((64, 64)).fused_wide_program.kernels
+    roles = kernels.kernels[-1].warp_roles
+    assert all(r.registers % 8 == 0 and 24 <= r.registers <= 256 for r in roles)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_fused_cuda_has_setmaxnreg_and_mbarriers_and_no_spills(tmp_path):
     """And the roles' budgets fit the pool the CTA is launched with, as ptxas allocates it: an

@@ -1,0 +1,237 @@
+"""Where the solve-only prep's time goes: the generated prep at one shape, and variants of it with
+one part removed or replaced, timed alone on the GPU (an experiment; the variants' results are
+wrong on purpose where a part is removed).
+
+    python benchmarks/prep_variants.py --compile        # CPU: compile every variant into the cache
+    python benchmarks/prep_variants.py --time           # GPU: time each (16/64 heads, 8 x 4096 tokens)
+                                                        # and T's error against a float64 solve
+"""
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import qla_compiler
+from qla_compiler.kernels.runtime import BACKEND, TARGET, import_module, write_source
+from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+
+SHAPE = ShapeClass(H=16, HV=64, K=128, V=128, BV=64, io="bfloat16")
+INV = "unit_lower_inverse(A_r_s, T_r, T_r_D_s, T_r_T_s, T_r_P_s, C)"
+
+# the 32 → 64 merge as two tf32 products on the tensor cores (T.gemm on 32×32 float32 blocks)
+GEMM_MERGE = '''
+@T.macro
+def inverse_gemm_merge(A_s, X, D_s, T_s, P_s, C):
+    _substitute(A_s, D_s, T_s, C)
+    _merge_pairs(A_s, D_s, T_s, P_s, C)
+    a21 = T.alloc_shared((32, 32), "float32")
+    t11 = T.alloc_shared((32, 32), "float32")
+    t22 = T.alloc_shared((32, 32), "float32")
+    m = T.alloc_shared((32, 32), "float32")
+    acc = T.alloc_fragment((32, 32), "float32")
+    for r, c in T.Parallel(32, 32):
+        a21[r, c] = A_s[32 + r, c]
+        t11[r, c] = T.if_then_else(c <= r, T_s[r, c], 0.0)
+        t22[r, c] = T.if_then_else(c <= r, T_s[32 + r, 32 + c], 0.0)
+    T.gemm(a21, t11, acc, clear_accum=True)
+    T.copy(acc, m)
+    T.gemm(t22, m, acc, clear_accum=True)
+    for r, c in T.Parallel(32, 32):
+        T_s[32 + r, c] = -acc[r, c]
+    for i, j in T.Parallel(C, C):
+        X[i, j] = T.if_then_else(j <= i, T_s[i, j], 0.0)
+'''
+
+
+# the same, each product in three tf32 passes (a = a_hi + a_lo, with a_hi a's top 19 bits: a_hi b_hi +
+# a_hi b_lo + a_lo b_hi), about float32's accuracy (FLA's FLA_TRIL_PRECISION=tf32x3)
+GEMM3_MERGE = '''
+@T.macro
+def _split(x, hi, lo):
+    for r, c in T.Parallel(32, 32):
+        hi[r, c] = T.reinterpret(T.reinterpret(x[r, c], "uint32") & T.uint32(0xFFFFE000), "float32")
+        lo[r, c] = x[r, c] - T.reinterpret(T.reinterpret(x[r, c], "uint32") & T.uint32(0xFFFFE000), "float32")
+
+
+@T.macro
+def _product3(a_hi, a_lo, b_hi, b_lo, acc):
+    T.gemm(a_hi, b_hi, acc, clear_accum=True)
+    T.gemm(a_hi, b_lo, acc)
+    T.gemm(a_lo, b_hi, acc)
+
+
+@T.macro
+def _halves3(A_s, X, T_s, C, a_hi, a_lo, b_hi, b_lo, x, acc):
+    # the 32 → 64 merge, T₂₁ = −T₂₂ (A₂₁ T₁₁) on 32-blocks, and T's copy out of T_s
+    for r, c in T.Parallel(32, 32):
+        x[r, c] = A_s[32 + r, c]
+    _split(x, a_hi, a_lo)
+    for r, c in T.Parallel(32, 32):
+        x[r, c] = T.if_then_else(c <= r, T_s[r, c], 0.0)
+    _split(x, b_hi, b_lo)
+    _product3(a_hi, a_lo, b_hi, b_lo, acc)
+    _split(acc, b_hi, b_lo)
+    for r, c in T.Parallel(32, 32):
+        x[r, c] = T.if_then_else(c <= r, T_s[32 + r, 32 + c], 0.0)
+    _split(x, a_hi, a_lo)
+    _product3(a_hi, a_lo, b_hi, b_lo, acc)
+    for r, c in T.Parallel(32, 32):
+        T_s[32 + r, c] = -acc[r, c]
+    for i, j in T.Parallel(C, C):
+        X[i, j] = T.if_then_else(j <= i, T_s[i, j], 0.0)
+
+
+@T.macro
+def inverse_gemm3_merge(A_s, X, D_s, T_s, P_s, C):
+    _substitute(A_s, D_s, T_s, C)
+    _merge_pairs(A_s, D_s, T_s, P_s, C)
+    a_hi = T.alloc_shared((32, 32), "float32")
+    a_lo = T.alloc_shared((32, 32), "float32")
+    b_hi = T.alloc_shared((32, 32), "float32")
+    b_lo = T.alloc_shared((32, 32), "float32")
+    x = T.alloc_fragment((32, 32), "float32")
+    acc = T.alloc_fragment((32, 32), "float32")
+    _halves3(A_s, X, T_s, C, a_hi, a_lo, b_hi, b_lo, x, acc)
+'''
+
+# both merges on the tensor cores, three-pass tf32: the 16 → 32 merge of the two pairs at once as
+# 32×32 products of block-diagonal operands, blockdiag(A₂₁⁰, A₂₁¹) · blockdiag(T₁₁⁰, T₁₁¹) (the zero
+# blocks ride along: four times the flops of the two 16×16 products, nothing on the tensor cores)
+GEMM3_BOTH = GEMM3_MERGE + '''
+
+@T.macro
+def inverse_gemm3_both(A_s, X, D_s, T_s, P_s, C):
+    _substitute(A_s, D_s, T_s, C)
+    a_hi = T.alloc_shared((32, 32), "float32")
+    a_lo = T.alloc_shared((32, 32), "float32")
+    b_hi = T.alloc_shared((32, 32), "float32")
+    b_lo = T.alloc_shared((32, 32), "float32")
+    x = T.alloc_fragment((32, 32), "float32")
+    acc = T.alloc_fragment((32, 32), "float32")
+    # pair p's blocks at rows and columns 16p of the 32×32 operands
+    for r, c in T.Parallel(32, 32):
+        x[r, c] = T.if_then_else(r // 16 == c // 16, A_s[32 * (r // 16) + 16 + r % 16, 32 * (r // 16) + c % 16], 0.0)
+    _split(x, a_hi, a_lo)
+    for r, c in T.Parallel(32, 32):
+        x[r, c] = T.if_then_else(r // 16 == c // 16, D_s[32 * (r // 16) + r % 16, c % 16], 0.0)
+    _split(x, b_hi, b_lo)
+    _product3(a_hi, a_lo, b_hi, b_lo, acc)
+    _split(acc, b_hi, b_lo)
+    for r, c in T.Parallel(32, 32):
+        x[r, c] = T.if_then_else(r // 16 == c // 16, D_s[32 * (r // 16) + 16 + r % 16, c % 16], 0.0)
+    _split(x, a_hi, a_lo)
+    _product3(a_hi, a_lo, b_hi, b_lo, acc)
+    for r, c in T.Parallel(32, 32):
+        if r // 16 == c // 16:
+            T_s[32 * (r // 16) + 16 + r % 16, 32 * (r // 16) + c % 16] = -acc[r, c]
+    _halves3(A_s, X, T_s, C, a_hi, a_lo, b_hi, b_lo, x, acc)
+'''
+
+
+def base_source() -> str:
+    prog = qla_compiler.compile_spec("gdn").fused_program
+    return lower(prog.kernels, SHAPE, prog.path)
+
+
+def variants() -> dict:
+    src = base_source()
+    assert INV in src, "the prep no longer calls the inverse as this experiment expects"
+    imp = "from qla_compiler.kernels.tri_inverse import unit_lower_inverse"
+    full_imp = "from qla_compiler.kernels.tri_inverse import unit_lower_inverse, _substitute, _merge_pairs"
+    out = {"base": src}
+    out["no_inverse"] = src.replace(INV, "for i, j in T.Parallel(C, C):\n            T_r[i, j] = A_r_s[i, j]")
+    out["substitute_only"] = src.replace(imp, full_imp).replace(
+        INV, "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)\n        for i, j in T.Parallel(C, C):\n"
+             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
+    out["no_halves_merge"] = src.replace(imp, full_imp).replace(
+        INV, "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)\n        _merge_pairs(A_r_s, T_r_D_s, T_r_T_s, T_r_P_s, C)\n"
+             "        for i, j in T.Parallel(C, C):\n            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
+    out["gemm_halves_merge"] = src.replace(imp, full_imp + "\n" + GEMM_MERGE).replace(
+        INV, INV.replace("unit_lower_inverse", "inverse_gemm_merge"))
+    out["gemm3_halves_merge"] = src.replace(imp, full_imp + "\n" + GEMM3_MERGE).replace(
+        INV, INV.replace("unit_lower_inverse", "inverse_gemm3_merge"))
+    out["gemm3_both_merges"] = src.replace(imp, full_imp + "\n" + GEMM3_BOTH).replace(
+        INV, INV.replace("unit_lower_inverse", "inverse_gemm3_both"))
+    # no gate scaling: T leaves as T_r
+    out["no_gate_scale"] = re.sub(r"T\.cast\(\(T_r\[i, j\] \* T\.if_then_else\(j <= i, T\.exp2\(.*?\), 0\.0\)\), IO\)",
+                                  "T.cast(T_r[i, j], IO)", src)
+    assert out["no_gate_scale"] != src
+    out["threads256"] = src.replace("with T.Kernel(CH, HV, threads=128)", "with T.Kernel(CH, HV, threads=256)", 1)
+    out["no_cumsum"] = re.sub(r"for j in T\.unroll\(C\):.*?\n(\s+)for i in T\.Parallel\(C\):\n\s+g_cum_s_acc\[i\] \+= .*?\n",
+                              "for i in T.Parallel(C):\n\\1g_cum_s_acc[i] = g_floored_s[i]\n", src, count=1, flags=re.S)
+    assert out["threads256"] != src and out["no_cumsum"] != src
+    return out
+
+
+def compiled(name: str, src: str):
+    import tilelang
+    mod = import_module(write_source(f"prepexp_{name}", src))
+    return tilelang.compile(mod.gdn_prep, target=TARGET, execution_backend=BACKEND)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--only", nargs="*")
+    a = ap.parse_args()
+    vs = variants()
+    if a.only:
+        vs = {n: s for n, s in vs.items() if n in a.only}
+    if a.compile:
+        for n, s in vs.items():
+            t = time.time()
+            try:
+                compiled(n, s)
+                print(f"{n}: compiled in {time.time() - t:.0f} s", flush=True)
+            except Exception as e:  # a variant TileLang refuses is a finding, not a crash
+                print(f"{n}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
+    if a.time:
+        import torch
+        B, T_, H, HV, K, C = 8, 4096, SHAPE.H, SHAPE.HV, SHAPE.K, 64
+        tok, dev = B * T_, "cuda"
+        gen = torch.Generator(device=dev).manual_seed(0)
+        # keys from U[0, 1), normalised (FLA's tests: every pair's cosine ≈ 0.75, the inverse's worst
+        # ordinary case), β ∈ [0, 1), mild decay
+        k64 = torch.nn.functional.normalize(torch.rand(1, tok, H, K, device=dev, generator=gen, dtype=torch.float64), dim=-1)
+        k = k64.to(torch.bfloat16)
+        g = -0.1 * torch.rand(1, tok, HV, device=dev, generator=gen)
+        beta = torch.rand(1, tok, HV, device=dev, generator=gen)
+        starts = torch.arange(0, tok, C, device=dev, dtype=torch.int32)
+        chunk_map = torch.stack([starts, torch.full_like(starts, C)], 1).contiguous()
+        g_cum = torch.empty(1, tok, HV, device=dev)
+        T_rows = torch.empty(1, tok, HV, C, device=dev, dtype=torch.bfloat16)
+        # the float64 reference: T = (I + StrictLower(diag(β) K Kᵀ))⁻¹ ⊙ exp(g_i − g_j) on i ≥ j, per chunk and
+        # value head, from the keys as the kernel reads them (bf16)
+        kc = k.double().view(tok // C, C, H, K).repeat_interleave(HV // H, dim=2).permute(0, 2, 1, 3)
+        bc = beta.double().view(tok // C, C, HV).permute(0, 2, 1)
+        A = torch.tril(bc[..., None] * (kc @ kc.transpose(-1, -2)), -1)
+        Tr = torch.linalg.inv(torch.eye(C, device=dev, dtype=torch.float64) + A)
+        gc = g.double().view(tok // C, C, HV).permute(0, 2, 1).cumsum(-1)
+        ref = torch.tril(Tr * torch.exp(gc[..., :, None] - gc[..., None, :])).permute(0, 2, 1, 3).reshape(1, tok, HV, C)
+        del kc, A, Tr
+        for n, src in vs.items():
+            try:
+                kern = compiled(n, src)
+            except Exception as e:  # noqa: BLE001
+                print(f"{n}: FAILED {type(e).__name__}: {str(e)[-300:]}", flush=True)
+                continue
+            kern(k, g, beta, chunk_map, g_cum, T_rows)
+            torch.cuda.synchronize()
+            err = float((T_rows.double() - ref).norm() / ref.norm())
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ms = []
+            for _ in range(5):
+                e0.record()
+                for _ in range(20):
+                    kern(k, g, beta, chunk_map, g_cum, T_rows)
+                e1.record()
+                torch.cuda.synchronize()
+                ms.append(e0.elapsed_time(e1) / 20)
+            print(f"{n:20s} {min(ms):.4f} ms   T against float64: {err:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
