@@ -7,46 +7,20 @@ wrong on purpose where a part is removed).
                                                         # and T's error against a float64 solve
 """
 import argparse
-import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import qla_compiler
 from qla_compiler.kernels.runtime import BACKEND, TARGET, import_module, write_source
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 
 SHAPE = ShapeClass(H=16, HV=64, K=128, V=128, BV=64, io="bfloat16")
-INV = "unit_lower_inverse(A_r_s, T_r, T_r_D_s, T_r_T_s, T_r_P_s, C)"
+INV = "unit_lower_inverse(A_r_s, T_r, T_r_D_s, T_r_T_s, T_r_P_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s, C)"
 
-# the 32 → 64 merge as two tf32 products on the tensor cores (T.gemm on 32×32 float32 blocks)
-GEMM_MERGE = '''
-@T.macro
-def inverse_gemm_merge(A_s, X, D_s, T_s, P_s, C):
-    _substitute(A_s, D_s, T_s, C)
-    _merge_pairs(A_s, D_s, T_s, P_s, C)
-    a21 = T.alloc_shared((32, 32), "float32")
-    t11 = T.alloc_shared((32, 32), "float32")
-    t22 = T.alloc_shared((32, 32), "float32")
-    m = T.alloc_shared((32, 32), "float32")
-    acc = T.alloc_fragment((32, 32), "float32")
-    for r, c in T.Parallel(32, 32):
-        a21[r, c] = A_s[32 + r, c]
-        t11[r, c] = T.if_then_else(c <= r, T_s[r, c], 0.0)
-        t22[r, c] = T.if_then_else(c <= r, T_s[32 + r, 32 + c], 0.0)
-    T.gemm(a21, t11, acc, clear_accum=True)
-    T.copy(acc, m)
-    T.gemm(t22, m, acc, clear_accum=True)
-    for r, c in T.Parallel(32, 32):
-        T_s[32 + r, c] = -acc[r, c]
-    for i, j in T.Parallel(C, C):
-        X[i, j] = T.if_then_else(j <= i, T_s[i, j], 0.0)
-'''
-
-
-# the same, each product in three tf32 passes (a = a_hi + a_lo, with a_hi a's top 19 bits: a_hi b_hi +
-# a_hi b_lo + a_lo b_hi), about float32's accuracy (FLA's FLA_TRIL_PRECISION=tf32x3)
+# the 32 → 64 merge with each product in three tf32 passes (a = a_hi + a_lo, with a_hi a's top 19
+# bits: a_hi b_hi + a_hi b_lo + a_lo b_hi), about float32's accuracy (FLA's FLA_TRIL_PRECISION=tf32x3);
+# the inverse's four 32×32 scratch blocks hold the operands' high and low parts
 GEMM3_MERGE = '''
 @T.macro
 def _split(x, hi, lo):
@@ -84,13 +58,9 @@ def _halves3(A_s, X, T_s, C, a_hi, a_lo, b_hi, b_lo, x, acc):
 
 
 @T.macro
-def inverse_gemm3_merge(A_s, X, D_s, T_s, P_s, C):
+def inverse_gemm3_merge(A_s, X, D_s, T_s, P_s, a_hi, a_lo, b_hi, b_lo, C):
     _substitute(A_s, D_s, T_s, C)
     _merge_pairs(A_s, D_s, T_s, P_s, C)
-    a_hi = T.alloc_shared((32, 32), "float32")
-    a_lo = T.alloc_shared((32, 32), "float32")
-    b_hi = T.alloc_shared((32, 32), "float32")
-    b_lo = T.alloc_shared((32, 32), "float32")
     x = T.alloc_fragment((32, 32), "float32")
     acc = T.alloc_fragment((32, 32), "float32")
     _halves3(A_s, X, T_s, C, a_hi, a_lo, b_hi, b_lo, x, acc)
@@ -102,12 +72,8 @@ def inverse_gemm3_merge(A_s, X, D_s, T_s, P_s, C):
 GEMM3_BOTH = GEMM3_MERGE + '''
 
 @T.macro
-def inverse_gemm3_both(A_s, X, D_s, T_s, P_s, C):
+def inverse_gemm3_both(A_s, X, D_s, T_s, P_s, a_hi, a_lo, b_hi, b_lo, C):
     _substitute(A_s, D_s, T_s, C)
-    a_hi = T.alloc_shared((32, 32), "float32")
-    a_lo = T.alloc_shared((32, 32), "float32")
-    b_hi = T.alloc_shared((32, 32), "float32")
-    b_lo = T.alloc_shared((32, 32), "float32")
     x = T.alloc_fragment((32, 32), "float32")
     acc = T.alloc_fragment((32, 32), "float32")
     # pair p's blocks at rows and columns 16p of the 32×32 operands
@@ -130,6 +96,49 @@ def inverse_gemm3_both(A_s, X, D_s, T_s, P_s, C):
 '''
 
 
+# the 16 → 32 merge on the tensor cores too, single-pass tf32 as main's 32 → 64 merge: both pairs at
+# once as 32×32 products of block-diagonal operands
+PAIRS_GEMM = '''
+@T.macro
+def _pairs_gemm(A_s, D_s, T_s, A21_s, T11_s, T22_s, M_s):
+    product = T.alloc_fragment((32, 32), "float32")
+    for r, c in T.Parallel(32, 32):
+        A21_s[r, c] = T.if_then_else(r // 16 == c // 16, A_s[32 * (r // 16) + 16 + r % 16, 32 * (r // 16) + c % 16], 0.0)
+        T11_s[r, c] = T.if_then_else(r // 16 == c // 16, D_s[32 * (r // 16) + r % 16, c % 16], 0.0)
+        T22_s[r, c] = T.if_then_else(r // 16 == c // 16, D_s[32 * (r // 16) + 16 + r % 16, c % 16], 0.0)
+    T.gemm(A21_s, T11_s, product, clear_accum=True)
+    T.copy(product, M_s)
+    T.gemm(T22_s, M_s, product, clear_accum=True)
+    for r, c in T.Parallel(32, 32):
+        if r // 16 == c // 16:
+            T_s[32 * (r // 16) + 16 + r % 16, 32 * (r // 16) + c % 16] = -product[r, c]
+'''
+
+# the 16-blocks' substitution by warps, no block-wide barrier between its 15 steps: warp w solves
+# diagonal block w, lane l holding row l // 2, columns 8 (l % 2) … 8 (l % 2) + 7; row j of the block
+# comes by shuffles from its two lanes
+WARP_SUBSTITUTE = '''
+@T.macro
+def _substitute_warps(A_s, D_s, T_s, C):
+    tx = T.get_thread_binding()
+    w = tx // 32
+    lane = tx % 32
+    d = T.alloc_local((8,), "float32")
+    if w < C // 16:
+        for c in T.unroll(8):
+            d[c] = T.if_then_else(lane // 2 == (lane % 2) * 8 + c, 1.0, 0.0)
+        for j in T.unroll(15):
+            a = A_s[w * 16 + lane // 2, w * 16 + j]
+            for c in T.unroll(8):
+                dj = T.shfl_sync(d[c], 2 * j + lane % 2)
+                d[c] = T.if_then_else(lane // 2 > j, d[c] - a * dj, d[c])
+        for c in T.unroll(8):
+            D_s[w * 16 + lane // 2, (lane % 2) * 8 + c] = d[c]
+    for i, c in T.Parallel(C, 32):
+        T_s[i, i - i % 32 + c] = T.if_then_else(i % 32 // 16 == c // 16, D_s[i, c % 16], 0.0)
+'''
+
+
 def base_source() -> str:
     prog = qla_compiler.compile_spec("gdn").fused_program
     return lower(prog.kernels, SHAPE, prog.path)
@@ -148,10 +157,27 @@ def variants() -> dict:
     out["no_halves_merge"] = src.replace(imp, full_imp).replace(
         INV, "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)\n        _merge_pairs(A_r_s, T_r_D_s, T_r_T_s, T_r_P_s, C)\n"
              "        for i, j in T.Parallel(C, C):\n            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
-    out["gemm_halves_merge"] = src.replace(imp, full_imp + "\n" + GEMM_MERGE).replace(
-        INV, INV.replace("unit_lower_inverse", "inverse_gemm_merge"))
     out["gemm3_halves_merge"] = src.replace(imp, full_imp + "\n" + GEMM3_MERGE).replace(
         INV, INV.replace("unit_lower_inverse", "inverse_gemm3_merge"))
+    more = imp + ", _substitute, _merge_pairs, _merge_halves"
+    out["gemm_both_merges"] = src.replace(imp, more + "\n" + PAIRS_GEMM).replace(
+        INV, "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)\n"
+             "        _pairs_gemm(A_r_s, T_r_D_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
+             "        _merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
+             "        for i, j in T.Parallel(C, C):\n"
+             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
+    out["warp_substitute"] = src.replace(imp, more + "\n" + WARP_SUBSTITUTE).replace(
+        INV, "_substitute_warps(A_r_s, T_r_D_s, T_r_T_s, C)\n"
+             "        _merge_pairs(A_r_s, T_r_D_s, T_r_T_s, T_r_P_s, C)\n"
+             "        _merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
+             "        for i, j in T.Parallel(C, C):\n"
+             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
+    out["warp_gemm_both"] = src.replace(imp, more + "\n" + WARP_SUBSTITUTE + PAIRS_GEMM).replace(
+        INV, "_substitute_warps(A_r_s, T_r_D_s, T_r_T_s, C)\n"
+             "        _pairs_gemm(A_r_s, T_r_D_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
+             "        _merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
+             "        for i, j in T.Parallel(C, C):\n"
+             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
     out["gemm3_both_merges"] = src.replace(imp, full_imp + "\n" + GEMM3_BOTH).replace(
         INV, INV.replace("unit_lower_inverse", "inverse_gemm3_both"))
     # no gate scaling: T leaves as T_r

@@ -1,6 +1,6 @@
 """Building block: T = (I + A)⁻¹ for a strictly lower triangular C×C block A, by blocked forward
-substitution in float32: the 16×16 diagonal blocks by substitution, then merges 16 → 32 → 64 of
-only the blocks the merge fills.
+substitution: the 16×16 diagonal blocks by substitution in float32, then merges 16 → 32 → 64 of
+only the blocks the merge fills, the last one's two 32×32×32 products on the tensor cores (tf32).
 
 Why this method (MATH.md, "Computing T_r"): every intermediate it forms is bounded by 1 in size
 for the matrices the delta rule inverts, A = StrictLower(diag(β) K Kᵀ) with unit-norm keys and
@@ -11,15 +11,9 @@ and cancels catastrophically in any finite precision.
     1. substitution: each diagonal 16-block T_bb = (I + A_bb)⁻¹ by column sweeps,
        T[i, :] −= A[i, j] T[j, :] for i > j, j = 0…14;
     2. merges: a 2w block's lower-left w-block is T₂₁ = −T₂₂ (A₂₁ T₁₁), T₁₁ and T₂₂ being the w×w
-       inverses found so far: at w = 16 for the two pairs of 16-blocks, at w = 32 for the one pair
-       of 32-blocks. Each merge is two w×w×w products, and only those: no zero block of A or T
-       rides along.
-
-All of it runs on the CUDA cores in float32: about 800 multiply-adds a thread at C = 64 on 128
-threads, vectorised four wide, fewer instructions than the element-wise passes that laid out the
-operands of the C×C tf32 products an earlier version merged with (their zero blocks riding along),
-and no tf32 rounding. Scratch shared memory: T (C×C) and two C×16 buffers, 24 KB at C = 64,
-where the earlier version took 36 KB.
+       inverses found so far: at w = 16 for the two pairs of 16-blocks (CUDA cores, float32), at
+       w = 32 for the one pair of 32-blocks (two tf32 `T.gemm`s, mma.sync: wgmma needs 64 rows).
+       Each merge is two w×w×w products, and only those: no zero block of A or T rides along.
 
 Why every intermediate is bounded by 1. Fix a column j of T and solve (I + A) x = e_j by rows:
 x_i = −β_i k_iᵀ u_{i−1}, with u_i = Σ_{l ≤ i} k_l x_l. Then u_i = (I − β_i k_i k_iᵀ) u_{i−1}, and
@@ -29,26 +23,33 @@ sum T[i, c] after step j is −β_i k_iᵀ u_j (≤ 1); the diagonal blocks are 
 a merge's A₂₁ T₁₁ holds rows β_i k_iᵀ of block 2 against the u's that block 1 ends in (≤ 1), and
 −T₂₂ (A₂₁ T₁₁) the final entries of T (≤ 1). So each float32 sum rounds values of size ≤ 1 into
 values of size ≤ 1: no cancellation beyond a few units of the last place, whatever the keys.
-Replayed in float32 against a float64 solve (tests/test_tri_inverse.py, C = 64, K = 128): relative
-error ≤ 2e-7 on keys from U[0, 1), near-identical and alternating keys, 5e-17 on one repeated key
-with β = 1; Neumann doubling in tf32 gave 6e9 and 2e12 on the first two.
+
+Why tf32 in the last merge is safe, where it was not in Neumann doubling: its operands are
+bounded by 1, so reading them with 10 mantissa bits (the mma truncates float32 to tf32) errs by at
+most 2⁻¹⁰ of values ≤ 1, and its float32 accumulation adds nothing comparable; Neumann's operands
+were 1e17. Replayed against a float64 solve (tests/test_tri_inverse.py, C = 64, K = 128): relative
+error ≤ 1e-3 on the worst keys (U[0, 1) with β = 1: 7e-4), below the bf16 rounding T gets when it
+is stored (1e-3 there); through the emulated kernels (bf16 roundings as on the GPU) o and every
+gradient on those keys move by ≤ 0.1 % (benchmarks/NOTES.md, session 17). The merge on the CUDA
+cores was 0.26 ms of the 16/64-head prep's 0.85 on the H200; as two tf32 products, 0.10.
 
 The lowering allocates the scratch buffers listed in SCRATCH and calls the macro:
 
-    unit_lower_inverse(A_s, X, X_D_s, X_T_s, X_P_s, C)   # X (fragment) = (I + A_s)⁻¹
+    unit_lower_inverse(A_s, X, X_D_s, X_T_s, X_P_s, X_A21_s, X_T11_s, X_T22_s, X_M_s, C)
 
 A_s (float32, shared) is the input, left as it is. D_s (C×16, float32) holds the diagonal 16-blocks
 of T as the substitution makes them (16-wide rows: its sweeps read and write four floats at a
 time). T_s (C×C, float32) holds T as the merges build it: the diagonal 16-blocks, then the merged
 blocks below them; above the diagonal only the blocks a merge reads are zeroed. P_s (C×16,
-float32) holds each merge's first product A₂₁ T₁₁, which the second reads across threads.
+float32) holds each 16 → 32 merge's first product A₂₁ T₁₁, which the second reads across threads.
+A21_s, T11_s, T22_s and M_s (32×32, float32) are the 32 → 64 merge's operands and first product,
+unpadded blocks as the tensor-core product reads them.
 """
 import tilelang.language as T
 
 # the constants live where the passes can read them without importing TileLang
 from .tri_inverse_scratch import BLOCK, INPUT_DTYPE, SCRATCH  # noqa: F401
-
-PAIR = 2 * BLOCK  # the blocks the first merge makes
+from .tri_inverse_scratch import HALF as PAIR  # the blocks the first merge makes, the second multiplies
 
 
 @T.macro
@@ -88,32 +89,30 @@ def _merge_pairs(A_s, D_s, T_s, P_s, C):
 
 
 @T.macro
-def _merge_halves(A_s, T_s, P_s):
-    # 32 → 64: T[32 + r, c] = −Σ_l T₂₂[r, l] (A₂₁ T₁₁)[l, c] over 32-blocks; P_s holds the 32×32
-    # product A₂₁ T₁₁ as two 32×16 halves of columns, (l, c) at row l + 32·(c // 16), column c % 16
+def _merge_halves(A_s, T_s, A21_s, T11_s, T22_s, M_s):
+    # 32 → 64: T[32 + r, c] = −Σ_l T₂₂[r, l] (A₂₁ T₁₁)[l, c] over 32-blocks, both products tf32 on
+    # the tensor cores; above their diagonals T₁₁ and T₂₂ are zeroed here (T_s holds zeros or
+    # nothing there)
     product = T.alloc_fragment((PAIR, PAIR), "float32")
-    T.clear(product)
-    for l in T.unroll(PAIR):
-        for r, c in T.Parallel(PAIR, PAIR):
-            product[r, c] += A_s[PAIR + r, l] * T_s[l, c]
     for r, c in T.Parallel(PAIR, PAIR):
-        P_s[r + PAIR * (c // BLOCK), c % BLOCK] = product[r, c]
-    T.clear(product)
-    for l in T.unroll(PAIR):
-        for r, c in T.Parallel(PAIR, PAIR):
-            product[r, c] += T_s[PAIR + r, PAIR + l] * P_s[l + PAIR * (c // BLOCK), c % BLOCK]
+        A21_s[r, c] = A_s[PAIR + r, c]
+        T11_s[r, c] = T.if_then_else(c <= r, T_s[r, c], 0.0)
+        T22_s[r, c] = T.if_then_else(c <= r, T_s[PAIR + r, PAIR + c], 0.0)
+    T.gemm(A21_s, T11_s, product, clear_accum=True)
+    T.copy(product, M_s)
+    T.gemm(T22_s, M_s, product, clear_accum=True)
     for r, c in T.Parallel(PAIR, PAIR):
         T_s[PAIR + r, c] = -product[r, c]
 
 
 @T.macro
-def unit_lower_inverse(A_s, X, D_s, T_s, P_s, C):
+def unit_lower_inverse(A_s, X, D_s, T_s, P_s, A21_s, T11_s, T22_s, M_s, C):
     # (a macro's Python-level branches are resolved when it is parsed, so every block width
     # below is a constant in the kernel)
     _substitute(A_s, D_s, T_s, C)
     if C >= PAIR:
         _merge_pairs(A_s, D_s, T_s, P_s, C)
     if C == 2 * PAIR:
-        _merge_halves(A_s, T_s, P_s)
+        _merge_halves(A_s, T_s, A21_s, T11_s, T22_s, M_s)
     for i, j in T.Parallel(C, C):  # above the diagonal T_s holds zeros or nothing
         X[i, j] = T.if_then_else(j <= i, T_s[i, j], 0.0)

@@ -4,7 +4,7 @@ tri_inverse.py imports TileLang to define the macro; the passes import only this
 `qla-compile --emit chunk`).
 
     >>> list(SCRATCH), INPUT_DTYPE, INPUT_ROW_PAD
-    (['D_s', 'T_s', 'P_s'], 'float32', 4)
+    (['D_s', 'T_s', 'P_s', 'A21_s', 'T11_s', 'T22_s', 'M_s'], 'float32', 4)
 
 Why the padding. A row of C = 64 floats is 256 bytes, a multiple of the 32 banks' 128, so one
 column of different rows is one bank. The macro reads A and T by rows that differ from thread to
@@ -19,7 +19,10 @@ from qla_compiler.ir.kernel import Buffer
 BLOCK = 16  # the diagonal blocks solved by substitution
 INPUT_DTYPE = "float32"  # A_s, read in float32
 INPUT_ROW_PAD = 4  # A_s's rows, 68 floats apart at C = 64
-# name suffix -> the scratch buffer, in the order the macro takes them
+HALF = 2 * BLOCK  # the 32 → 64 merge's blocks, multiplied on the tensor cores (tf32)
+# name suffix -> the scratch buffer, in the order the macro takes them: the sweeps' and the 16 → 32
+# merge's, then the 32 → 64 merge's operands A₂₁, T₁₁, T₂₂ and its first product M = A₂₁ T₁₁
 SCRATCH = {"D_s": Buffer("D_s", ("C", str(BLOCK)), "float32", "shared"),
            "T_s": Buffer("T_s", ("C", "C"), "float32", "shared", row_pad=4),
-           "P_s": Buffer("P_s", ("C", str(BLOCK)), "float32", "shared")}
+           "P_s": Buffer("P_s", ("C", str(BLOCK)), "float32", "shared"),
+           **{n: Buffer(n, (str(HALF), str(HALF)), "float32", "shared") for n in ("A21_s", "T11_s", "T22_s", "M_s")}}

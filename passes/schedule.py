@@ -157,8 +157,8 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
     inverses = {x for x in computed if ir.node(x).op == "inv_unit_lower"}
     on_inverse = any(ir.node(x).op == "matmul" and inverses & set(ir.closure([x])) for x in computed)
     # (a prep whose only matmul forms A, K Kᵀ, is the solve alone: the fused forward's)
-    work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by blocked forward substitution in float32 (16-row blocks, "
-                                              "then merges 16 → 32 → 64)"),
+    work = [w for op, w in (("inv_unit_lower", "(I + A)⁻¹ by blocked forward substitution (16-row blocks in "
+                                              "float32, then merges 16 → 32 → 64, the last in tf32)"),
                             ("cumsum", "chunk-local cumulative gates"),
                             ("matmul", "the matmuls built on the inverse" if on_inverse else
                              None if inverses else "the per-token matmuls")) if op in ops and w]

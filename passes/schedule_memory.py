@@ -28,15 +28,20 @@ def dim_sizes(head_dims: tuple = HEAD_DIMS) -> dict:
     """The size of every dim name a buffer uses, at the largest class the schedule serves: the
     head-dim tiles `head_dims`, the widest V-block, the chunk."""
     K, V = head_dims
-    return {"C": 64, "K": K, "V": V, "BV": 64, "1": 1, "16": 16}
+    return {"C": 64, "K": K, "V": V, "BV": 64}
 
 
 def buffer_bytes(b: Buffer, dims: dict) -> int:
     """A buffer's size at the sizes `dims` (dim_sizes)."""
     n = _DTYPE_BYTES[b.dtype]
     for d in b.shape:
-        n *= dims[d]
-    return n + n // dims[b.shape[-1]] * b.row_pad if b.row_pad else n
+        n *= _size(d, dims)
+    return n + n // _size(b.shape[-1], dims) * b.row_pad if b.row_pad else n
+
+
+def _size(dim: str, dims: dict) -> int:
+    """A dim's size: a named one's from `dims`, a literal one ("16", a building block's) itself."""
+    return int(dim) if dim.isdigit() else dims[dim]
 
 
 def smem_bytes(buffers, dims: dict) -> int:

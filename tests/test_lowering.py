@@ -102,9 +102,19 @@ def test_generated_tilelang_is_readable(capsys):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_emit_cuda_uses_wgmma(cuda_sources, name):
+    """Every product is a wgmma but the triangular inverse's last merge: two 32×32 tf32 products
+    (kernels/tri_inverse.py), which wgmma's 64-row tiles do not fit, on mma.sync."""
     src = cuda_sources[name]
     assert "tl::wgmma_ss<" in src
-    assert "mma_sync" not in src  # no fallback to the sm80 tensor-core path
+    kernels = dict(re.findall(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\((.*?)(?=extern "C"|\Z)',
+                              src, re.S))
+    assert kernels, "no kernel found in the CUDA source"
+    with_inverse = {k for k, body in kernels.items() if "mma_sync" in body}
+    expected = {f"{name}_prep_kernel"} if name in ("gdn", "delta_net") else set()
+    assert with_inverse == expected  # no fallback to the sm80 tensor-core path anywhere else
+    for k in with_inverse:
+        calls = re.findall(r"tl::mma_sync<([^>]*)>", kernels[k])
+        assert calls and all(c.startswith("tl::DataType::kTensorFloat32, tl::DataType::kTensorFloat32") for c in calls)
 
 
 def test_gdn_scan_uses_tma_and_warp_specialisation(cuda_sources):
