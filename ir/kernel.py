@@ -226,6 +226,9 @@ class Stmt:
             ta, tb = ("ᵀ" if a.get("ta") else ""), ("ᵀ" if a.get("tb") else "")
             acc = "+=" if a.get("accumulate") else "="
             return f"{self.dst} {acc} {self.srcs[0]}{ta} · {self.srcs[1]}{tb}   (wgmma)"
+        if self.op == "inverse":
+            return (f"{self.dst} = inverse {self.srcs[0]}   (16-blocks by substitution in float32, "
+                    f"merges of {a['tf32_from']}-blocks in tf32)")
         extra = " ".join(f"{k}={v}" for k, v in a.items())
         return f"{self.dst} = {self.op} {' '.join(self.srcs)} {extra}".rstrip()
 

@@ -39,9 +39,10 @@ class Sizes:
     # None: every buffer exact (float64). Else the io dtype (torch.bfloat16, torch.float16): each
     # buffer is rounded to its own dtype whenever a statement writes it (io, float32, tf32), as on
     # the GPU, so the interpreter predicts the kernels' rounding error. Products accumulate exactly
-    # (the GPU's float32 accumulation adds less than the rounding of their operands), and the
-    # triangular inverse is exact before its float32 result is rounded (its float32 substitution's
-    # error is bounded in kernels/tri_inverse.py).
+    # (the GPU's float32 accumulation adds less than the rounding of their operands); the
+    # triangular inverse runs the kernel's method: 16-blocks by substitution, exact (its float32
+    # sums err by a few units of 2⁻²⁴: kernels/tri_inverse.py), and merges T₂₁ = −T₂₂ (A₂₁ T₁₁)
+    # whose operands blocks of `tf32_from` and wider read as tf32, truncated as mma.sync reads them.
     rounding: torch.dtype | None = None
 
     def of(self, dim: str) -> int:
@@ -242,9 +243,9 @@ class _Run:
                     b[accs[k]] = prev.reshape(b[accs[k]].shape)
             b[s.dst] = prev.reshape(b[s.dst].shape)
         elif s.op == "inverse":
-            x = b[s.srcs[0]]
-            eye = torch.eye(x.shape[-1], dtype=F64, device=self.dev).expand_as(x)
-            b[s.dst] = torch.linalg.solve_triangular(eye + torch.tril(x, -1), eye, upper=False, unitriangular=True)
+            x = torch.tril(b[s.srcs[0]], -1)
+            b[s.dst] = (_unit_lower_inverse(x, a["tf32_from"]) if self.sz.rounding is not None else
+                        _solve_unit_lower(x, torch.eye(x.shape[-1], dtype=F64, device=self.dev).expand_as(x)))
         elif s.op == "store":
             self.write_block(s.dst, b[s.srcs[0]])
         elif s.op == "store_vec":
@@ -373,3 +374,34 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
 
 
 __all__ = ["InterpretError", "Sizes", "run_kernel"]
+
+
+def _solve_unit_lower(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """(I + a)⁻¹ rhs for strictly lower triangular blocks a (batched)."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    return torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 read as tf32 by mma.sync: the low 13 mantissa bits dropped."""
+    return (x.float().contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32).to(x.dtype)
+
+
+def _unit_lower_inverse(a: torch.Tensor, tf32_from: int, block: int = 16) -> torch.Tensor:
+    """(I + a)⁻¹ by the kernels' blocked method (kernels/tri_inverse.py), the merges of blocks
+    `tf32_from` wide and wider with tf32 operands, batched over the leading dims."""
+    n = a.shape[-1]
+    block = min(block, n)
+    t = torch.zeros_like(a)
+    eye = torch.eye(block, dtype=a.dtype, device=a.device).expand(*a.shape[:-2], block, block)
+    for b0 in range(0, n, block):
+        t[..., b0:b0 + block, b0:b0 + block] = _solve_unit_lower(a[..., b0:b0 + block, b0:b0 + block], eye)
+    w = block
+    while w < n:
+        r = _tf32 if w >= tf32_from else (lambda v: v)
+        for b0 in range(0, n, 2 * w):
+            b1 = b0 + w
+            p = r(a[..., b1:b1 + w, b0:b1]) @ r(t[..., b0:b1, b0:b1])
+            t[..., b1:b1 + w, b0:b1] = -(r(t[..., b1:b1 + w, b1:b1 + w]) @ r(p))
+        w *= 2
+    return t

@@ -20,6 +20,9 @@ BLOCK = 16  # the diagonal blocks solved by substitution
 INPUT_DTYPE = "float32"  # A_s, read in float32
 INPUT_ROW_PAD = 4  # A_s's rows, 68 floats apart at C = 64
 HALF = 2 * BLOCK  # the 32 → 64 merge's blocks, multiplied on the tensor cores (tf32)
+# merges of blocks this wide multiply on the tensor cores, reading their operands as tf32 (the
+# inverse statement's field `tf32_from`: the KernelIR says it, the interpreter models it)
+TF32_FROM = HALF
 # name suffix -> the scratch buffer, in the order the macro takes them: the sweeps' and the 16 → 32
 # merge's, then the 32 → 64 merge's operands A₂₁, T₁₁, T₂₂ and its first product M = A₂₁ T₁₁
 SCRATCH = {"D_s": Buffer("D_s", ("C", str(BLOCK)), "float32", "shared"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, format_expr
-from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH
+from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH, TF32_FROM as INVERSE_TF32_FROM
 
 IO_DTYPES = ("bfloat16", "float16")
 HEAD_DIM_RANGE = (16, 256)  # K and V the kernels take, each on its own
@@ -223,6 +223,9 @@ class _Render:
                 prev = acc
             return out + [f"T.copy({prev}, {s.dst})"]
         if s.op == "inverse":
+            if a["tf32_from"] != INVERSE_TF32_FROM:  # one building block, one method
+                raise PassError("lower", f"{s}: kernels/tri_inverse.py's merges are tf32 from "
+                                         f"{INVERSE_TF32_FROM}-blocks, not {a['tf32_from']}")
             a_s = s.srcs[0]
             scratch = ", ".join(f"{s.dst}_{suffix}" for suffix in INVERSE_SCRATCH)
             return [f"unit_lower_inverse({a_s}, {s.dst}, {scratch}, C)"]

@@ -12,6 +12,7 @@ from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 from qla_compiler.ir.kernel import Buffer, Stmt, Tensor
 from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE, INPUT_ROW_PAD as INVERSE_ROW_PAD
+from qla_compiler.kernels.tri_inverse_scratch import TF32_FROM as INVERSE_TF32_FROM
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
@@ -331,7 +332,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
             b.buffers[A] = replace(b.buffers[A], row_pad=INVERSE_ROW_PAD)
             b.ewise(A, n.args[0])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
-            b.body.append(Stmt("inverse", b.place[name], (A,)))
+            b.body.append(Stmt("inverse", b.place[name], (A,), (("tf32_from", INVERSE_TF32_FROM),)))
         elif name in acc:
             x, m = acc[name]
             mm = ir.node(m)

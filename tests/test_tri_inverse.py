@@ -124,3 +124,39 @@ def test_neumann_doubling_fails_where_the_blocked_inverse_does_not():
         return ((x.double() - ref).norm() / ref.norm()).item()
     assert rel(neumann_inverse(A.float())) > 1e3
     assert rel(blocked_inverse(A.float())) < 1e-5
+
+
+def test_the_interpreter_models_the_kernels_inverse():
+    """With rounding on, the KernelIR interpreter inverts as the kernel does (its merges of 32-blocks
+    with tf32 operands, the inverse statement's field), so the CPU's emulated kernels carry the
+    kernel's error: equal to this file's replay, and off the exact inverse by what tf32 costs."""
+    from qla_compiler.ir.kernel_interp import _unit_lower_inverse
+
+    gen = torch.Generator().manual_seed(3)
+    A = torch.stack([delta_rule_A(keys_of("uniform", gen), torch.ones(C, dtype=torch.float64)) for _ in range(3)])
+    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A)
+    model = _unit_lower_inverse(A, tf32_from=2 * BLOCK)
+    replay = torch.stack([blocked_inverse(a.float()).double() for a in A])
+
+    def rel(x):
+        return ((x - ref).norm() / ref.norm()).item()
+    assert rel(replay) > 1e-4 and abs(rel(model) - rel(replay)) < 0.2 * rel(replay)
+    assert rel(_unit_lower_inverse(A, tf32_from=C)) < 1e-12  # no tf32 merge: exact
+
+
+def test_the_kernel_ir_says_the_inverse_precision_and_the_lowering_holds_it_to_the_block():
+    """The inverse statement's tf32_from is a field the KernelIR prints; the lowering has one
+    building block and refuses a statement asking for another precision."""
+    import dataclasses
+
+    import qla_compiler
+    from qla_compiler.errors import PassError
+    from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+
+    kir = qla_compiler.compile_spec("gdn").kernels
+    assert "T_r = inverse A_r_s   (16-blocks by substitution in float32, merges of 32-blocks in tf32)" in str(kir)
+    prep = kir.kernels[0]
+    body = [dataclasses.replace(s, attrs=(("tf32_from", 64),)) if s.op == "inverse" else s for s in prep.body]
+    other = dataclasses.replace(kir, kernels=[dataclasses.replace(prep, body=body)] + kir.kernels[1:])
+    with pytest.raises(PassError, match="merges are tf32 from 32-blocks, not 64"):
+        lower(other, ShapeClass(H=2, HV=8, K=128, V=128))
