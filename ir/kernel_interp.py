@@ -373,8 +373,6 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
     run.block(kernel.epilogue)
 
 
-__all__ = ["InterpretError", "Sizes", "run_kernel"]
-
 
 def _solve_unit_lower(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     """(I + a)⁻¹ rhs for strictly lower triangular blocks a (batched)."""
@@ -405,3 +403,6 @@ def _unit_lower_inverse(a: torch.Tensor, tf32_from: int, block: int = 16) -> tor
             t[..., b1:b1 + w, b0:b1] = -(r(t[..., b1:b1 + w, b1:b1 + w]) @ r(p))
         w *= 2
     return t
+
+
+__all__ = ["InterpretError", "Sizes", "run_kernel"]
