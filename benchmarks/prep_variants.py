@@ -148,38 +148,33 @@ def variants() -> dict:
     src = base_source()
     assert INV in src, "the prep no longer calls the inverse as this experiment expects"
     imp = "from qla_compiler.kernels.tri_inverse import unit_lower_inverse"
-    full_imp = "from qla_compiler.kernels.tri_inverse import unit_lower_inverse, _substitute, _merge_pairs"
+    macros = imp + ", _substitute, _merge_pairs, _merge_halves"
+
+    def inverse_by(*steps, defs=""):
+        """The prep with its inverse call replaced by `steps`, then T_r read out of T_s as the
+        building block does; `defs`: the macros the steps call."""
+        body = "\n        ".join(steps + ("for i, j in T.Parallel(C, C):",
+                                        "    T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)"))
+        return src.replace(imp, macros + "\n" + defs).replace(INV, body)
+
+    def macro_instead(name, defs):
+        """The prep calling `name`, with the inverse's arguments, instead of the building block."""
+        return src.replace(imp, macros + "\n" + defs).replace(INV, INV.replace("unit_lower_inverse", name))
+
+    substitute = "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)"
+    by_warps = "_substitute_warps(A_r_s, T_r_D_s, T_r_T_s, C)"
+    pairs = "_merge_pairs(A_r_s, T_r_D_s, T_r_T_s, T_r_P_s, C)"
+    pairs_gemm = "_pairs_gemm(A_r_s, T_r_D_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)"
+    halves = "_merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)"
     out = {"base": src}
     out["no_inverse"] = src.replace(INV, "for i, j in T.Parallel(C, C):\n            T_r[i, j] = A_r_s[i, j]")
-    out["substitute_only"] = src.replace(imp, full_imp).replace(
-        INV, "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)\n        for i, j in T.Parallel(C, C):\n"
-             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
-    out["no_halves_merge"] = src.replace(imp, full_imp).replace(
-        INV, "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)\n        _merge_pairs(A_r_s, T_r_D_s, T_r_T_s, T_r_P_s, C)\n"
-             "        for i, j in T.Parallel(C, C):\n            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
-    out["gemm3_halves_merge"] = src.replace(imp, full_imp + "\n" + GEMM3_MERGE).replace(
-        INV, INV.replace("unit_lower_inverse", "inverse_gemm3_merge"))
-    more = imp + ", _substitute, _merge_pairs, _merge_halves"
-    out["gemm_both_merges"] = src.replace(imp, more + "\n" + PAIRS_GEMM).replace(
-        INV, "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)\n"
-             "        _pairs_gemm(A_r_s, T_r_D_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
-             "        _merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
-             "        for i, j in T.Parallel(C, C):\n"
-             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
-    out["warp_substitute"] = src.replace(imp, more + "\n" + WARP_SUBSTITUTE).replace(
-        INV, "_substitute_warps(A_r_s, T_r_D_s, T_r_T_s, C)\n"
-             "        _merge_pairs(A_r_s, T_r_D_s, T_r_T_s, T_r_P_s, C)\n"
-             "        _merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
-             "        for i, j in T.Parallel(C, C):\n"
-             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
-    out["warp_gemm_both"] = src.replace(imp, more + "\n" + WARP_SUBSTITUTE + PAIRS_GEMM).replace(
-        INV, "_substitute_warps(A_r_s, T_r_D_s, T_r_T_s, C)\n"
-             "        _pairs_gemm(A_r_s, T_r_D_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
-             "        _merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)\n"
-             "        for i, j in T.Parallel(C, C):\n"
-             "            T_r[i, j] = T.if_then_else(j <= i, T_r_T_s[i, j], 0.0)")
-    out["gemm3_both_merges"] = src.replace(imp, full_imp + "\n" + GEMM3_BOTH).replace(
-        INV, INV.replace("unit_lower_inverse", "inverse_gemm3_both"))
+    out["substitute_only"] = inverse_by(substitute)
+    out["no_halves_merge"] = inverse_by(substitute, pairs)
+    out["gemm3_halves_merge"] = macro_instead("inverse_gemm3_merge", GEMM3_MERGE)
+    out["gemm_both_merges"] = inverse_by(substitute, pairs_gemm, halves, defs=PAIRS_GEMM)
+    out["warp_substitute"] = inverse_by(by_warps, pairs, halves, defs=WARP_SUBSTITUTE)
+    out["warp_gemm_both"] = inverse_by(by_warps, pairs_gemm, halves, defs=WARP_SUBSTITUTE + PAIRS_GEMM)
+    out["gemm3_both_merges"] = macro_instead("inverse_gemm3_both", GEMM3_BOTH)
     # no gate scaling: T leaves as T_r
     out["no_gate_scale"] = re.sub(r"T\.cast\(\(T_r\[i, j\] \* T\.if_then_else\(j <= i, T\.exp2\(.*?\), 0\.0\)\), IO\)",
                                   "T.cast(T_r[i, j], IO)", src)

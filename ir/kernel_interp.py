@@ -244,8 +244,7 @@ class _Run:
             b[s.dst] = prev.reshape(b[s.dst].shape)
         elif s.op == "inverse":
             x = torch.tril(b[s.srcs[0]], -1)
-            b[s.dst] = (_unit_lower_inverse(x, a["tf32_from"]) if self.sz.rounding is not None else
-                        _solve_unit_lower(x, torch.eye(x.shape[-1], dtype=F64, device=self.dev).expand_as(x)))
+            b[s.dst] = _unit_lower_inverse(x, a["tf32_from"]) if self.sz.rounding is not None else _exact_inverse(x)
         elif s.op == "store":
             self.write_block(s.dst, b[s.srcs[0]])
         elif s.op == "store_vec":
@@ -374,10 +373,10 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
 
 
 
-def _solve_unit_lower(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """(I + a)⁻¹ rhs for strictly lower triangular blocks a (batched)."""
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    return torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+def _exact_inverse(a: torch.Tensor) -> torch.Tensor:
+    """(I + a)⁻¹ for strictly lower triangular blocks a (batched)."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+    return torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -391,9 +390,8 @@ def _unit_lower_inverse(a: torch.Tensor, tf32_from: int, block: int = 16) -> tor
     n = a.shape[-1]
     block = min(block, n)
     t = torch.zeros_like(a)
-    eye = torch.eye(block, dtype=a.dtype, device=a.device).expand(*a.shape[:-2], block, block)
     for b0 in range(0, n, block):
-        t[..., b0:b0 + block, b0:b0 + block] = _solve_unit_lower(a[..., b0:b0 + block, b0:b0 + block], eye)
+        t[..., b0:b0 + block, b0:b0 + block] = _exact_inverse(a[..., b0:b0 + block, b0:b0 + block])
     w = block
     while w < n:
         r = _tf32 if w >= tf32_from else (lambda v: v)

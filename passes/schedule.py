@@ -330,11 +330,11 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
     b = build(ir, nodes, loaded, tiled=False, dims=dims)
     stores, outs = [], []
+    io_kinds = ("value",) if partial_keys else ("value", "key")
     for role in roles:
         x = ir.outputs[role]
         shape = ir.node(x).shape
         of = ir.node(ir.gradient_of[role]) if role in ir.gradient_of else None
-        io_kinds = ("value",) if partial_keys else ("value", "key")
         if role == "o" or (of is not None and of.attr.get("kind") in io_kinds):
             # the op's output, or a value's or key's gradient per value head, in the io dtype the op
             # returns (a key's the host sums over its group, in float32, as FLA sums its bf16

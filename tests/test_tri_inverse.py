@@ -11,6 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qla_compiler.ir.kernel_interp import _tf32 as tf32_truncated  # as mma.sync reads float32
+from qla_compiler.ir.kernel_interp import _unit_lower_inverse
+
 C, BLOCK = 64, 16
 
 
@@ -19,11 +22,6 @@ def tf32(x):
     b = x.float().contiguous().view(torch.int32)
     b = (b + 0x0FFF + ((b >> 13) & 1)) & ~0x1FFF
     return b.view(torch.float32)
-
-
-def tf32_truncated(x):
-    """float32 read as tf32 by mma.sync: the low 13 mantissa bits dropped."""
-    return (x.float().contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
 
 
 def blocked_inverse(A, trace=None, tf32_last_merge=True):
@@ -130,8 +128,6 @@ def test_the_interpreter_models_the_kernels_inverse():
     """With rounding on, the KernelIR interpreter inverts as the kernel does (its merges of 32-blocks
     with tf32 operands, the inverse statement's field), so the CPU's emulated kernels carry the
     kernel's error: equal to this file's replay, and off the exact inverse by what tf32 costs."""
-    from qla_compiler.ir.kernel_interp import _unit_lower_inverse
-
     gen = torch.Generator().manual_seed(3)
     A = torch.stack([delta_rule_A(keys_of("uniform", gen), torch.ones(C, dtype=torch.float64)) for _ in range(3)])
     ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A)
