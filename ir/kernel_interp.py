@@ -42,7 +42,7 @@ class Sizes:
     # (the GPU's float32 accumulation adds less than the rounding of their operands); the
     # triangular inverse runs the kernel's method: 16-blocks by substitution, exact (its float32
     # sums err by a few units of 2⁻²⁴: kernels/tri_inverse.py), and merges T₂₁ = −T₂₂ (A₂₁ T₁₁)
-    # whose operands blocks of `tf32_from` and wider read as tf32, truncated as mma.sync reads them.
+    # whose operands blocks of `tf32_from` and wider are rounded to tf32, as the kernel stages them.
     rounding: torch.dtype | None = None
 
     def of(self, dim: str) -> int:
@@ -380,8 +380,10 @@ def _exact_inverse(a: torch.Tensor) -> torch.Tensor:
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 read as tf32 by mma.sync: the low 13 mantissa bits dropped."""
-    return (x.float().contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32).to(x.dtype)
+    """float32 rounded to tf32 as kernels/tri_inverse.py stages the merge's operands (to nearest,
+    ties away from zero; mma.sync then reads them exactly)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(x.dtype)
 
 
 def _unit_lower_inverse(a: torch.Tensor, tf32_from: int, block: int = 16) -> torch.Tensor:

@@ -25,13 +25,17 @@ a merge's A₂₁ T₁₁ holds rows β_i k_iᵀ of block 2 against the u's that
 values of size ≤ 1: no cancellation beyond a few units of the last place, whatever the keys.
 
 Why tf32 in the last merge is safe, where it was not in Neumann doubling: its operands are
-bounded by 1, so reading them with 10 mantissa bits (the mma truncates float32 to tf32) errs by at
-most 2⁻¹⁰ of values ≤ 1, and its float32 accumulation adds nothing comparable; Neumann's operands
-were 1e17. Replayed against a float64 solve (tests/test_tri_inverse.py, C = 64, K = 128): relative
-error ≤ 1e-3 on the worst keys (U[0, 1) with β = 1: 7e-4), below the bf16 rounding T gets when it
-is stored (1e-3 there); through the emulated kernels (bf16 roundings as on the GPU) o and every
-gradient on those keys move by ≤ 0.1 % (benchmarks/NOTES.md, session 17). The merge on the CUDA
-cores was 0.26 ms of the 16/64-head prep's 0.85 on the H200; as two tf32 products, 0.10.
+bounded by 1, so rounding them to 10 mantissa bits errs by at most 2⁻¹¹ of values ≤ 1, and its
+float32 accumulation adds nothing comparable; Neumann's operands were 1e17. Replayed against a
+float64 solve (tests/test_tri_inverse.py, C = 64, K = 128): relative error ≤ 1e-3 on the worst
+keys (U[0, 1) with β = 1: 7e-4), below the bf16 rounding T gets when it is stored (1e-3 there).
+Rounded to nearest, not truncated: mma.sync reads a float32 operand by dropping its low 13 bits,
+which pulls every operand toward zero, and an error of one sign adds up over a sequence's chunks
+where nothing decays: at g = 0 on U[0, 1) keys, through the emulated kernels (bf16 roundings as
+on the GPU), truncation made d β's error 10 % and o's 3 % larger than a float32 merge's, and the
+H200's real-data test failed on it; rounded, o and every gradient stay within 3 % of the float32
+merge's error (d β; o 1 % below it). The merge on the CUDA cores was 0.26 ms of the 16/64-head
+prep's 0.85 on the H200; as two tf32 products, 0.10 (benchmarks/NOTES.md, sessions 17 and 18).
 
 The lowering allocates the scratch buffers listed in SCRATCH and calls the macro:
 
@@ -88,18 +92,27 @@ def _merge_pairs(A_s, D_s, T_s, P_s, C):
         T_s[p * PAIR + BLOCK + r, p * PAIR + c] = -product[p, r, c]
 
 
+def _tf32(x):
+    # float32 rounded to nearest tf32 (the top 19 bits; ties away from zero): mma.sync reads a
+    # float32 operand by dropping its low 13 bits, a truncation whose bias (every operand pulled
+    # toward zero) adds up across the 32 terms of a product and across a sequence's chunks where
+    # nothing decays: at g = 0 on U[0, 1) keys it cost d β 10 % in error, rounded 3 % (NOTES, session 18)
+    return T.reinterpret((T.reinterpret(x, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), "float32")
+
+
 @T.macro
 def _merge_halves(A_s, T_s, A21_s, T11_s, T22_s, M_s):
     # 32 → 64: T[32 + r, c] = −Σ_l T₂₂[r, l] (A₂₁ T₁₁)[l, c] over 32-blocks, both products tf32 on
-    # the tensor cores; above their diagonals T₁₁ and T₂₂ are zeroed here (T_s holds zeros or
-    # nothing there)
+    # the tensor cores, every operand rounded to tf32 as it is staged; above their diagonals T₁₁
+    # and T₂₂ are zeroed here (T_s holds zeros or nothing there)
     product = T.alloc_fragment((PAIR, PAIR), "float32")
     for r, c in T.Parallel(PAIR, PAIR):
-        A21_s[r, c] = A_s[PAIR + r, c]
-        T11_s[r, c] = T.if_then_else(c <= r, T_s[r, c], 0.0)
-        T22_s[r, c] = T.if_then_else(c <= r, T_s[PAIR + r, PAIR + c], 0.0)
+        A21_s[r, c] = _tf32(A_s[PAIR + r, c])
+        T11_s[r, c] = T.if_then_else(c <= r, _tf32(T_s[r, c]), 0.0)
+        T22_s[r, c] = T.if_then_else(c <= r, _tf32(T_s[PAIR + r, PAIR + c]), 0.0)
     T.gemm(A21_s, T11_s, product, clear_accum=True)
-    T.copy(product, M_s)
+    for r, c in T.Parallel(PAIR, PAIR):
+        M_s[r, c] = _tf32(product[r, c])
     T.gemm(T22_s, M_s, product, clear_accum=True)
     for r, c in T.Parallel(PAIR, PAIR):
         T_s[PAIR + r, c] = -product[r, c]
