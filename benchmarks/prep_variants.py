@@ -16,7 +16,7 @@ from qla_compiler.kernels.runtime import BACKEND, TARGET, import_module, write_s
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 
 SHAPE = ShapeClass(H=16, HV=64, K=128, V=128, BV=64, io="bfloat16")
-INV = "unit_lower_inverse(A_r_s, T_r, T_r_D_s, T_r_T_s, T_r_P_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s, C)"
+INV = "unit_lower_inverse(A_r_s, T_r, T_r_D_s, T_r_T_s, T_r_P_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s, C, 4)"
 
 # the 32 → 64 merge with each product in three tf32 passes (a = a_hi + a_lo, with a_hi a's top 19
 # bits: a_hi b_hi + a_hi b_lo + a_lo b_hi), about float32's accuracy (FLA's FLA_TRIL_PRECISION=tf32x3);
@@ -58,8 +58,8 @@ def _halves3(A_s, X, T_s, C, a_hi, a_lo, b_hi, b_lo, x, acc):
 
 
 @T.macro
-def inverse_gemm3_merge(A_s, X, D_s, T_s, P_s, a_hi, a_lo, b_hi, b_lo, C):
-    _substitute(A_s, D_s, T_s, C)
+def inverse_gemm3_merge(A_s, X, D_s, T_s, P_s, a_hi, a_lo, b_hi, b_lo, C, warps):
+    _substitute(A_s, D_s, T_s, C, warps)
     _merge_pairs(A_s, D_s, T_s, P_s, C)
     x = T.alloc_fragment((32, 32), "float32")
     acc = T.alloc_fragment((32, 32), "float32")
@@ -72,8 +72,8 @@ def inverse_gemm3_merge(A_s, X, D_s, T_s, P_s, a_hi, a_lo, b_hi, b_lo, C):
 GEMM3_BOTH = GEMM3_MERGE + '''
 
 @T.macro
-def inverse_gemm3_both(A_s, X, D_s, T_s, P_s, a_hi, a_lo, b_hi, b_lo, C):
-    _substitute(A_s, D_s, T_s, C)
+def inverse_gemm3_both(A_s, X, D_s, T_s, P_s, a_hi, a_lo, b_hi, b_lo, C, warps):
+    _substitute(A_s, D_s, T_s, C, warps)
     x = T.alloc_fragment((32, 32), "float32")
     acc = T.alloc_fragment((32, 32), "float32")
     # pair p's blocks at rows and columns 16p of the 32×32 operands
@@ -114,26 +114,17 @@ def _pairs_gemm(A_s, D_s, T_s, A21_s, T11_s, T22_s, M_s):
             T_s[32 * (r // 16) + 16 + r % 16, 32 * (r // 16) + c % 16] = -product[r, c]
 '''
 
-# the 16-blocks' substitution by warps, no block-wide barrier between its 15 steps: warp w solves
-# diagonal block w, lane l holding row l // 2, columns 8 (l % 2) … 8 (l % 2) + 7; row j of the block
-# comes by shuffles from its two lanes
-WARP_SUBSTITUTE = '''
+# the 16-blocks' substitution as a sweep over shared memory, the block's threads over (row, column),
+# a block-wide barrier between its 15 steps (main's method until session 18)
+SHARED_SWEEPS = '''
 @T.macro
-def _substitute_warps(A_s, D_s, T_s, C):
-    tx = T.get_thread_binding()
-    w = tx // 32
-    lane = tx % 32
-    d = T.alloc_local((8,), "float32")
-    if w < C // 16:
-        for c in T.unroll(8):
-            d[c] = T.if_then_else(lane // 2 == (lane % 2) * 8 + c, 1.0, 0.0)
-        for j in T.unroll(15):
-            a = A_s[w * 16 + lane // 2, w * 16 + j]
-            for c in T.unroll(8):
-                dj = T.shfl_sync(d[c], 2 * j + lane % 2)
-                d[c] = T.if_then_else(lane // 2 > j, d[c] - a * dj, d[c])
-        for c in T.unroll(8):
-            D_s[w * 16 + lane // 2, (lane % 2) * 8 + c] = d[c]
+def _substitute_shared(A_s, D_s, T_s, C):
+    for i, c in T.Parallel(C, 16):
+        D_s[i, c] = T.if_then_else(i % 16 == c, 1.0, 0.0)
+    for j in T.serial(15):
+        for i, c in T.Parallel(C, 16):
+            if i % 16 > j:
+                D_s[i, c] -= A_s[i, i - i % 16 + j] * D_s[i - i % 16 + j, c]
     for i, c in T.Parallel(C, 32):
         T_s[i, i - i % 32 + c] = T.if_then_else(i % 32 // 16 == c // 16, D_s[i, c % 16], 0.0)
 '''
@@ -161,8 +152,8 @@ def variants() -> dict:
         """The prep calling `name`, with the inverse's arguments, instead of the building block."""
         return src.replace(imp, macros + "\n" + defs).replace(INV, INV.replace("unit_lower_inverse", name))
 
-    substitute = "_substitute(A_r_s, T_r_D_s, T_r_T_s, C)"
-    by_warps = "_substitute_warps(A_r_s, T_r_D_s, T_r_T_s, C)"
+    substitute = "_substitute(A_r_s, T_r_D_s, T_r_T_s, C, 4)"
+    shared_sweeps = "_substitute_shared(A_r_s, T_r_D_s, T_r_T_s, C)"
     pairs = "_merge_pairs(A_r_s, T_r_D_s, T_r_T_s, T_r_P_s, C)"
     pairs_gemm = "_pairs_gemm(A_r_s, T_r_D_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)"
     halves = "_merge_halves(A_r_s, T_r_T_s, T_r_A21_s, T_r_T11_s, T_r_T22_s, T_r_M_s)"
@@ -172,8 +163,7 @@ def variants() -> dict:
     out["no_halves_merge"] = inverse_by(substitute, pairs)
     out["gemm3_halves_merge"] = macro_instead("inverse_gemm3_merge", GEMM3_MERGE)
     out["gemm_both_merges"] = inverse_by(substitute, pairs_gemm, halves, defs=PAIRS_GEMM)
-    out["warp_substitute"] = inverse_by(by_warps, pairs, halves, defs=WARP_SUBSTITUTE)
-    out["warp_gemm_both"] = inverse_by(by_warps, pairs_gemm, halves, defs=WARP_SUBSTITUTE + PAIRS_GEMM)
+    out["shared_sweeps"] = inverse_by(shared_sweeps, pairs, halves, defs=SHARED_SWEEPS)
     out["gemm3_both_merges"] = macro_instead("inverse_gemm3_both", GEMM3_BOTH)
     # no gate scaling: T leaves as T_r
     out["no_gate_scale"] = re.sub(r"T\.cast\(\(T_r\[i, j\] \* T\.if_then_else\(j <= i, T\.exp2\(.*?\), 0\.0\)\), IO\)",

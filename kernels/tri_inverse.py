@@ -9,7 +9,7 @@ for the matrices the delta rule inverts, A = StrictLower(diag(β) K Kᵀ) with u
 and cancels catastrophically in any finite precision.
 
     1. substitution: each diagonal 16-block T_bb = (I + A_bb)⁻¹ by column sweeps,
-       T[i, :] −= A[i, j] T[j, :] for i > j, j = 0…14;
+       T[i, :] −= A[i, j] T[j, :] for i > j, j = 0…14, one warp a block, in registers;
     2. merges: a 2w block's lower-left w-block is T₂₁ = −T₂₂ (A₂₁ T₁₁), T₁₁ and T₂₂ being the w×w
        inverses found so far: at w = 16 for the two pairs of 16-blocks (CUDA cores, float32), at
        w = 32 for the one pair of 32-blocks (two tf32 `T.gemm`s, mma.sync: wgmma needs 64 rows).
@@ -39,11 +39,10 @@ prep's 0.85 on the H200; as two tf32 products, 0.10 (benchmarks/NOTES.md, sessio
 
 The lowering allocates the scratch buffers listed in SCRATCH and calls the macro:
 
-    unit_lower_inverse(A_s, X, X_D_s, X_T_s, X_P_s, X_A21_s, X_T11_s, X_T22_s, X_M_s, C)
+    unit_lower_inverse(A_s, X, X_D_s, X_T_s, X_P_s, X_A21_s, X_T11_s, X_T22_s, X_M_s, C, WARPS)
 
-A_s (float32, shared) is the input, left as it is. D_s (C×16, float32) holds the diagonal 16-blocks
-of T as the substitution makes them (16-wide rows: its sweeps read and write four floats at a
-time). T_s (C×C, float32) holds T as the merges build it: the diagonal 16-blocks, then the merged
+WARPS is the kernel's threads / 32. A_s (float32, shared) is the input, left as it is. D_s (C×16,
+float32) receives the diagonal 16-blocks of T from the warps that solved them. T_s (C×C, float32) holds T as the merges build it: the diagonal 16-blocks, then the merged
 blocks below them; above the diagonal only the blocks a merge reads are zeroed. P_s (C×16,
 float32) holds each 16 → 32 merge's first product A₂₁ T₁₁, which the second reads across threads.
 A21_s, T11_s, T22_s and M_s (32×32, float32) are the 32 → 64 merge's operands and first product,
@@ -57,16 +56,29 @@ from .tri_inverse_scratch import HALF as PAIR  # the blocks the first merge make
 
 
 @T.macro
-def _substitute(A_s, D_s, T_s, C):
-    # D_s[i, c] = T[i, b0 + c] for the 16-block b0 of row i: column sweeps, at step j every row
-    # below j in its block takes row j's multiple; row j is final then (its last update was at
-    # step j − 1) and nobody writes it, so one barrier per step is the only synchronisation
-    for i, c in T.Parallel(C, BLOCK):
-        D_s[i, c] = T.if_then_else(i % BLOCK == c, 1.0, 0.0)
-    for j in T.serial(BLOCK - 1):
-        for i, c in T.Parallel(C, BLOCK):
-            if i % BLOCK > j:
-                D_s[i, c] -= A_s[i, i - i % BLOCK + j] * D_s[i - i % BLOCK + j, c]
+def _substitute(A_s, D_s, T_s, C, warps):
+    # D_s[i, c] = T[i, b0 + c] for the 16-block b0 of row i, each block by one warp (the kernel's
+    # `warps` take the C / 16 blocks in turn): column sweeps, at step j every row below j takes
+    # row j's multiple. Lane l holds row l // 2, columns 8 (l % 2) … 8 (l % 2) + 7, in registers;
+    # row j's values come from its two lanes by shuffles, final at step j (its last update was at
+    # step j − 1). No block-wide barrier between the 15 steps, where a sweep over shared memory
+    # needs one per step: 0.69 → 0.61 ms for the 16/64-head prep on the H200, T bit for bit the
+    # same (the same float32 operations in the same order; NOTES, session 18)
+    tx = T.get_thread_binding()
+    lane = tx % 32
+    d = T.alloc_local((BLOCK // 2,), "float32")
+    for turn in T.serial((C // BLOCK + warps - 1) // warps):
+        block = tx // 32 + turn * warps
+        if block < C // BLOCK:
+            for c in T.unroll(BLOCK // 2):
+                d[c] = T.if_then_else(lane // 2 == (lane % 2) * (BLOCK // 2) + c, 1.0, 0.0)
+            for j in T.unroll(BLOCK - 1):
+                a = A_s[block * BLOCK + lane // 2, block * BLOCK + j]
+                for c in T.unroll(BLOCK // 2):
+                    dj = T.shfl_sync(d[c], 2 * j + lane % 2)
+                    d[c] = T.if_then_else(lane // 2 > j, d[c] - a * dj, d[c])
+            for c in T.unroll(BLOCK // 2):
+                D_s[block * BLOCK + lane // 2, (lane % 2) * (BLOCK // 2) + c] = d[c]
     # into T_s's 32-wide diagonal blocks, zeros above the 16-blocks (the second merge reads them)
     for i, c in T.Parallel(C, min(C, PAIR)):
         T_s[i, i - i % PAIR + c] = T.if_then_else(i % PAIR // BLOCK == c // BLOCK, D_s[i, c % BLOCK], 0.0)
@@ -119,10 +131,10 @@ def _merge_halves(A_s, T_s, A21_s, T11_s, T22_s, M_s):
 
 
 @T.macro
-def unit_lower_inverse(A_s, X, D_s, T_s, P_s, A21_s, T11_s, T22_s, M_s, C):
+def unit_lower_inverse(A_s, X, D_s, T_s, P_s, A21_s, T11_s, T22_s, M_s, C, warps):
     # (a macro's Python-level branches are resolved when it is parsed, so every block width
-    # below is a constant in the kernel)
-    _substitute(A_s, D_s, T_s, C)
+    # below is a constant in the kernel; `warps`: the kernel's threads / 32)
+    _substitute(A_s, D_s, T_s, C, warps)
     if C >= PAIR:
         _merge_pairs(A_s, D_s, T_s, P_s, C)
     if C == 2 * PAIR:

@@ -226,9 +226,12 @@ class _Render:
             if a["tf32_from"] != INVERSE_TF32_FROM:  # one building block, one method
                 raise PassError("lower", f"{s}: kernels/tri_inverse.py's merges are tf32 from "
                                          f"{INVERSE_TF32_FROM}-blocks, not {a['tf32_from']}")
+            if not isinstance(self.k.threads, int) or self.k.threads % 32:
+                raise PassError("lower", f"{s}: the inverse's substitution runs one warp a block, "
+                                         f"in a kernel of whole warps, not {self.k.threads} threads")
             a_s = s.srcs[0]
             scratch = ", ".join(f"{s.dst}_{suffix}" for suffix in INVERSE_SCRATCH)
-            return [f"unit_lower_inverse({a_s}, {s.dst}, {scratch}, C)"]
+            return [f"unit_lower_inverse({a_s}, {s.dst}, {scratch}, C, {self.k.threads // 32})"]
         if s.op == "store":
             src = s.srcs[0]
             dst_dtype = next(p.dtype for p in self.k.params if p.name == s.dst)
