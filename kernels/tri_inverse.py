@@ -42,11 +42,12 @@ The lowering allocates the scratch buffers listed in SCRATCH and calls the macro
     unit_lower_inverse(A_s, X, X_D_s, X_T_s, X_P_s, X_A21_s, X_T11_s, X_T22_s, X_M_s, C, WARPS)
 
 WARPS is the kernel's threads / 32. A_s (float32, shared) is the input, left as it is. D_s (C×16,
-float32) receives the diagonal 16-blocks of T from the warps that solved them. T_s (C×C, float32) holds T as the merges build it: the diagonal 16-blocks, then the merged
-blocks below them; above the diagonal only the blocks a merge reads are zeroed. P_s (C×16,
-float32) holds each 16 → 32 merge's first product A₂₁ T₁₁, which the second reads across threads.
-A21_s, T11_s, T22_s and M_s (32×32, float32) are the 32 → 64 merge's operands and first product,
-unpadded blocks as the tensor-core product reads them.
+float32) receives the diagonal 16-blocks of T from the warps that solved them. T_s (C×C, float32)
+holds T as the merges build it: the diagonal 16-blocks, then the merged blocks below them; above
+the diagonal only the blocks a merge reads are zeroed. P_s (C×16, float32) holds each 16 → 32
+merge's first product A₂₁ T₁₁, which the second reads across threads. A21_s, T11_s, T22_s and M_s
+(32×32, float32) are the 32 → 64 merge's operands and first product, unpadded blocks as the
+tensor-core product reads them.
 """
 import tilelang.language as T
 
