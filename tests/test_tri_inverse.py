@@ -157,6 +157,12 @@ def test_the_kernel_ir_says_the_inverse_precision_and_the_lowering_holds_it_to_t
     other = dataclasses.replace(kir, kernels=[dataclasses.replace(prep, body=body)] + kir.kernels[1:])
     with pytest.raises(PassError, match="merges are tf32 from 32-blocks, not 64"):
         lower(other, ShapeClass(H=2, HV=8, K=128, V=128))
+    # the substitution runs a warp a block, handed the kernel's warps: a partial warp is refused
+    src = lower(kir, ShapeClass(H=2, HV=8, K=128, V=128))
+    assert f"T_r_M_s, C, {prep.threads // 32})" in src
+    partial = dataclasses.replace(kir, kernels=[dataclasses.replace(prep, threads=80)] + kir.kernels[1:])
+    with pytest.raises(PassError, match="one warp a block, in a kernel of whole warps, not 80 threads"):
+        lower(partial, ShapeClass(H=2, HV=8, K=128, V=128))
 
 
 def test_the_merge_rounds_its_tf32_operands(monkeypatch):
