@@ -95,11 +95,12 @@ def sm_count(device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_block_v(V: int, HV: int, N: int, device, widest: int | None = None) -> int:
-    """The V-block for this GPU (see block_v), or the policy's."""
+def choose_block_v(V: int, HV: int, N: int, device, widest: int | None = None, sms: int | None = None) -> int:
+    """The V-block for this GPU (see block_v; `sms`: its SM count, if known, else the device's),
+    or the policy's."""
     if POLICY.block_v:
         return min(POLICY.block_v, tile_width(V))  # (a V-block tiles the padded width)
-    return block_v(V, HV, N, sm_count(device), widest=widest)
+    return block_v(V, HV, N, sms or sm_count(device), widest=widest)
 
 
 def widest_v_block(K: int) -> int:
@@ -429,10 +430,19 @@ def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:
 
 def shape_class(dims, width: int, n_seqs: int, scale: float, io, device, block_v_max: int = 64) -> ShapeClass:
     """What a launch compiles for on this GPU (scan_class), for a program whose kernels take
-    V-blocks up to `block_v_max` (KernelIR.block_v_max)."""
-    widest = block_v_max if block_v_max > 64 else widest_v_block(dims.K)  # (the wide fused kernel's: 128)
-    return scan_class(dims.H, dims.HV, dims.K, width, n_seqs, IO_DTYPES[io], sm_count(device), scale,
-                      BV=min(choose_block_v(width, dims.HV, n_seqs, device, widest), widest), block_v_max=block_v_max)
+    V-blocks up to `block_v_max` (KernelIR.block_v_max). Every launch of a call asks it, and
+    every layer of a model with the same shapes: made once per shape, SM count and launch policy
+    (issue 19's host time per call)."""
+    return _shape_class(dims.H, dims.HV, dims.K, width, n_seqs, scale, IO_DTYPES[io], sm_count(device),
+                        block_v_max, POLICY.block_v, POLICY.scan_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_class(H, HV, K, width, n_seqs, scale, io: str, sms: int, block_v_max, policy_block_v, policy_stages):
+    # policy_block_v, policy_stages: the launch policy's fields that the rules below read, in the key
+    widest = block_v_max if block_v_max > 64 else widest_v_block(K)  # (the wide fused kernel's: 128)
+    return scan_class(H, HV, K, width, n_seqs, io, sms, scale, block_v_max=block_v_max,
+                      BV=min(choose_block_v(width, HV, n_seqs, None, widest, sms=sms), widest))
 
 
 def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int) -> None:

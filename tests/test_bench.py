@@ -21,8 +21,6 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
     """--backward: every input of the timed call becomes a leaf that receives a gradient, through
     the kernel path's custom op qla::run_kernels (what the op runs for CUDA inputs; emulated here
     on the CPU)."""
-    from unittest import mock
-
     import torch
 
     from qla_compiler.bench import with_backward
@@ -49,9 +47,7 @@ def test_backward_mode_times_a_training_step_through_the_kernel_path():
         seen.update({k: v for k, v in a.items() if torch.is_tensor(v)})
         return o, final
 
-    with mock.patch.object(fwd, "load_kernels", emu), \
-            mock.patch.object(fwd, "choose_block_v", lambda V, HV, N, device, widest=None: 32), \
-            mock.patch.object(fwd, "sm_count", lambda device: fwd.H200_SMS):
+    with fwd.launch_policy(kernels=emu, block_v=32, sms=fwd.H200_SMS):
         with_backward(recording)(**args)
     assert [k.name for k in op.program.backward_program.kernels.kernels] == [n for n, _ in emu.calls[-len(
         op.program.backward_program.kernels.kernels):]]
