@@ -372,7 +372,6 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
     run.block(kernel.epilogue)
 
 
-
 def _exact_inverse(a: torch.Tensor) -> torch.Tensor:
     """(I + a)⁻¹ for strictly lower triangular blocks a (batched)."""
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
