@@ -135,11 +135,13 @@ def _(op, xs, initial_state, cu_seqlens, scale, states, d_o, d_final):
 def _interpret_setup(ctx, inputs, output):
     op, xs, initial_state, cu_seqlens, scale, _, _ = inputs
     ctx.op, ctx.scale = op, scale
+    _no_zero_cotangents(ctx, output[2])
     ctx.save_for_backward(initial_state, cu_seqlens, output[2], *xs)
 
 
 def _interpret_grad(ctx, d_o, d_final, _):
     initial_state, cu_seqlens, states, *xs = ctx.saved_tensors
+    d_o = _cotangent_of_o(ctx.op, xs, cu_seqlens, d_o)
     d_xs, d_h0 = interpret_backward(ctx.op, xs, initial_state, cu_seqlens, ctx.scale, states, d_o, d_final)
     return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None
 
@@ -252,18 +254,39 @@ def _variant(cop, d: Dims, v: Tensor):
 def _kernels_setup(ctx, inputs, output):
     op, xs, initial_state, cu_seqlens, scale, segments, _, traced = inputs
     ctx.op, ctx.scale, ctx.segments, ctx.n, ctx.traced = op, scale, segments, len(xs), traced
+    _no_zero_cotangents(ctx, *output[2])
     ctx.save_for_backward(initial_state, cu_seqlens, *xs, *output[2])
 
 
 def _kernels_grad(ctx, d_o, d_final, _):
     initial_state, cu_seqlens, *rest = ctx.saved_tensors
     xs, made = rest[:ctx.n], rest[ctx.n:]
+    d_o = _cotangent_of_o(ctx.op, xs, cu_seqlens, d_o)
     d_xs, d_h0 = run_kernels_backward(ctx.op, xs, initial_state, cu_seqlens, ctx.scale, ctx.segments, made,
                                       d_o, d_final, ctx.traced)
     return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None, None
 
 
 run_kernels.register_autograd(_kernels_grad, setup_context=_kernels_setup)
+
+
+def _no_zero_cotangents(ctx, *kept):
+    """What a forward returns for its backward alone is not differentiable, and no cotangent is
+    made for it: autograd would otherwise hand the backward a zero-filled tensor per kept output
+    (and for o or the final state when the loss does not read them). At 16/64 heads and 8 × 4096
+    tokens those fills wrote ~1.9 GB a training step: ~0.58 ms of the 0.72 ms of element-wise
+    fills the H200's profile showed (session 19, benchmarks/NOTES.md)."""
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*kept)
+
+
+def _cotangent_of_o(op: str, xs, cu_seqlens, d_o):
+    """d_o, or zeros where the loss does not read o (the final state's gradient alone)."""
+    if d_o is not None:
+        return d_o
+    cop = _OPS[op]
+    d = dims_of(cop, xs, cu_seqlens)
+    return dict(zip(cop.input_names, xs))[cop.value_name].new_zeros(d.B, d.T, d.HV, d.V)
 
 
 # ---- the token step -------------------------------------------------------------------------------
