@@ -231,16 +231,16 @@ class CompiledOp:
     def _interpret(self, inputs, scale, initial_state, cu_seqlens):
         """The ChunkIR interpreter (qla::interpret): (o, final state) in the work dtype."""
         xs = [inputs[n] for n in self.input_names]
-        o, final, _ = torch.ops.qla.interpret(self.key, xs, initial_state, cu_seqlens, scale,
-                                              _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
+        o, final, _ = custom_ops.call("interpret", self.key, xs, initial_state, cu_seqlens, scale,
+                                      _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
         return o, final
 
     def _run_kernels(self, inputs, scale, initial_state, cu_seqlens, segments):
         """The generated kernels (qla::run_kernels); with inputs that need gradients, the training
         forward, keeping what the backward kernels read."""
         xs = [inputs[n] for n in self.input_names]
-        o, final, _ = torch.ops.qla.run_kernels(self.key, xs, initial_state, cu_seqlens, scale, segments,
-                                                _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
+        o, final, _ = custom_ops.call("run_kernels", self.key, xs, initial_state, cu_seqlens, scale, segments,
+                                      _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
         return o, final
 
 

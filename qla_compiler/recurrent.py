@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from . import custom_ops
 from .checks import check_inputs
 from .layout import packed_cu_seqlens
 from .op import _l2norm
@@ -124,10 +125,10 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
     cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
     xs = [inputs[n] for n in op.input_names]
     if inplace_final_state or (ssm_state_indices is not None and ssm_state_indices.dim() == 2):
-        o = torch.ops.qla.token_step_inplace(op.key, xs, cu, read, write, final, pool, scale, compiling)
+        o = custom_ops.call("token_step_inplace", op.key, xs, cu, read, write, final, pool, scale, compiling)
     else:  # (nothing returned: the kernel writes no state, into a placeholder rather than the pool)
         out = pool.new_empty(1, *pool.shape[1:]) if out is pool else out
-        o = torch.ops.qla.token_step(op.key, xs, cu, read, write, final, pool, out, scale, compiling)
+        o = custom_ops.call("token_step", op.key, xs, cu, read, write, final, pool, out, scale, compiling)
     return o, returned
 
 
