@@ -7,6 +7,7 @@ wrong on purpose where a part is removed).
                                                         # and T's error against a float64 solve
 """
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -130,9 +131,16 @@ def _substitute_shared(A_s, D_s, T_s, C):
 '''
 
 
-def base_source() -> str:
+def base_source(heads_first: bool = False) -> str:
+    """The fused forward's module as generated; `heads_first`: its prep's grid with the value heads
+    as the fastest-varying axis (a chunk's G value heads side by side, reading its keys once from
+    HBM: FlashQLA's solve orders its grid so)."""
     prog = qla_compiler.compile_spec("gdn").fused_program
-    return lower(prog.kernels, SHAPE, prog.path)
+    kir = prog.kernels
+    if heads_first:
+        kir = dataclasses.replace(kir, kernels=[dataclasses.replace(k, grid=k.grid[::-1]) if k.kind == "prep" else k
+                                                for k in kir.kernels])
+    return lower(kir, SHAPE, prog.path)
 
 
 def variants() -> dict:
@@ -169,6 +177,8 @@ def variants() -> dict:
     out["no_gate_scale"] = re.sub(r"T\.cast\(\(T_r\[i, j\] \* T\.if_then_else\(j <= i, T\.exp2\(.*?\), 0\.0\)\), IO\)",
                                   "T.cast(T_r[i, j], IO)", src)
     assert out["no_gate_scale"] != src
+    out["heads_first"] = base_source(heads_first=True)
+    assert "with T.Kernel(HV, CH, threads=128) as (i_hv, i_slot):" in out["heads_first"]
     out["threads256"] = src.replace("with T.Kernel(CH, HV, threads=128)", "with T.Kernel(CH, HV, threads=256)", 1)
     out["no_cumsum"] = re.sub(r"for j in T\.unroll\(C\):.*?\n(\s+)for i in T\.Parallel\(C\):\n\s+g_cum_s_acc\[i\] \+= .*?\n",
                               "for i in T.Parallel(C):\n\\1g_cum_s_acc[i] = g_floored_s[i]\n", src, count=1, flags=re.S)

@@ -233,10 +233,17 @@ class Stmt:
         return f"{self.dst} = {self.op} {' '.join(self.srcs)} {extra}".rstrip()
 
 
+# the grids a kernel can run over (each sorted): one CTA per (chunk slot, value head), or per
+# (V-block, value head, sequence) walking the sequence
+GRID_AXES = (("chunk_slot", "value_head"), ("sequence", "v_block", "value_head"))
+
+
 @dataclass
 class Kernel:
     name: str
-    grid: tuple  # ((axis, extent), ...)
+    # ((axis, extent), ...), the first axis the fastest-varying (blockIdx.x: CTAs adjacent in it
+    # run together and share what they read through L2); axes from GRID_AXES
+    grid: tuple
     threads: int | str  # a number, or the shape-class constant that sets it (SCAN_THREADS)
     params: list
     buffers: list
@@ -267,6 +274,10 @@ class Kernel:
         pad their rows; a warp-specialised kernel's roles are whole warpgroups, in order, covering
         its threads; their register budgets are setmaxnreg's (multiples of 8 in [24, 256]) and fit
         the SM; every wait and arrival names a barrier; every ring has an owner among the roles."""
+        axes = tuple(sorted(a for a, _ in self.grid))
+        if axes not in GRID_AXES:
+            raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "
+                             + " or ".join("(" + ", ".join(g) + ")" for g in GRID_AXES) + ", in any order")
         for b in self.buffers:
             if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
                 raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")

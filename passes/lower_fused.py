@@ -34,7 +34,7 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
     staged = {b.name: b for b in kernel.buffers if b.stages > 1}
     barriers = {b.name: b for b in kernel.barriers}
     depths = sorted({b.stages for b in staged.values()} | {b.stages for b in kernel.barriers})
-    out = _signature(kernel, r) + _per_sequence_grid(r.tiles.get("V", "V"), kernel.threads)
+    out = _signature(kernel, r) + _per_sequence_grid(kernel, r.tiles.get("V", "V"))
     out.append("        tx = T.get_thread_binding()")
     for b in kernel.buffers:
         if b.scope == "shared" and b.shares:

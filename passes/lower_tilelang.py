@@ -322,9 +322,18 @@ def _signature(kernel: Kernel, r: _Render) -> list[str]:
         ["):", f'    """{kernel.doc}"""']
 
 
-def _per_sequence_grid(V: str, threads) -> list[str]:
+_GRID_INDEX = {"chunk_slot": "i_slot", "value_head": "i_hv", "v_block": "i_v", "sequence": "i_n"}
+
+
+def _grid(kernel: Kernel, V: str) -> str:
+    """The kernel's launch, its grid's axes in the KernelIR's order (the first is blockIdx.x)."""
+    extents = ", ".join(f"{V} // BV" if e == "V/BV" else e for _, e in kernel.grid)
+    return f"    with T.Kernel({extents}, threads={kernel.threads}) as ({', '.join(_GRID_INDEX[a] for a, _ in kernel.grid)}):"
+
+
+def _per_sequence_grid(kernel: Kernel, V: str) -> list[str]:
     """One CTA per (V-block, value head, sequence), walking the sequence (the scans, the token step)."""
-    return [f"    with T.Kernel({V} // BV, HV, N, threads={threads}) as (i_v, i_hv, i_n):",
+    return [_grid(kernel, V),
             "        i_h = i_hv // G  # the query/key head this value head reads",
             "        v0 = i_v * BV",
             "        bos = cu_seqlens[i_n]",
@@ -374,7 +383,7 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
             return [f"T.reduce_sum({s.srcs[0]}, {s.dst}, dim={a['dims'][0]})"]
         return r.stmt(s, scan=True)
 
-    out = _signature(kernel, r) + _per_sequence_grid(V, kernel.threads)
+    out = _signature(kernel, r) + _per_sequence_grid(kernel, V)
     for b in kernel.buffers:
         alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
         out.append(f"        {b.name} = {alloc}({_shape(b.alloc_shape(), r.tiles)}, {_dtype(b.dtype)})")
@@ -402,9 +411,9 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
     store_waits = scan and r.bulk_stores()
     out = _signature(kernel, r)
     if scan:
-        out += _per_sequence_grid(r.tiles.get("V", "V"), kernel.threads)
+        out += _per_sequence_grid(kernel, r.tiles.get("V", "V"))
     else:
-        out += [f"    with T.Kernel(CH, HV, threads={kernel.threads}) as (i_slot, i_hv):",
+        out += [_grid(kernel, r.tiles.get("V", "V")),
                 "        i_h = i_hv // G",
                 "        t0 = chunk_map[i_slot, 0]",
                 "        n_valid = chunk_map[i_slot, 1]  # 0 for unused slots: nothing is stored"]

@@ -16,7 +16,7 @@ import pytest
 import qla_compiler
 from qla_compiler.cli import main, parse_shape
 from qla_compiler.kernels.runtime import lower_to_cuda
-from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+from qla_compiler.passes.lower_tilelang import ShapeClass, lower, lower_kernel
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import schedule
 from qla_compiler.passes.schedule_memory import reads
@@ -590,3 +590,22 @@ def test_the_generated_source_does_not_depend_on_the_hash_seed():
     texts = {subprocess.run(cmd, capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
     assert len(texts) == 1
+
+
+def test_the_launch_follows_the_kernels_grid():
+    """The grid is the KernelIR's, axis order included (its first axis is blockIdx.x, the
+    fastest-varying: with the value heads first, a chunk's G value heads run side by side and read
+    its keys once from HBM); a grid over other axes is refused by the verifier."""
+    prog = qla_compiler.compile_spec("gdn")
+    shape = ShapeClass(H=2, HV=8, K=128, V=128, BV=64, io="bfloat16")
+    prep = next(k for k in prog.kernels.kernels if k.kind == "prep")
+    assert "with T.Kernel(CH, HV, threads=128) as (i_slot, i_hv):" in "\n".join(lower_kernel(prep, shape))
+    heads_first = dataclasses.replace(prep, grid=prep.grid[::-1])
+    heads_first.verify()
+    assert "with T.Kernel(HV, CH, threads=128) as (i_hv, i_slot):" in "\n".join(lower_kernel(heads_first, shape))
+    scan = next(k for k in prog.kernels.kernels if k.loop)
+    seq_first = dataclasses.replace(scan, grid=(scan.grid[2], scan.grid[0], scan.grid[1]))
+    assert "with T.Kernel(N, V // BV, HV, threads=SCAN_THREADS) as (i_n, i_v, i_hv):" in \
+        "\n".join(lower_kernel(seq_first, shape))
+    with pytest.raises(ValueError, match="grid over chunk_slot, key_head"):
+        dataclasses.replace(prep, grid=(("chunk_slot", "CH"), ("key_head", "H"))).verify()
