@@ -290,22 +290,41 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype
     device = inputs[v_name].device
-    variant = program_for(program, dims, io, device)
-    if keep:
-        variant.backward_columns()  # a backward the kernels cannot run fails here, before the forward
-        program = variant.training_program
-    else:
-        # (the fused program is the same from every variant: it puts the decay on the value side
-        # itself, the one kernel-shaping choice that depends on the V-block)
-        sms = sm_count(device)
-        wide = POLICY.block_v == 128 if POLICY.block_v else wide_fused(dims.K, dims.V, dims.HV, dims.N, sms)
-        program = inference_program(variant, context_parallel, runs_fused(dims.K, dims.V, dims.HV, dims.N, sms,
-                                                                         fused), wide)
+    program = _call_program(program, dims, io, device, keep, context_parallel, fused)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
     o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
+
+
+_CALL_PROGRAMS: dict = {}  # key -> (the program a call runs, the program its key names by id)
+
+
+def _call_program(program, dims, io, device, keep: bool, context_parallel, fused):
+    """The program a forward call runs: the training program of its variant (program_for) with
+    `keep`, else what inference runs there (inference_program); chosen once per shape class,
+    launch policy and options, not per call (issue 19's host time)."""
+    key = (id(program), dims.H, dims.HV, dims.K, dims.V, dims.N, io, device, keep, bool(context_parallel), fused,
+           POLICY, sm_count(device))
+    hit = _CALL_PROGRAMS.get(key)
+    if hit is not None:
+        return hit[0]
+    variant = program_for(program, dims, io, device)
+    if keep:
+        variant.backward_columns()  # a backward the kernels cannot run fails here, before the forward
+        chosen = variant.training_program
+    else:
+        # (the fused program is the same from every variant: it puts the decay on the value side
+        # itself, the one kernel-shaping choice that depends on the V-block)
+        sms = sm_count(device)
+        wide = POLICY.block_v == 128 if POLICY.block_v else wide_fused(dims.K, dims.V, dims.HV, dims.N, sms)
+        chosen = inference_program(variant, context_parallel, runs_fused(dims.K, dims.V, dims.HV, dims.N, sms, fused),
+                                   wide)
+    if len(_CALL_PROGRAMS) >= 256:
+        _CALL_PROGRAMS.pop(next(iter(_CALL_PROGRAMS)))
+    _CALL_PROGRAMS[key] = (chosen, program)
+    return chosen
 
 
 def inference_program(program, context_parallel=None, fused: bool = False, wide: bool = False):
@@ -449,15 +468,44 @@ def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n
     """One kernel of `program`: its outputs allocated into `t` (unless given), its parameters
     taken from `t` by name."""
     device = t["chunk_map"].device
+    plan = _launch_plan(program, kernel, dims, scale, io, device, sizes, width, n_seqs)
+    for name, shape, dtype in plan.outs:
+        if name not in t:
+            t[name] = torch.empty(shape, device=device, dtype=dtype)
+    plan.run(*[t[n] for n in plan.names])
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What a launch needs besides the call's tensors: the kernel, its parameters' names in
+    order, and (name, shape, dtype) of each output it allocates where the call holds none."""
+    run: Callable
+    names: tuple
+    outs: tuple
+
+
+_LAUNCHES: dict = {}  # key -> (_Launch, the KernelIR its key names by id, kept alive with it)
+
+
+def _launch_plan(program, kernel, dims, scale, io, device, sizes: dict, width: int, n_seqs: int) -> _Launch:
+    """A launch's shape class, kernel and output shapes, worked out once per kernel, call shape and
+    launch policy: a short call's host time is mostly such bookkeeping (issue 19; ~20 µs a call of
+    two launches on one CPU core, session 19)."""
+    loader = POLICY.kernels or load_kernels
+    key = (id(program.kernels), kernel.name, dims, scale, io, device, sizes["CH"], width, n_seqs, POLICY, loader,
+           sm_count(device))
+    hit = _LAUNCHES.get(key)
+    if hit is not None:
+        return hit[0]
     shape = shape_class(dims, width, n_seqs, scale, io, device, program.kernels.block_v_max)
+    outs = []
     for p in kernel.params:
-        if p.role == "out" and p.name not in t:
-            tiles = dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)
-            t[p.name] = _empty(p, dict(sizes, N=n_seqs, **tiles), io, device)
-    kernels = (POLICY.kernels or load_kernels)(program, shape)
-    kernels[kernel.name](*[t[p.name] for p in kernel.params])
-
-
-def _empty(param, sizes, io, device):
-    dtype = io if param.dtype == "io" else torch.float32
-    return torch.empty(*[sizes[d] for d in param.shape], device=device, dtype=dtype)
+        if p.role == "out":
+            size = dict(sizes, N=n_seqs, **(dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)))
+            outs.append((p.name, tuple(size[d] for d in p.shape), io if p.dtype == "io" else torch.float32))
+    kernels = loader(program, shape)
+    plan = _Launch(kernels[kernel.name], tuple(p.name for p in kernel.params), tuple(outs))
+    if len(_LAUNCHES) >= 1024:  # (varlen training makes a key per total length)
+        _LAUNCHES.pop(next(iter(_LAUNCHES)))
+    _LAUNCHES[key] = (plan, program.kernels)
+    return plan

@@ -43,6 +43,33 @@ def test_forward_wiring_matches_reference(ops, fake, spec, cp):
     assert [w for n, w in f.calls if n.endswith("_scan")] == ([64] if cp is None else [128, 64])  # [0 | v] first
 
 
+def test_a_repeated_call_plans_its_launches_once(ops, fake):
+    """The program a call runs and each launch's shape class, kernel and output shapes are worked
+    out once per call shape (kernels/forward._call_program, _launch_plan): a second call of the same
+    shape loads nothing and launches the same kernels; another length plans afresh and is right."""
+    op = ops["gdn"]
+
+    def call(T, f):
+        args = random_inputs(op, T=T, H=2, HV=4, K=64, V=64, cu_seqlens=[0, 1, T], initial_state=True,
+                             dtype=torch.bfloat16, seed=T)
+        inputs, dims, scale = op._prepare((), {k: v for k, v in args.items() if k in op.input_names}, None,
+                                          args["initial_state"], args["cu_seqlens"], False)
+        f.cu = args["cu_seqlens"].to(torch.int32)  # (the emulator reads each call's sequences)
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
+                               op._head_logs(dims.HV))
+        o_ref, s_ref = op.reference(**args)
+        assert rel_err(o, o_ref) <= 2e-2 and rel_err(final, s_ref) <= 2e-2
+        return len(f.programs), [n for n, _ in f.calls]
+
+    f = fake(op, torch.tensor([0, 1, 150], dtype=torch.int32), 64 ** -0.5)
+    loads, first = call(150, f)
+    f.calls.clear()
+    assert call(150, f) == (loads, first)  # nothing loaded again, the same launches
+    f.calls.clear()
+    more, again = call(90, f)
+    assert more > loads and again == first
+
+
 def test_sequence_layout_is_reused_while_cu_seqlens_is_unchanged():
     """The chunk map of one cu_seqlens tensor is computed once while that tensor lives unmodified
     (every layer of a model passes the same one); an in-place write, another tensor, or an
