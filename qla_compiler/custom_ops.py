@@ -55,10 +55,10 @@ def _custom_op(name: str, mutates_args=()):
 
 def call(name: str, *args):
     """torch.ops.qla.<name>(*args) where something must see the op — an autograd graph being
-    recorded, torch.compile or export tracing, a dispatch mode (fake tensors) — and its body
-    called directly otherwise: the same result, without torch's dispatch of a Python custom op,
-    which took ~75 µs a call on one CPU core (session 19), a quarter of a short forward's host
-    time.
+    recorded, torch.compile or export tracing, a dispatch mode (fake tensors), a functorch
+    transform — and its body called directly otherwise: the same result, without torch's
+    dispatch of a Python custom op, which took ~75 µs a call on one CPU core (session 19), a
+    quarter of a short forward's host time.
 
         >>> import torch, qla_compiler
         >>> from qla_compiler.testing import random_inputs
@@ -75,7 +75,9 @@ def call(name: str, *args):
 
 
 def _watched(args) -> bool:
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    # (a dispatch mode: fake tensors, a tracer; functorch's transforms: vmap, grad)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
+            torch._C._are_functorch_transforms_active():
         return True
     return torch.is_grad_enabled() and any(
         torch.is_tensor(t) and t.requires_grad for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)))
