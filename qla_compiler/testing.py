@@ -66,3 +66,33 @@ def input_grads(fn, args: dict, *, state_grad: bool = True, seed: int = 0) -> di
         cots.append(torch.randn(final.shape, generator=gen, dtype=torch.float64).to(final))
     grads = torch.autograd.grad(outs, [leaves[n] for n in names], cots, allow_unused=True)
     return {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}
+
+
+class OpLog:
+    """Within it, `ops` names every op dispatched in eager mode outside a custom op's body, in
+    order (a torch dispatch mode: what a call runs around the kernels, and whether it goes
+    through a custom op at all).
+
+        >>> with OpLog() as log:
+        ...     _ = torch.zeros(2) + 1
+        >>> log.ops
+        ['aten.zeros.default', 'aten.add.Tensor']
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

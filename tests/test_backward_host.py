@@ -7,7 +7,7 @@ import torch
 
 from qla_compiler.emulate import emulated_kernel_step, emulated_kernels, emulated_step
 from qla_compiler.passes.lower_tilelang import tile_width
-from qla_compiler.testing import random_inputs, rel_err
+from qla_compiler.testing import OpLog, random_inputs, rel_err
 
 
 @pytest.mark.parametrize("cp", [None, 3])
@@ -71,17 +71,6 @@ def test_kernel_step_makes_no_cotangent_for_what_it_keeps(ops):
     """What the training forward keeps for its backward (the states entering each chunk, v_new, T,
     the gates' sums) is not differentiable, and backward() fills no zeros for it: at 16/64 heads and
     8 × 4096 tokens those fills were 1.9 GB, 0.58 ms of a 13.9 ms training step (session 19)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Made(TorchDispatchMode):  # every tensor an op makes outside the custom ops, by op
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     op = ops["gdn"]
     args = random_inputs(op, T=70, H=1, HV=2, K=64, V=64, cu_seqlens=[0, 70], initial_state=True,
                          dtype=torch.bfloat16)
@@ -92,8 +81,7 @@ def test_kernel_step_makes_no_cotangent_for_what_it_keeps(ops):
         o, final, kept = torch.ops.qla.run_kernels(op.key, [inputs[n] for n in op.input_names],
                                                    leaves["initial_state"], args["cu_seqlens"], scale, None, True, False)
         assert kept and o.requires_grad and not any(x.requires_grad for x in kept)
-        made = Made()
-        with made:
+        with OpLog() as made:
             torch.autograd.backward([o, final], [torch.ones_like(o), torch.ones_like(final)])
     assert made.ops and not [f for f in made.ops if "zero" in f or "fill" in f], made.ops
 

@@ -8,7 +8,7 @@ import torch
 
 from qla_compiler import ops
 from qla_compiler.emulate import emulated_kernels
-from qla_compiler.testing import random_inputs, rel_err
+from qla_compiler.testing import OpLog, random_inputs, rel_err
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 NAMES = ("q", "k", "v", "g", "beta")
@@ -251,16 +251,6 @@ def test_an_eager_call_without_gradients_skips_the_dispatcher():
     dispatch of a Python custom op is ~75 µs of host time a call); one that records a graph, or
     runs under a dispatch mode, goes through the op, where autograd and the mode see it."""
     from torch.profiler import profile
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     op = ops._op("gdn")
     a = random_inputs(op, T=20, H=1, HV=2, K=8, V=8, dtype=torch.float32)
@@ -275,7 +265,6 @@ def test_an_eager_call_without_gradients_skips_the_dispatcher():
     assert not seen
     o_op, seen = dispatched(**{**a, "q": a["q"].clone().requires_grad_()})
     assert seen and torch.equal(o_direct, o_op.detach())
-    mode = Seen()
-    with torch.no_grad(), mode:
+    with torch.no_grad(), OpLog() as log:
         op(**a)
-    assert "qla.interpret.default" in mode.ops
+    assert "qla.interpret.default" in log.ops
