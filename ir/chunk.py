@@ -2,8 +2,9 @@
 
 A networkx DiGraph whose nodes are named values (`R`, `T_r`, `v_new`, ...), each with an op from
 `chunk_ops.OPS`, ordered arguments and a block shape. `state_in` is the state entering the chunk
-and `outputs["state"]` the state leaving it: that pair is the scan's loop-carried edge (for a
-backward program, `reverse`, the scan runs from the last chunk to the first). Nodes that
+and `next_state` the state leaving it: that pair is the scan's loop-carried edge (for a
+backward program, `reverse`, the scan runs from the last chunk to the first). `outputs` are the
+program's results by role (the forward's o; a backward's gradients). Nodes that
 do not depend on `state_in` are parallel over chunks; the rest form the sequential scan.
 
     >>> from qla_compiler import compile_spec
@@ -45,11 +46,12 @@ class ChunkIR:
     name: str
     chunk_size: int
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
-    outputs: dict = field(default_factory=dict)  # role -> node: "o" (C×V), "state" (K×V)
+    outputs: dict = field(default_factory=dict)  # role -> node: the results ("o", C×V; a backward's gradients)
     history: tuple = ()  # names of the passes that produced this program
     reverse: bool = False  # the scan runs from the last chunk to the first (a backward program)
     # a backward program's output roles that are an input's gradient -> that input (of the forward)
     gradient_of: dict = field(default_factory=dict)
+    next_state: str | None = None  # the node of the state leaving the chunk (K×V)
 
     # ---- building -------------------------------------------------------------------------
     def add(self, name: str, op: str, /, *args: str, **attrs) -> str:
@@ -75,7 +77,7 @@ class ChunkIR:
 
     def copy(self) -> "ChunkIR":
         return ChunkIR(self.name, self.chunk_size, self.graph.copy(), dict(self.outputs), self.history,
-                       self.reverse, dict(self.gradient_of))
+                       self.reverse, dict(self.gradient_of), self.next_state)
 
     # ---- reading --------------------------------------------------------------------------
     def node(self, name: str) -> Node:
@@ -119,7 +121,8 @@ class ChunkIR:
 
     # ---- editing (used by passes, on a copy) -------------------------------------------------
     def replace_uses(self, old: str, new: str, exclude=()) -> None:
-        """Point every user of `old` (and any output) at `new`, except the users in `exclude`."""
+        """Point every user of `old` (and any output, or the next state) at `new`, except the users
+        in `exclude`."""
         for u in list(self.graph.successors(old)):
             if u in exclude:
                 continue
@@ -130,10 +133,15 @@ class ChunkIR:
             for pos, a in enumerate(args):
                 if a == new:
                     self.graph.add_edge(new, u, pos=pos)
+        self._renamed(old, new)
+
+    def _renamed(self, old: str, new: str) -> None:
         self.outputs = {r: (new if v == old else v) for r, v in self.outputs.items()}
+        if self.next_state == old:
+            self.next_state = new
 
     def rename(self, old: str, new: str) -> None:
-        """Give a node a new (unused) name, updating its users and the outputs."""
+        """Give a node a new (unused) name, updating its users, the outputs and the next state."""
         if new in self.graph:
             raise ValueError(f"cannot rename {old} to {new}: the name is taken")
         users = list(self.graph.successors(old))
@@ -144,7 +152,7 @@ class ChunkIR:
             un = self.node(u)
             self.graph.nodes[u]["node"] = Node(u, un.op, tuple(new if a == old else a for a in un.args),
                                                un.shape, un.attrs)
-        self.outputs = {r: (new if v == old else v) for r, v in self.outputs.items()}
+        self._renamed(old, new)
 
     def take_place(self, old: str, created: list[str]) -> None:
         """Once `old` has no users (replace_uses(old, created[-1])): drop it, give created[-1] its
@@ -173,8 +181,8 @@ class ChunkIR:
                 self.rename(name, base)
 
     def remove_dead(self) -> int:
-        """Drop nodes no output depends on; returns how many."""
-        live = set(self.outputs.values())
+        """Drop nodes no output (nor the next state) depends on; returns how many."""
+        live = set(self.outputs.values()) | ({self.next_state} if self.next_state else set())
         for o in list(live):
             live |= nx.ancestors(self.graph, o)
         dead = [n for n in self.graph if n not in live]
@@ -195,6 +203,8 @@ class ChunkIR:
         for role, o in self.outputs.items():
             if o not in self.graph:
                 raise ValueError(f"output {role} = {o} does not exist")
+        if self.next_state is not None and self.next_state not in self.graph:
+            raise ValueError(f"the next state {self.next_state} does not exist")
         for role, x in self.gradient_of.items():
             if role not in self.outputs:
                 raise ValueError(f"gradient_of names {role} (of {x}), which is no output of the program")
@@ -219,8 +229,8 @@ class ChunkIR:
                 lines.append(f"  # {title}")
                 width = max(len(f"{n.name}:{_shape(n.shape)}") for n in group)
                 lines += [f"  {f'{n.name}:{_shape(n.shape)}':<{width}} = {_rhs(n)}" for n in group]
-        outs = " ".join(f"{r}={v}" + (f" (∂/∂{self.gradient_of[r]})" if r in self.gradient_of else "")
-                        for r, v in self.outputs.items())
+        outs = " ".join([f"{r}={v}" + (f" (∂/∂{self.gradient_of[r]})" if r in self.gradient_of else "")
+                         for r, v in self.outputs.items()] + ([f"state={self.next_state}"] if self.next_state else []))
         lines.append(f"}} out {outs}")
         return "\n".join(lines)
 

@@ -147,6 +147,12 @@ def chunk_diff(before: ChunkIR, after: ChunkIR, why: str = "") -> ChunkDiff:
                 if n.name not in before.graph and n.name not in claimed]
     position = {n.name: i for i, n in enumerate(after.order())}
     changes.sort(key=lambda c: (c.kind != "removed", position.get(c.after.name, -1) if c.after else -1))
-    outputs = tuple((role, old, after.outputs.get(role)) for role, old in before.outputs.items()
-                    if names.get(old, old) != after.outputs.get(role))
+    ends_before, ends_after = _ends(before), _ends(after)
+    outputs = tuple((role, old, ends_after.get(role)) for role, old in ends_before.items()
+                    if names.get(old, old) != ends_after.get(role))
     return ChunkDiff(before, after, tuple(changes), outputs, why)
+
+
+def _ends(ir: ChunkIR) -> dict:
+    """The program's results by role and its next state (labelled as the printer labels it)."""
+    return {**ir.outputs, **({"state": ir.next_state} if ir.next_state else {})}

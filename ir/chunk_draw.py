@@ -34,7 +34,7 @@ def _shape(shape) -> str:
 
 
 def _role(chunk_ir, name, scan) -> str:
-    if name in chunk_ir.outputs.values():
+    if name in chunk_ir.outputs.values() or name == chunk_ir.next_state:
         return "output"
     if name in scan:  # includes state_in itself: it only exists inside the scan
         return "scan"
@@ -68,7 +68,7 @@ def _layout(chunk_ir, col, lane):
     for n in layer:
         rows[layer[n]].append(n)
     # The loop-carried arrow runs down the right margin: keep its two ends on the right edge.
-    ends = {chunk_ir.state_in, chunk_ir.outputs.get("state")}
+    ends = {chunk_ir.state_in, chunk_ir.next_state}
     pos = {n: i for r in rows for i, n in enumerate(r)}
     for sweep in range(12):
         down = sweep % 2 == 0
@@ -154,7 +154,7 @@ def draw(chunk_ir, ax=None):
         ax.add_patch(FancyArrowPatch(path=Path(verts, codes), arrowstyle="-|>", mutation_scale=9,
                                      lw=0.8, color="#b05a00" if b in scan else "#4d4d4d", zorder=2))
 
-    s_in, s_out = chunk_ir.state_in, chunk_ir.outputs.get("state")
+    s_in, s_out = chunk_ir.state_in, chunk_ir.next_state
     if s_in and s_out:
         # Out to the right margin, up, and back in: both ends are the rightmost boxes of their
         # layers and the margin is beyond every box and lane, so the loop edge crosses nothing

@@ -58,7 +58,7 @@ def _scan(ir: ChunkIR, blocks, lengths, params, head_consts, initial_state, save
     prm = {k: torch.as_tensor(v, dtype=dtype, device=device).view(1, 1, 1) for k, v in params.items()}
     scan = ir.scan_nodes()
     order = ir.order()
-    roles = {r: v for r, v in ir.outputs.items() if r != "state"}
+    roles = dict(ir.outputs)
 
     # phase 1: everything not downstream of the state, batched over [N, HV, NC]
     ctx = Context(blocks, lens, prm, consts, initial_state.unsqueeze(2), ir.chunk_size, 3)
@@ -80,7 +80,7 @@ def _scan(ir: ChunkIR, blocks, lengths, params, head_consts, initial_state, save
         for n in order:
             if n.name in scan:
                 sl[n.name] = _apply(cctx, n, sl, ir)
-        state = sl[ir.outputs["state"]]
+        state = sl[ir.next_state]
         for r in per_chunk:
             per_chunk[r].append(sl[roles[r]])
     step = -1 if ir.reverse else 1

@@ -66,10 +66,10 @@ def derive_affine(fwd: ChunkIR) -> ChunkIR:
         else:
             raise PassError("affine", f"{n.name} = {n.op}(...) is not affine in the state")
 
-    S_next = fwd.outputs["state"]
+    S_next = fwd.next_state
     if cst[S_next] is None:
         raise PassError("affine", "the state reached from zero is identically zero (no write term)")
-    p.outputs = {"M": lin[S_next], "H": cst[S_next]}
+    p.outputs, p.next_state = {"M": lin[S_next], "H": cst[S_next]}, None  # (state-free: no scan)
     out = CSE.run(p)
     out.name, out.history = p.name, fwd.history + ("affine",)
     out.verify()

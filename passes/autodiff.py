@@ -7,7 +7,8 @@ or head constants) and d_S0. As a program:
 
     inputs        the forward's inputs, S0 (kind saved_state, K×V), d_o (kind cotangent_value, C×V)
     state_in      d_S_next: the scan carries the state's cotangent ...
-    outputs       "d_<input>" per differentiable input, "state" = d_S0
+    outputs       "d_<input>" per differentiable input
+    next_state    d_S0
     reverse       ... from the last chunk to the first
 
 What the backward program reads of the forward, besides its inputs: only the state entering each
@@ -242,8 +243,8 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
         raise PassError("autodiff", f"no VJP rule for op {', '.join(repr(m) for m in missing)} "
                                     f"(node {where}): add one to passes/autodiff.py VJP")
     S0 = fwd.state_in
-    if S0 is None or "o" not in fwd.outputs or "state" not in fwd.outputs:
-        raise PassError("autodiff", "the chunk program needs a state_in and outputs o and state")
+    if S0 is None or "o" not in fwd.outputs or fwd.next_state is None:
+        raise PassError("autodiff", "the chunk program needs a state_in, an output o and a next state")
     bwd = ChunkIR(f"{fwd.name}_backward", fwd.chunk_size, history=fwd.history + ("autodiff",), reverse=True)
     b = Builder(bwd)
 
@@ -260,7 +261,7 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
             active.add(n.name)
 
     # the seeds: d_o, and the carried cotangent of the state
-    o, S_next = fwd.outputs["o"], fwd.outputs["state"]
+    o, S_next = fwd.outputs["o"], fwd.next_state
     parts: dict = defaultdict(list)
     parts[o].append(b(f"d_{o}", "input", name=f"d_{o}", kind="cotangent_value"))
     parts[S_next].append(b(f"d_{S_next}", "state_in"))
@@ -280,7 +281,7 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
         raise PassError("autodiff", f"neither output depends on the state {S0}")
     bwd.outputs = {f"d_{n.name}": grads[n.name] for n in fwd.inputs() if n.name in grads and n.name in leaves}
     bwd.gradient_of = {f"d_{n.name}": n.name for n in fwd.inputs() if f"d_{n.name}" in bwd.outputs}
-    bwd.outputs["state"] = grads[S0]
+    bwd.next_state = grads[S0]
     bwd = CSE.run(bwd)  # merges repeated products; drops the forward nodes the backward does not need
     bwd.verify()
     verify_exponents(bwd)

@@ -100,7 +100,7 @@ def derive_chunks(ir: RecurrenceIR, chunk_size: int = 64) -> ChunkIR:
     S_decayed = p.add("S_decayed", "mul", p.add("Gamma_C", "exp", g_last), S0)
     k_dec = p.add("k_decayed", "scale_rows", decay_to_end, k)
     S_next = p.add("S_next", "add", S_decayed, p.add("S_update", "matmul", k_dec, v_new, ta=True))
-    p.outputs = {"o": o, "state": S_next}
+    p.outputs, p.next_state = {"o": o}, S_next
     p.remove_dead()  # e.g. an unused input
     p.verify()
     return p

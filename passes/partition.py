@@ -133,8 +133,8 @@ def partition(ir: ChunkIR, keep=(), provided=()) -> Partition:
     already in memory (a backward's recomputed forward values that the forward stored): every
     kernel loads them and none recomputes them."""
     provided = set(provided)
-    state_in, s_next = ir.state_in, ir.outputs.get("state")
-    results = [v for r, v in ir.outputs.items() if r != "state"]  # o (a backward: the gradients)
+    state_in, s_next = ir.state_in, ir.next_state
+    results = list(ir.outputs.values())  # o (a backward: the gradients)
     if state_in is None or s_next is None or not results:
         raise PassError("partition", "the chunk program needs a state, its next value and an output")
     dependent = ir.scan_nodes()

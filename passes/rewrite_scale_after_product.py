@@ -55,7 +55,7 @@ def _peel(ir: ChunkIR, name: str, rows: bool):
 def _summed_into_state(ir: ChunkIR, name: str) -> bool:
     """`name` reaches the next state through sums alone: the scan accumulates it in the state's
     registers, wgmma onto wgmma, which a scaled product would break."""
-    if name == ir.outputs.get("state"):
+    if name == ir.next_state:
         return True
     return any(u.op == "add" and _summed_into_state(ir, u.name) for u in ir.users(name))
 

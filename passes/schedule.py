@@ -104,7 +104,7 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: b
     of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
     not overlap share memory (GDN's backward: one kernel for all five gradients, ~145 KB at its
     peak, where the sum is ~310 KB; split five ways, ~45% of its matmuls ran more than once)."""
-    roles = tuple(r for r in part.chunk.outputs if r != "state")
+    roles = tuple(part.chunk.outputs)
 
     def split(group):
         k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase, dims, partial_keys)
@@ -258,7 +258,7 @@ def _free_at_end(b: Builder, keep) -> list:
 def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     ir = part.chunk
     b = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims)
-    s_node = ir.outputs["state"]
+    s_node = ir.next_state
     if b.place.get(s_node) != "state":
         raise PassError("schedule", f"the next state {s_node} is not accumulated in the state fragment")
     stores = []

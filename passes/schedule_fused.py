@@ -85,7 +85,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     ir = part.chunk
     if ir.reverse:
         raise NotFusable("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
-    outputs = tuple(r for r in ir.outputs if r != "state")
+    outputs = tuple(ir.outputs)
     if outputs != ("o",):
         raise NotFusable("schedule", f"the fused kernel writes one output, o; this program has {outputs}")
     if wide and dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS > 255:
@@ -100,8 +100,8 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
     vectors = _vectors_for_loads(ir, set(part.scan) | set(out_nodes), set(part.crossing) | set(part.provided))
     chain = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims, vectors=vectors)
-    if chain.place.get(ir.outputs["state"]) != "state":
-        raise PassError("schedule", f"the next state {ir.outputs['state']} is not accumulated in the state fragment")
+    if chain.place.get(ir.next_state) != "state":
+        raise PassError("schedule", f"the next state {ir.next_state} is not accumulated in the state fragment")
     handed = {}  # carried value -> its chain buffer (the ring the output role reads)
     for x in part.carried:
         handed[x] = "state_s" if x == ir.state_in else chain.operand(x)

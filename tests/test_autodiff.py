@@ -155,8 +155,8 @@ def test_backward_program_of_gdn(ops):
     assert {(n.op, n.args) for n in bwd.order() if n.op in ("exp", "exp2")} <= fwd_exps
     kinds = {n.name: n.attr["kind"] for n in bwd.inputs()}
     assert kinds["S0"] == "saved_state" and kinds["d_o"] == "cotangent_value"
-    assert bwd.state_in == "d_S_next" and bwd.outputs["state"] == "d_S0"
-    assert set(bwd.outputs) == {"d_q", "d_k", "d_v", "d_g", "d_beta", "state"}
+    assert bwd.state_in == "d_S_next" and bwd.next_state == "d_S0"
+    assert set(bwd.outputs) == {"d_q", "d_k", "d_v", "d_g", "d_beta"}
     text = str(bwd)
     assert text.startswith("chunk_program gdn_backward")
     assert "state d_S_next:K×V" in text and "scan over chunks, last to first" in text
@@ -168,7 +168,7 @@ def test_backward_program_of_gdn(ops):
 def test_every_backward_program_passes_the_exponent_verifier(ops, spec):
     bwd = ops[spec].program.backward
     verify_exponents(bwd)
-    assert bwd.reverse and bwd.outputs["state"] in bwd.graph
+    assert bwd.reverse and bwd.next_state in bwd.graph
 
 
 def test_a_missing_vjp_rule_names_the_op(ops, monkeypatch):
@@ -213,7 +213,7 @@ def test_backward_program_matches_autograd_through_the_interpreter():
     T = p.add("T", "inv_unit_lower", p.add("KKt", "matmul", k, k, tb=True))
     o = p.add("o", "matmul", p.add("TR", "mul", T, R), p.add("kS", "matmul", k, S0))
     S_next = p.add("S_next", "add", S0, p.add("S_update", "matmul", k, p.add("Tv", "matmul", T, v), ta=True))
-    p.outputs = {"o": o, "state": S_next}
+    p.outputs, p.next_state = {"o": o}, S_next
     p.verify()
     bwd = derive_backward(p)
     gen = torch.Generator().manual_seed(0)

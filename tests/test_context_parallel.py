@@ -49,9 +49,11 @@ def test_gdn_affine_map_is_math_md(ops):
     assert rel_err(out["M"][0, 0, 0], M) <= 1e-12
     # affine: S_next(S0) = M S0 + H for the chunk program itself
     S0 = torch.randn(K, V, dtype=torch.float64)
-    fwd = run_all_chunks(qla_compiler.compile_spec("gdn").chunk, {**blocks, "q": torch.zeros(1, 1, 1, C, K,
-                         dtype=torch.float64)}, torch.tensor([[C]]), {"scale": 1.0}, {}, S0.view(1, 1, 1, K, V))
-    S_next = fwd["state"][0, 0, 0]
+    chunk = qla_compiler.compile_spec("gdn").chunk.copy()
+    chunk.outputs = {"S_next": chunk.next_state}
+    fwd = run_all_chunks(chunk, {**blocks, "q": torch.zeros(1, 1, 1, C, K, dtype=torch.float64)},
+                         torch.tensor([[C]]), {"scale": 1.0}, {}, S0.view(1, 1, 1, K, V))
+    S_next = fwd["S_next"][0, 0, 0]
     assert rel_err(S_next, out["M"][0, 0, 0] @ S0 + out["H"][0, 0, 0]) <= 1e-12
 
 
@@ -68,7 +70,7 @@ def test_not_affine_is_refused(ops):
     bad = ops["linear_attn"].program.chunk.copy()
     s0 = bad.state_in
     sq = bad.add("S_sq", "matmul", s0, s0, ta=True)  # Sᵀ S: quadratic in the state
-    bad.outputs = {**bad.outputs, "state": bad.add("S_bad", "matmul", s0, sq)}
+    bad.next_state = bad.add("S_bad", "matmul", s0, sq)
     with pytest.raises(PassError, match="not affine in the state"):
         derive_affine(bad)
 

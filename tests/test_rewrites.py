@@ -307,7 +307,7 @@ def test_exp2_only_scales_sums_of_gamma():
     ir.add("R", "exp", ir.add("g_diff", "masked_diff", "g_cum", mask="lower"))
     off = ir.add("off", "const", value=-0.5, shape=("C",))
     ir.add("E", "exp", ir.add("g_off", "add", "g_cum", off))
-    ir.outputs = {"o": ir.add("o", "scale_rows", "E", ir.add("Rv", "matmul", "R", "v")), "state": "S0"}
+    ir.outputs, ir.next_state = {"o": ir.add("o", "scale_rows", "E", ir.add("Rv", "matmul", "R", "v"))}, "S0"
     ir.verify()
     after = EXP2.run(ir)
     after.verify()
@@ -327,7 +327,7 @@ def test_exp2_only_scales_sums_of_gamma():
 
 def _drop_decayed_state(ir):
     """S_next = S_update: forgets Γ_C·S0."""
-    ir.replace_uses(ir.outputs["state"], "S_update")
+    ir.replace_uses(ir.next_state, "S_update")
 
 
 def _zero_o_inter(ir):
