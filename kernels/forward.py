@@ -294,7 +294,8 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
-    o = tensors["o"].view(dims.B, dims.T, dims.HV, dims.V)
+    (result,) = program.chunk.outputs  # the forward's one result, o: the out kernel's tensor of that name
+    o = tensors[result].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
 
 
