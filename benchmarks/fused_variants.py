@@ -1,0 +1,108 @@
+"""The fused forward built other ways, timed beside the one generated: GPU time per forward call
+(kernels/forward's fused path forced) and each kernel's share, one process per variant (a variant
+changes how the program is derived or launched, which a process fixes when the spec compiles).
+
+    python benchmarks/fused_variants.py --compile     # CPU: every variant's kernels into the cache
+    python benchmarks/fused_variants.py               # GPU: the table
+
+The variants (session 19; the predictions are in benchmarks/NOTES.md):
+  narrow at V-block 32   the narrow kernel (three roles) where the wide one would run: the baseline
+                         of the next two
+  R in the fused kernel  the gates' ratio R_ij = e^{γ_i − γ_j} applied to T_r on the chain, not by
+                         the prep (partition._folded_into_prep off: FlashQLA's split). The prep's
+                         pass costs 0.08 ms at 16/64:8x4096; with R on the chain the wide kernel
+                         needs 227 KB of shared memory, over the budget, so this runs narrow
+  four roles at 32, 64   the wide kernel's split (the chain cut into a state and a value role) at a
+                         narrower V-block, where the grid would otherwise run the narrow kernel:
+                         FlashQLA runs its four roles at V-block 32 on 8/32 heads, ~0.9 µs a chunk
+                         against our narrow kernel's ~1.8
+"""
+import argparse
+import json
+import subprocess
+import sys
+
+ROWS = ["16/64:8x4096", "8/32:1x32768", "4/16:8x4096", "4/16:1x32768", "2/8:8x4096"]
+VARIANTS = ["as generated", "narrow at V-block 32", "R in the fused kernel", "four roles at 32", "four roles at 64"]
+
+
+def _set_up(variant: str) -> dict:
+    """Patch this process for `variant`; the launch policy its calls take."""
+    from qla_compiler.kernels import forward
+
+    if variant == "narrow at V-block 32":
+        return dict(block_v=32)
+    if variant == "R in the fused kernel":
+        from qla_compiler.passes import partition
+
+        partition._folded_into_prep = lambda *args: set()
+    elif variant.startswith("four roles at "):
+        from qla_compiler.passes import schedule_fused
+
+        schedule_fused.WIDE_BLOCK_V = int(variant.rsplit(" ", 1)[1])
+        forward.wide_fused = lambda *args: True
+    return {}
+
+
+def _run(variant: str, rows, compile_only: bool) -> dict:
+    policy = _set_up(variant)
+    from qla_compiler.bench import parse_row
+    from qla_compiler.kernels import forward as fwd
+
+    if compile_only:
+        from qla_compiler.precompile import compile_classes, shape_classes
+
+        todo = []
+        for row in rows:
+            H, HV, lens = parse_row(row)
+            todo += [c for c in shape_classes("gdn", H=H, HV=HV, K=128, n_seqs=len(lens), sms=fwd.H200_SMS,
+                                              block_v=policy.get("block_v")) if c.fused]
+        compile_classes(list(dict.fromkeys(todo)), log=lambda line: print(line, file=sys.stderr, flush=True))
+        return {}
+    from qla_compiler import ops
+    from qla_compiler.bench import device_ms, make_inputs
+
+    out = {}
+    for row in rows:
+        args = make_inputs(*parse_row(row))
+        per_kernel = {}
+        with fwd.launch_policy(fused=True, **policy):
+            total = device_ms(lambda: ops.chunk_gated_delta_rule(**args), per_kernel=per_kernel)
+        out[row] = (total, {k: v for k, v in per_kernel.items() if k.startswith("gdn")})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="*", default=ROWS)
+    ap.add_argument("--only", nargs="*", choices=VARIANTS, default=VARIANTS)
+    ap.add_argument("--compile", action="store_true", help="compile every variant's classes (no GPU needed)")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # (one process's variant)
+    a = ap.parse_args(argv)
+    if a.variant:
+        print(json.dumps(_run(a.variant, a.rows, a.compile)))
+        return 0
+    results = {}
+    for variant in a.only:
+        cmd = [sys.executable, __file__, "--variant", variant, "--rows", *a.rows] + (["--compile"] if a.compile else [])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            print(f"{variant}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
+            continue
+        if a.compile:
+            print(f"{variant}: compiled", flush=True)
+            continue
+        results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    if a.compile:
+        return 0
+    for row in a.rows:
+        print(f"{row} (GPU ms per forward)")
+        for variant, by_row in results.items():
+            total, kernels = by_row[row]
+            parts = ", ".join(f"{k.removesuffix('_kernel')} {ms:.3f}" for k, ms in sorted(kernels.items(), key=lambda x: -x[1]))
+            print(f"    {variant:<24} {total:.3f}   ({parts})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
