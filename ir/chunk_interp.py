@@ -28,7 +28,8 @@ def run_chunks(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict, h
     with save_states also the state entering each chunk, [N, HV, NC, K, V] (what the backward needs).
     """
     outs, final, states = _scan(ir, blocks, lengths, params, head_consts, initial_state, save_states)
-    return (outs["o"], final, states) if save_states else (outs["o"], final)
+    (o,) = outs.values()  # a forward's one result
+    return (o, final, states) if save_states else (o, final)
 
 
 def run_backward(ir: ChunkIR, blocks: dict, lengths: torch.Tensor, params: dict, head_consts: dict,

@@ -243,8 +243,8 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
         raise PassError("autodiff", f"no VJP rule for op {', '.join(repr(m) for m in missing)} "
                                     f"(node {where}): add one to passes/autodiff.py VJP")
     S0 = fwd.state_in
-    if S0 is None or "o" not in fwd.outputs or fwd.next_state is None:
-        raise PassError("autodiff", "the chunk program needs a state_in, an output o and a next state")
+    if S0 is None or len(fwd.outputs) != 1 or fwd.next_state is None:
+        raise PassError("autodiff", "the chunk program needs a state_in, one output and a next state")
     bwd = ChunkIR(f"{fwd.name}_backward", fwd.chunk_size, history=fwd.history + ("autodiff",), reverse=True)
     b = Builder(bwd)
 
@@ -261,7 +261,7 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
             active.add(n.name)
 
     # the seeds: d_o, and the carried cotangent of the state
-    o, S_next = fwd.outputs["o"], fwd.next_state
+    (o,), S_next = fwd.outputs.values(), fwd.next_state
     parts: dict = defaultdict(list)
     parts[o].append(b(f"d_{o}", "input", name=f"d_{o}", kind="cotangent_value"))
     parts[S_next].append(b(f"d_{S_next}", "state_in"))

@@ -335,7 +335,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
         x = ir.outputs[role]
         shape = ir.node(x).shape
         of = ir.node(ir.gradient_of[role]) if role in ir.gradient_of else None
-        if role == "o" or (of is not None and of.attr.get("kind") in io_kinds):
+        if of is None or of.attr.get("kind") in io_kinds:
             # the op's output, or a value's or key's gradient per value head, in the io dtype the op
             # returns (a key's the host sums over its group, in float32, as FLA sums its bf16
             # per-value-head d q, d k: half the bytes written and read of float32 partials; not where
@@ -345,7 +345,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
             stores += [Stmt("ewise", buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
                        Stmt("store", role, (buf,), (("rows", "n_valid"),))]
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "io", "out",
-                               "per token, per value head" if role != "o" else ""))
+                               "per token, per value head" if of is not None else ""))
         elif shape == ("C",):  # a gradient per token (gates, scalars), float32
             if x not in b.place or b.buffers[b.place[x]].scope != "shared":
                 dst = b.buf(f"{x}_s", ("C",), "float32", "shared")
@@ -357,7 +357,7 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
             stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
     params = input_params(ir, nodes, loaded) + [CHUNK_MAP] + head_params(ir, nodes) + outs
-    what = "the output" if roles == ("o",) else "the gradients " + ", ".join(roles)
+    what = "the gradients " + ", ".join(roles) if any(r in ir.gradient_of for r in roles) else "the output"
     body = b.body + stores
     threads = threads_for(b, body)
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,

@@ -86,8 +86,9 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     if ir.reverse:
         raise NotFusable("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
     outputs = tuple(ir.outputs)
-    if outputs != ("o",):
-        raise NotFusable("schedule", f"the fused kernel writes one output, o; this program has {outputs}")
+    if len(outputs) != 1:
+        raise NotFusable("schedule", f"the fused kernel writes one output; this program has {outputs}")
+    (result,) = outputs
     if wide and dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS > 255:
         raise NotFusable("schedule", f"the wide fused kernel's state, K×{WIDE_BLOCK_V} float32 at K = {dims['K']}, "
                          "does not fit one warpgroup's registers")
@@ -96,7 +97,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     # the per-token vectors their blocks scale by (β·Γ, the decay to the chunk's end, ...) made
     # by the loads role: once a chunk, where inlined each block element recomputes its exponential
     loaded_out = set(part.crossing) | set(part.carried) | set(part.provided)
-    needed = ir.closure([ir.outputs["o"]], stop=loaded_out, within=set(part.out))
+    needed = ir.closure([ir.outputs[result]], stop=loaded_out, within=set(part.out))
     out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
     vectors = _vectors_for_loads(ir, set(part.scan) | set(out_nodes), set(part.crossing) | set(part.provided))
     chain = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims, vectors=vectors)
@@ -110,9 +111,9 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         chain.buf("state_s", ("K", "V"), "io", "shared")
         chain_body.insert(0, Stmt("copy", "state_s", ("state",)))
     out = build(ir, out_nodes, loaded_out, tiled=True, dims=dims, vectors=vectors)
-    o_s = out.buf("o_s", ir.node(ir.outputs["o"]).shape, "io", "shared")
-    out_body = out.body + [Stmt("ewise", o_s, (), (("expr", out.ex(ir.outputs["o"], ("i", "j"))), ("index", ("i", "j")))),
-                           Stmt("store", "o", (o_s,), (("rows", "n_valid"),))]
+    o_s = out.buf(f"{result}_s", ir.node(ir.outputs[result]).shape, "io", "shared")
+    out_body = out.body + [Stmt("ewise", o_s, (), (("expr", out.ex(ir.outputs[result], ("i", "j"))), ("index", ("i", "j")))),
+                           Stmt("store", result, (o_s,), (("rows", "n_valid"),))]
 
     # -- one set of loads for both roles: the carried values come from the chain instead
     rename_out = {}
@@ -242,7 +243,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         list(buffers.values()), [], [], [], loop="chunks of the sequence", max_stages=depth,
         roles=tuple(f"{r.name}: {r.doc}" for r in roles),
         doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
-        nodes=nodes, outputs=("o",), warp_roles=roles, barriers=tuple(barriers))
+        nodes=nodes, outputs=(result,), warp_roles=roles, barriers=tuple(barriers))
     return kernel, block_v  # (schedule verifies it)
 
 
@@ -356,7 +357,8 @@ def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
     ps += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
            Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
     ps += head_params(ir, set(part.scan) | set(out_nodes))
-    return ps + [Tensor("o", ("1", "T", "HV", "V"), "io", "out"),
+    (result,) = ir.outputs
+    return ps + [Tensor(result, ("1", "T", "HV", "V"), "io", "out"),
                  Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
 
 
