@@ -52,16 +52,9 @@ VARIANTS = {
 
 # label -> (ShapeClass fields to change, edits): schedules the generator could choose instead; a
 # trial whose kernel comes out as generated at a row's class (or as an earlier trial's) is left out
-_HEADS_FIRST = [(r"^with T\.Kernel\(CH, HV, threads=(\d+)\) as \(i_slot, i_hv\):$",
-                 r"with T.Kernel(HV, CH, threads=\1) as (i_hv, i_slot):")]
 TRIALS = {
     "gdn_prep": {
         "cumulative sum not unrolled": ({}, [(r"^for j in T\.unroll\(C\):.*$", "for j in T.serial(C):")]),
-        # a chunk's G value heads side by side (blockIdx.x), reading its keys once from HBM
-        "value heads first in the grid": ({}, _HEADS_FIRST),
-    },
-    "gdn_out": {
-        "value heads first in the grid": ({}, _HEADS_FIRST),
     },
     "gdn_scan": {
         "one consumer warpgroup": ({"scan_warpgroups": 1}, []),

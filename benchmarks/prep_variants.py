@@ -7,7 +7,6 @@ wrong on purpose where a part is removed).
                                                         # and T's error against a float64 solve
 """
 import argparse
-import dataclasses
 import re
 import sys
 import time
@@ -136,11 +135,11 @@ def base_source(heads_first: bool = False) -> str:
     as the fastest-varying axis (a chunk's G value heads side by side, reading its keys once from
     HBM: FlashQLA's solve orders its grid so)."""
     prog = qla_compiler.compile_spec("gdn").fused_program
-    kir = prog.kernels
     if heads_first:
-        kir = dataclasses.replace(kir, kernels=[dataclasses.replace(k, grid=k.grid[::-1]) if k.kind == "prep" else k
-                                                for k in kir.kernels])
-    return lower(kir, SHAPE, prog.path)
+        from grid_order import heads_first as flipped
+
+        prog = flipped(prog)
+    return lower(prog.kernels, SHAPE, prog.path)
 
 
 def variants() -> dict:

@@ -299,33 +299,39 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
 
 
-_CALL_PROGRAMS: dict = {}  # key -> (the program a call runs, the program its key names by id)
+def _memo(table: dict, size: int, key, kept, make):
+    """table[key], made by make() on a miss; `kept`: the object whose id the key holds, kept alive
+    with the entry (an id is reused once its object is freed); past `size` entries the oldest goes."""
+    hit = table.get(key)
+    if hit is None:
+        if len(table) >= size:
+            table.pop(next(iter(table)))
+        hit = table[key] = (make(), kept)
+    return hit[0]
+
+
+_CALL_PROGRAMS: dict = {}  # _call_program's: key -> (program, the program its key names by id)
 
 
 def _call_program(program, dims, io, device, keep: bool, context_parallel, fused):
     """The program a forward call runs: the training program of its variant (program_for) with
     `keep`, else what inference runs there (inference_program); chosen once per shape class,
     launch policy and options, not per call (issue 19's host time)."""
-    key = (id(program), dims.H, dims.HV, dims.K, dims.V, dims.N, io, device, keep, bool(context_parallel), fused,
-           POLICY, sm_count(device))
-    hit = _CALL_PROGRAMS.get(key)
-    if hit is not None:
-        return hit[0]
-    variant = program_for(program, dims, io, device)
-    if keep:
-        variant.backward_columns()  # a backward the kernels cannot run fails here, before the forward
-        chosen = variant.training_program
-    else:
+    def make():
+        variant = program_for(program, dims, io, device)
+        if keep:
+            variant.backward_columns()  # a backward the kernels cannot run fails here, before the forward
+            return variant.training_program
         # (the fused program is the same from every variant: it puts the decay on the value side
         # itself, the one kernel-shaping choice that depends on the V-block)
         sms = sm_count(device)
         wide = POLICY.block_v == 128 if POLICY.block_v else wide_fused(dims.K, dims.V, dims.HV, dims.N, sms)
-        chosen = inference_program(variant, context_parallel, runs_fused(dims.K, dims.V, dims.HV, dims.N, sms, fused),
-                                   wide)
-    if len(_CALL_PROGRAMS) >= 256:
-        _CALL_PROGRAMS.pop(next(iter(_CALL_PROGRAMS)))
-    _CALL_PROGRAMS[key] = (chosen, program)
-    return chosen
+        return inference_program(variant, context_parallel, runs_fused(dims.K, dims.V, dims.HV, dims.N, sms, fused),
+                                 wide)
+
+    key = (id(program), dims.H, dims.HV, dims.K, dims.V, dims.N, io, device, keep, bool(context_parallel), fused,
+           POLICY, sm_count(device))
+    return _memo(_CALL_PROGRAMS, 256, key, program, make)
 
 
 def inference_program(program, context_parallel=None, fused: bool = False, wide: bool = False):
@@ -485,7 +491,7 @@ class _Launch:
     outs: tuple
 
 
-_LAUNCHES: dict = {}  # key -> (_Launch, the KernelIR its key names by id, kept alive with it)
+_LAUNCHES: dict = {}  # _launch_plan's: key -> (_Launch, the KernelIR its key names by id)
 
 
 def _launch_plan(program, kernel, dims, scale, io, device, sizes: dict, width: int, n_seqs: int) -> _Launch:
@@ -493,20 +499,16 @@ def _launch_plan(program, kernel, dims, scale, io, device, sizes: dict, width: i
     launch policy: a short call's host time is mostly such bookkeeping (issue 19; ~20 µs a call of
     two launches on one CPU core, session 19)."""
     loader = POLICY.kernels or load_kernels
+
+    def make():
+        shape = shape_class(dims, width, n_seqs, scale, io, device, program.kernels.block_v_max)
+        outs = []
+        for p in kernel.params:
+            if p.role == "out":
+                size = dict(sizes, N=n_seqs, **(dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)))
+                outs.append((p.name, tuple(size[d] for d in p.shape), io if p.dtype == "io" else torch.float32))
+        return _Launch(loader(program, shape)[kernel.name], tuple(p.name for p in kernel.params), tuple(outs))
+
     key = (id(program.kernels), kernel.name, dims, scale, io, device, sizes["CH"], width, n_seqs, POLICY, loader,
            sm_count(device))
-    hit = _LAUNCHES.get(key)
-    if hit is not None:
-        return hit[0]
-    shape = shape_class(dims, width, n_seqs, scale, io, device, program.kernels.block_v_max)
-    outs = []
-    for p in kernel.params:
-        if p.role == "out":
-            size = dict(sizes, N=n_seqs, **(dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)))
-            outs.append((p.name, tuple(size[d] for d in p.shape), io if p.dtype == "io" else torch.float32))
-    kernels = loader(program, shape)
-    plan = _Launch(kernels[kernel.name], tuple(p.name for p in kernel.params), tuple(outs))
-    if len(_LAUNCHES) >= 1024:  # (varlen training makes a key per total length)
-        _LAUNCHES.pop(next(iter(_LAUNCHES)))
-    _LAUNCHES[key] = (plan, program.kernels)
-    return plan
+    return _memo(_LAUNCHES, 1024, key, program.kernels, make)  # (varlen training: a key per total length)
