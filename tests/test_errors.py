@@ -136,3 +136,17 @@ def test_cu_seqlens_needs_batch_of_one(ops):
     args = random_inputs(op, B=2, T=10, H=1, HV=1, K=8, V=8)
     with pytest.raises(ValueError, match=r"^cu_seqlens: packed sequences need B = 1, got B = 2"):
         op(**args, cu_seqlens=torch.tensor([0, 10]))
+
+
+def test_a_call_like_one_that_passed_still_reads_its_values(ops):
+    """check_inputs skips the shape checks for arguments shaped like a call that passed (issue
+    19's host time), never the values, nor an argument of another type that compares equal."""
+    op = ops["gdn"]
+    args = dict(_args(op), cu_seqlens=torch.tensor([0, 4, 10]), scale=1)
+    op(**args)
+    for bad, pattern in [(dict(g=args["g"].abs() + 0.5), r"^g: a log-space gate must be ≤ 0"),
+                         (dict(cu_seqlens=torch.tensor([0, 4, 9])), r"^cu_seqlens: must end at T = 10"),
+                         (dict(scale=True), r"^scale: expected a finite float or None, got True")]:
+        with pytest.raises(ValueError, match=pattern):
+            op(**{**args, **bad})
+    op(**args)  # (and the signature that passed still passes)
