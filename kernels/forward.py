@@ -325,22 +325,24 @@ def _call_program(program, dims, io, device, keep: bool, context_parallel, fused
         # (the fused program is the same from every variant: it puts the decay on the value side
         # itself, the one kernel-shaping choice that depends on the V-block)
         sms = sm_count(device)
-        wide = POLICY.block_v == 128 if POLICY.block_v else wide_fused(dims.K, dims.V, dims.HV, dims.N, sms)
-        return inference_program(variant, context_parallel, runs_fused(dims.K, dims.V, dims.HV, dims.N, sms, fused),
-                                 wide)
+        # context parallelism launches the scan (here the fused kernel) on N·segments sequences, at
+        # V-blocks up to the narrow kernel's: the wide one's rule is for whole sequences
+        runs = dims.N * (context_parallel or 1)
+        wide = not context_parallel and (POLICY.block_v == 128 if POLICY.block_v else
+                                         wide_fused(dims.K, dims.V, dims.HV, dims.N, sms))
+        return inference_program(variant, runs_fused(dims.K, dims.V, dims.HV, runs, sms, fused), wide)
 
-    key = (id(program), dims.H, dims.HV, dims.K, dims.V, dims.N, io, device, keep, bool(context_parallel), fused,
+    key = (id(program), dims.H, dims.HV, dims.K, dims.V, dims.N, io, device, keep, context_parallel, fused,
            POLICY, sm_count(device))
     return _memo(_CALL_PROGRAMS, 256, key, program, make)
 
 
-def inference_program(program, context_parallel=None, fused: bool = False, wide: bool = False):
+def inference_program(program, fused: bool = False, wide: bool = False):
     """The kernels an inference call of `program` (its variant, program_for) runs: the fused
-    forward where `fused` (runs_fused) and the call is not context-parallel (the wide one where
-    `wide`: wide_fused), else the separate kernels (what precompile compiles, too)."""
-    if fused and not context_parallel:
-        return fused_or_not(program, wide)
-    return program
+    forward where `fused` (runs_fused; the wide one where `wide`: wide_fused), else the separate
+    kernels. A context-parallel call runs the fused kernel as its scan, twice (on the widened
+    values, then on v), and the prep once (run_kernels)."""
+    return fused_or_not(program, wide) if fused else program
 
 
 def fused_or_not(program, wide: bool = False):

@@ -94,11 +94,15 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         seqs += [n] * (len(classes) - len(seqs))
     out = []
     for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
-        if c.kernels == "all" and forward.runs_fused(K, V, HV, n, sms):
-            wide = block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms)
+        # (kernels/forward._call_program: context parallelism decides on N·segments sequences,
+        # and runs the narrow fused kernel as its scan)
+        if forward.runs_fused(K, V, HV, n * (context_parallel or 1), sms):
+            wide = not context_parallel and (block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms))
             c = dataclasses.replace(c, fused="wide" if wide else "narrow")
-        cap = _program(c).kernels.block_v_max if c.kernels == "all" else c.shape.BV
-        out.append(dataclasses.replace(c, shape=launch(c.shape.V, n, cap)) if cap < c.shape.BV or cap > 64 else c)
+        launched = n * context_parallel if c.kernels == "scan" else n
+        cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
+        out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))
+                   if cap < c.shape.BV or cap > 64 else c)
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
         for c, n in zip(classes, seqs):
@@ -218,8 +222,7 @@ def _program(c: Compile):
     if c.columns:
         return program.backward_columns()[1].backward_program
     if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
-        return forward.inference_program(program, context_parallel=c.kernels != "all", fused=bool(c.fused),
-                                         wide=c.fused == "wide")
+        return forward.inference_program(program, fused=bool(c.fused), wide=c.fused == "wide")
     return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
 
 

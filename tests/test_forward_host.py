@@ -31,8 +31,9 @@ def test_forward_wiring_matches_reference(ops, fake, spec, cp):
     inputs, dims, scale = op._prepare((), {k: v for k, v in args.items() if k in op.input_names}, None,
                                       args["initial_state"], args["cu_seqlens"], False)
     f = fake(op, args["cu_seqlens"].to(torch.int32), scale)
-    o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
-                           op._head_logs(dims.HV), cp)
+    with fwd.launch_policy(fused=False):  # the separate kernels (the fused ones: tests/test_fused_forward.py)
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
+                               op._head_logs(dims.HV), cp)
     o_ref, s_ref = op.reference(**args)
     # o and the tensors between kernels are stored in bf16 (rounding ~4e-3); a wiring mistake is O(1)
     assert o.dtype == torch.bfloat16 and rel_err(o, o_ref) <= 2e-2 and rel_err(final, s_ref) <= 2e-2
@@ -41,6 +42,20 @@ def test_forward_wiring_matches_reference(ops, fake, spec, cp):
     # parallel kernels run once, even with segments; the scan once per value width
     assert names == kernels if cp is None else names == kernels[:-2] + [kernels[-2]] * 2 + kernels[-1:]
     assert [w for n, w in f.calls if n.endswith("_scan")] == ([64] if cp is None else [128, 64])  # [0 | v] first
+
+
+def test_context_parallel_runs_fused_where_its_segments_fill_the_gpu(ops, fake):
+    """Whether a context-parallel call runs the fused kernel is decided on the sequences its scans
+    launch, N·segments (kernels/forward.fused_pays): 3 sequences of 4 value heads are 48 CTAs at
+    V-block 16 for an H200's 132 SMs, separate kernels; cut in 8 segments, 96 at V-block 64: fused."""
+    op = ops["gdn"]
+    args = random_inputs(op, T=300, H=2, HV=4, K=64, V=64, cu_seqlens=[0, 1, 200, 300], dtype=torch.bfloat16)
+    inputs, dims, scale = op._prepare((), {k: v for k, v in args.items() if k in op.input_names}, None, None,
+                                      args["cu_seqlens"], False)
+    for cp, last in ((None, "gdn_out"), (8, "gdn_fused")):
+        f = fake(op, args["cu_seqlens"].to(torch.int32), scale)
+        fwd.forward(op.program, inputs, op.kinds, dims, scale, None, args["cu_seqlens"], op._head_logs(dims.HV), cp)
+        assert f.calls[-1][0] == last, (cp, f.calls)
 
 
 def test_a_repeated_call_plans_its_launches_once(ops, fake):
