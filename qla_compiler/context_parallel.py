@@ -59,10 +59,15 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     start = torch.cat([eye.expand(N * segments, HV, K, K), h0.new_zeros(N * segments, HV, K, V)], -1)
     widened = {n: torch.cat([v.new_zeros(*v.shape[:-1], K), v], -1) for n, v in values.items()}
     _, maps = scan(widened, cu_seg, start)                       # 1. [M | H] of every segment
-    maps = maps.view(N, segments, HV, K, K + V)
-    starts, state = [None] * segments, h0
-    for s in (reversed(range(segments)) if reverse else range(segments)):  # 2. the scan over segments
+    # 2. the scan over segments, one batched S ↦ M S + H (baddbmm) a segment: a call's host time is
+    # mostly its small ops, and slices, a matmul and an add were ~10 of them a segment
+    maps = maps.view(N, segments, HV, K, K + V).transpose(0, 1).reshape(segments, N * HV, K, K + V)
+    starts, state = [None] * segments, h0.reshape(N * HV, K, V)
+    order = list(reversed(range(segments)) if reverse else range(segments))
+    for s, after in zip(order, order[1:] + [None]):
         starts[s] = state
-        state = maps[:, s, :, :, :K] @ state + maps[:, s, :, :, K:]
-    out, finals = scan(values, cu_seg, torch.stack(starts, 1).reshape(N * segments, HV, K, V))  # 3.
+        if after is not None:  # (the map of the sequence's last segment: its final state is scan 3's)
+            state = torch.baddbmm(maps[s, :, :, K:], maps[s, :, :, :K], state)
+    starts = torch.stack(starts).view(segments, N, HV, K, V).transpose(0, 1).reshape(N * segments, HV, K, V)
+    out, finals = scan(values, cu_seg, starts)  # 3.
     return out, finals.view(N, segments, HV, K, V)[:, 0 if reverse else -1]
