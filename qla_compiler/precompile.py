@@ -83,36 +83,36 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
-    classes, seqs = [], []  # as the separate kernels run them (a training step too)
+    classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each
+    # class's (sequences of the call, sequences its launches run: N·segments for a segment scan)
     for n in counts:
         plain = launch(V, n)
         runs_as = dataclasses.replace(plain, scale=None)
         classes.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if context_parallel else "all"))
+        seqs.append((n, n))
         if context_parallel:  # segments are scanned as sequences: on [0 | v] (width K + V), then on v
             classes += [Compile(str(spec), "forward", launch(w, n * context_parallel), runs_as, "scan")
                         for w in (K + V, V)]
-        seqs += [n] * (len(classes) - len(seqs))
+            seqs += [(n, n * context_parallel)] * 2
     out = []
-    for c, n in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
+    for c, (n, launched) in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
         # (kernels/forward._call_program: context parallelism decides on N·segments sequences,
         # and runs the narrow fused kernel as its scan)
         if forward.runs_fused(K, V, HV, n * (context_parallel or 1), sms):
             wide = not context_parallel and (block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms))
             c = dataclasses.replace(c, fused="wide" if wide else "narrow")
-        launched = n * context_parallel if c.kernels == "scan" else n
         cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
         out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))
                    if cap < c.shape.BV or cap > 64 else c)
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
-        for c, n in zip(classes, seqs):
+        for c, (_, launched) in zip(classes, seqs):
             width = _variant(c).backward_columns()[0]
             if width >= V:
                 out.append(dataclasses.replace(c, part="backward"))
                 continue
             # each column block is a problem of its own width (the last one's may be narrower);
             # a context-parallel scan's widened values, K + V wide, are K + width wide there
-            launched = n * context_parallel if c.kernels == "scan" else n
             for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
                 out.append(dataclasses.replace(c, part="backward", shape=launch(c.shape.V - V + w, launched),
                                                columns=width))
