@@ -252,6 +252,10 @@ class Kernel:
     epilogue: list
     loop: str | None = None  # "chunks of the sequence" for the scan
     reverse: bool = False  # the loop runs from the last chunk to the first (a backward scan)
+    # a scan: the int32 [N, HV] parameter holding how many chunks each (sequence, value head) walk
+    # leaves out at its start, in walk order (context parallelism's windows, passes/walk_skip.py);
+    # "" where every walk takes every chunk of its sequence
+    walk_skip: str = ""
     max_stages: int = 0  # a scan: the most buffers per load its shared memory holds (0: no loop)
     roles: tuple = ()  # warpgroup roles, as lowered (descriptions; see warp_roles)
     doc: str = ""
@@ -278,6 +282,11 @@ class Kernel:
         if axes not in GRID_AXES:
             raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "
                              + " or ".join("(" + ", ".join(g) + ")" for g in GRID_AXES) + ", in any order")
+        if self.walk_skip:
+            p = next((p for p in self.params if p.name == self.walk_skip), None)
+            if not self.loop or p is None or (p.shape, p.dtype, p.role) != (("N", "HV"), "int32", "in"):
+                raise ValueError(f"{self.name}: walks skipping chunks by {self.walk_skip!r} need a loop over chunks "
+                                 "and an int32 [N, HV] input of that name")
         for b in self.buffers:
             if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
                 raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")
@@ -329,8 +338,9 @@ class Kernel:
             pad = f"  (rows padded by {b.row_pad})" if b.row_pad else ""
             lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]{ring}{owner}{shares}{pad}")
         lines += [f"  {b}" for b in self.barriers]
+        skip = (f", past the first {self.walk_skip}[sequence, value head] of its walk" if self.walk_skip else "")
         if self.warp_roles:
-            lines.append(f"  for chunk in {self.loop}, every role:")
+            lines.append(f"  for chunk in {self.loop}{skip}, every role:")
             for r in self.warp_roles:
                 lines += ["  " + ln for ln in str(r).splitlines()]
             return "\n".join(lines)
@@ -341,7 +351,7 @@ class Kernel:
             lines.append(f"  for token in {self.loop}:")
             lines += [f"    {s}" for s in self.body]
         elif self.loop:
-            lines.append(f"  for chunk in {self.loop} (pipelined: STAGES buffers per load, from the shape class, "
+            lines.append(f"  for chunk in {self.loop}{skip} (pipelined: STAGES buffers per load, from the shape class, "
                          f"at most {self.max_stages}):")
             lines += [f"    {s}" for s in self.body]
         else:

@@ -353,14 +353,15 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
     i_v, i_hv, i_n = grid.unbind(1)
     bos, seq_len = cu[i_n], cu[i_n + 1] - cu[i_n]
     chunks = (seq_len + sizes.C - 1) // sizes.C
+    skip = walk_skips(kernel, tensors, i_n, i_hv)
     offsets = tensors["chunk_offsets"].long()[i_n] if "chunk_offsets" in tensors else torch.zeros_like(i_n)
     at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, n_valid=torch.zeros_like(i_n),
                 i_slot=offsets, active=torch.ones_like(i_n, dtype=torch.bool))
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))
     run.block(kernel.prologue)
     for step in range(int(chunks.max()) if len(grid) else 0):
-        active = step < chunks
-        i_c = (chunks - 1 - step if kernel.reverse else torch.full_like(chunks, step)).clamp(min=0)
+        active = step < chunks - skip
+        i_c = (chunks - 1 - skip - step if kernel.reverse else skip + step).clamp(min=0)
         at.active, at.t0 = active, bos + i_c * sizes.C
         at.n_valid = torch.where(active, (seq_len - i_c * sizes.C).clamp(max=sizes.C), 0)
         at.i_slot = offsets + i_c
@@ -370,6 +371,13 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
             run.buf[name] = torch.where(active.view(-1, *[1] * (x.dim() - 1)), x, kept[name])
     at.active = torch.ones_like(i_n, dtype=torch.bool)
     run.block(kernel.epilogue)
+
+
+def walk_skips(kernel: Kernel, tensors: dict, i_n: torch.Tensor, i_hv: torch.Tensor) -> torch.Tensor:
+    """How many chunks each point's walk leaves out at its start (Kernel.walk_skip; 0 without)."""
+    if not kernel.walk_skip:
+        return torch.zeros_like(i_n)
+    return tensors[kernel.walk_skip].long()[i_n, i_hv]
 
 
 def _exact_inverse(a: torch.Tensor) -> torch.Tensor:

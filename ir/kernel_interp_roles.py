@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .kernel import Kernel, Stmt
-from .kernel_interp import InterpretError, Sizes, _Point, _Run
+from .kernel_interp import InterpretError, Sizes, _Point, _Run, walk_skips
 
 
 def _reads(st: Stmt) -> set:
@@ -101,6 +101,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
     i_v, i_hv, i_n = grid.unbind(1)
     bos, seq_len = cu[i_n], cu[i_n + 1] - cu[i_n]
     chunks = (seq_len + sizes.C - 1) // sizes.C
+    skip = walk_skips(kernel, tensors, i_n, i_hv)  # a role's chunk c is the walk's: the rings turn with it
     at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, n_valid=torch.zeros_like(i_n),
                 i_slot=torch.zeros_like(i_n), active=torch.ones_like(i_n, dtype=torch.bool))
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))
@@ -170,9 +171,9 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
                             f"{', '.join(late)} has read chunk {version[key]}'s value: a wait on its empty barrier "
                             "is missing")
                     version[key], released[key] = c, set()
-            active = c < chunks
-            at.active, at.t0 = active, bos + c * sizes.C
-            at.n_valid = torch.where(active, (seq_len - c * sizes.C).clamp(max=sizes.C), 0)
+            active = c < chunks - skip
+            at.active, at.t0 = active, bos + (skip + c) * sizes.C
+            at.n_valid = torch.where(active, (seq_len - (skip + c) * sizes.C).clamp(max=sizes.C), 0)
         else:
             active = torch.ones_like(i_n, dtype=torch.bool)
             at.active = active

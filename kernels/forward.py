@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from qla_compiler.context_parallel import run_segments
+from qla_compiler.context_parallel import contraction_logs, run_segments
 from qla_compiler.layout import packed_cu_seqlens
 from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, tile_width
 
@@ -431,17 +431,24 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
     for k in ks[:i_scan]:  # per chunk, independent of how sequences are cut into segments
         run(k, tensors)
 
-    def scan(vals, cu_, h0_):
+    def scan(vals, cu_, h0_, skip=None):
         width, n_seqs = h0_.shape[-1], h0_.shape[0]
         offsets = tensors["chunk_offsets"] if cu_ is cu and "chunk_offsets" in tensors else chunk_offsets(cu_, C)
         t = dict(tensors, cu_seqlens=cu_, chunk_offsets=offsets, initial_state=h0_.contiguous(),
                  **{n: x.contiguous() for n, x in vals.items()})
-        run(scan_kernel, t, width, n_seqs)
+        if skip is None:
+            run(scan_kernel, t, width, n_seqs)
+        else:  # the walks of segments' windows (context_parallel.window_skips)
+            windows = program.windows_program
+            (kernel,) = windows.kernels.kernels
+            t[kernel.walk_skip] = skip
+            launch(windows, kernel, t, dims, scale, io, sizes, width, n_seqs)
         return t, t["final_state"]
 
     vals = {n: tensors[n] for n in values}
     if segments:
-        t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse)
+        t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse,
+                                contraction=contraction_logs(program.recurrence, tensors, dims.HV))
     else:
         t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})

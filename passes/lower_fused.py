@@ -6,7 +6,8 @@ What the KernelIR states is what is emitted: each role is a branch on the thread
 `T.alloc_barrier` per ring stage, each wait a parity wait (the chunk's phase, or its complement on
 a ring's empty barrier, which a fresh barrier passes), each arrival a `T.barrier_arrive`, each
 fence a `T.fence_proxy_async`. A ring buffer is allocated with a leading stage dim and every
-statement reads and writes its copy of the chunk, `stage{d} = i_c % d` for a ring d deep. The TMA
+statement reads and writes its copy of the chunk, `stage{d} = i_c % d` for a ring d deep (the walk's
+count, where a walk leaves out its first chunks: passes/walk_skip.py). The TMA
 loads of a chunk are issued by the loads role's first warp (`T.tma_copy` onto the landed barrier,
 the warp's arrival after them). Loops are `T.serial`: TileLang's automatic warp specialisation
 stays out of it.
@@ -20,7 +21,7 @@ import re
 
 from qla_compiler.ir.kernel import Kernel, Stmt, entry_registers
 
-from .lower_tilelang import ShapeClass, _dtype, _per_sequence_grid, _Render, _shape, _signature
+from .lower_tilelang import ShapeClass, _dtype, _per_sequence_grid, _Render, _shape, _signature, walk
 
 WARP = 32
 
@@ -57,11 +58,14 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
                 out.append(f"{ind}{b.name} = T.alloc_fragment({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})")
         for s in role.prologue:
             out += [ind + ln for ln in r.stmt(s, True)]
-        out += [f"{ind}for i_c in T.serial(T.ceildiv(seq_len, C)):",
+        # the rings turn with the walk (i_w where it skips chunks), the chunk index says what to load
+        loop, extent, index = walk(kernel)
+        out += [f"{ind}for {loop} in T.serial({extent}):",
+                *[f"{ind}    {ln}" for ln in index],
                 f"{ind}    t0 = bos + i_c * C",
                 f"{ind}    n_valid = T.min(C, seq_len - i_c * C)",
-                *[ln for d in depths for ln in (f"{ind}    {_stage(d)} = i_c % {d}  # the copy of a {d}-deep ring",
-                                                  f"{ind}    {_phase(d)} = (i_c // {d}) % 2")]]
+                *[ln for d in depths for ln in (f"{ind}    {_stage(d)} = {loop} % {d}  # the copy of a {d}-deep ring",
+                                                  f"{ind}    {_phase(d)} = ({loop} // {d}) % 2")]]
         out += [ind + "    " + ln for ln in _role_body(role, r, staged, barriers)]
         for s in role.epilogue:
             out += [ind + ln for ln in r.stmt(s, True)]

@@ -333,11 +333,25 @@ def _grid(kernel: Kernel, V: str) -> str:
 
 def _per_sequence_grid(kernel: Kernel, V: str) -> list[str]:
     """One CTA per (V-block, value head, sequence), walking the sequence (the scans, the token step)."""
+    skip = ([f"        skip = {kernel.walk_skip}[i_n, i_hv]  # the chunks this walk leaves out (its window's start)"]
+            if kernel.walk_skip else [])
     return [_grid(kernel, V),
             "        i_h = i_hv // G  # the query/key head this value head reads",
             "        v0 = i_v * BV",
             "        bos = cu_seqlens[i_n]",
-            "        seq_len = cu_seqlens[i_n + 1] - bos"]
+            "        seq_len = cu_seqlens[i_n + 1] - bos", *skip]
+
+
+def walk(kernel: Kernel) -> tuple[str, str, list[str]]:
+    """A scan's loop over its chunks: (loop variable, extent, the lines that make the chunk index
+    i_c from it). The walk runs from the sequence's last chunk where the kernel is `reverse`, and
+    leaves out its first `skip` chunks where it has `walk_skip`."""
+    if not kernel.walk_skip:
+        if kernel.reverse:
+            return "i_r", "T.ceildiv(seq_len, C)", ["i_c = T.ceildiv(seq_len, C) - 1 - i_r"]
+        return "i_c", "T.ceildiv(seq_len, C)", []
+    first = "T.ceildiv(seq_len, C) - 1 - skip - i_w" if kernel.reverse else "skip + i_w"
+    return "i_w", "T.ceildiv(seq_len, C) - skip", [f"i_c = {first}"]
 
 
 def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
@@ -435,10 +449,9 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
         stages, why = "STAGES", ""
         if shape.stages > kernel.max_stages:
             stages, why = kernel.max_stages, f"  # the most its shared memory holds (STAGES = {shape.stages})"
-        loop = "i_r" if kernel.reverse else "i_c"
-        out.append(f"        for {loop} in T.Pipelined(T.ceildiv(seq_len, C), num_stages={stages}):{why}")
-        if kernel.reverse:  # a backward scan: from the sequence's last chunk to its first
-            out.append("            i_c = T.ceildiv(seq_len, C) - 1 - i_r")
+        loop, extent, index = walk(kernel)  # (a backward scan: from the sequence's last chunk to its first)
+        out.append(f"        for {loop} in T.Pipelined({extent}, num_stages={stages}):{why}")
+        out += ["            " + ln for ln in index]
         out += ["            t0 = bos + i_c * C",
                 "            n_valid = T.min(C, seq_len - i_c * C)"]
         if any(s.op in ("store_chunk_state", "load_chunk_state") for s in kernel.body):

@@ -54,6 +54,7 @@ from .schedule import HEAD_DIMS, schedule
 from .schedule_build import columns_mixed
 from .token_step import token_step
 from .verify_exponents import verify_exponents
+from .walk_skip import skipping_scan
 
 TARGETS = ("sm90", "cpu")
 # the rewrites that shape kernels, by name (Program.differentiated, _shaped, for_shape, without)
@@ -223,6 +224,25 @@ class Program:
             self._derived["token_step_program"] = Program(self.path, self.target, 1, self.recurrence, None, kir,
                                                           stages=[("token_step", kir)], head_dims=self.head_dims)
         return self._derived["token_step_program"]
+
+    @property
+    def windows_program(self) -> "Program":
+        """This program's scan kernel alone, each walk leaving out the chunks an int32 [N, HV]
+        tensor says (passes/walk_skip.py): context parallelism's first step scans only each
+        segment's window where the gates allow (qla_compiler/context_parallel.py).
+
+            >>> import qla_compiler
+            >>> [k.name for k in qla_compiler.compile_spec("gdn").fused_program.windows_program.kernels.kernels]
+            ['gdn_fused_windows']
+        """
+        if "windows_program" not in self._derived:
+            self._need_kernels("windows program: ")
+            kir = _run_pass(Pass("walk_skip", skipping_scan, "the scan, its walks from a chunk given per walk"),
+                            self.kernels)
+            self._derived["windows_program"] = Program(
+                self.path, self.target, self.chunk_size, self.recurrence, self.chunk, kir,
+                stages=[*self.stages, ("walk_skip", kir)], head_dims=self.head_dims, column_block=self.column_block)
+        return self._derived["windows_program"]
 
     @property
     def backward_program(self) -> "Program":

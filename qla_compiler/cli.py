@@ -14,6 +14,7 @@
     qla-compile specs/gdn.py --emit kernel --backward       # the backward program's kernels
     qla-compile specs/gdn.py --emit kernel --training       # the forward a training step runs
     qla-compile specs/gdn.py --emit kernel --token-step     # the decoding kernel (op.recurrent)
+    qla-compile specs/gdn.py --emit kernel --fused --windows  # context parallelism's first scan
     qla-compile gdn --precompile H=16,HV=64,K=128,V=128,io=bfloat16 --training
                                  # compile a deployment's kernels into the disk cache ahead of time
 """
@@ -52,6 +53,10 @@ def main(argv=None) -> int:
                     help="with --emit kernel/tilelang/cuda: the forward with its scan and output fused into one "
                          "warp-specialised kernel (roles, register budgets, barriers; QLA_FUSED_FORWARD=1 runs it); "
                          "at --shape ...,BV=128 the wide one, its chain on a state and a value role")
+    ap.add_argument("--windows", action="store_true",
+                    help="with --emit kernel/tilelang/cuda: the scan kernel alone as context parallelism's first "
+                         "scan runs it, each walk from a chunk given per sequence and value head (its segment's "
+                         "window; passes/walk_skip.py); with --fused, --training or --backward: that program's scan")
     ap.add_argument("--training", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the forward's kernels as a training step runs "
                          "them (they also store what the backward loads, e.g. T_r); with --precompile: also "
@@ -117,6 +122,10 @@ def main(argv=None) -> int:
                     if args.emit not in ("kernel", "tilelang", "cuda"):
                         raise ValueError(f"--{flag.replace('_', '-')} goes with --emit kernel, tilelang or cuda")
                     prog = getattr(prog, variant)
+            if args.windows:
+                if args.emit not in ("kernel", "tilelang", "cuda") or args.token_step:
+                    raise ValueError("--windows goes with --emit kernel, tilelang or cuda (a chunk scan's)")
+                prog = prog.windows_program
             text = _emit(args.emit, prog, shape)
         except (PassError, ValueError) as e:
             print(f"qla-compile: error: {e}", file=sys.stderr)

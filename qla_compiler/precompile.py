@@ -38,13 +38,14 @@ class Compile:
     forward, or a training step's forward or backward), `shape` the class its kernels are
     launched at, `runs_as` the call's class without context parallelism (it picks the program's
     variant: Program.for_shape; None: the program as compiled), `kernels` which of its kernels
-    run at this class: all, the scan alone, or all but the scan (context parallelism runs the
-    scan by segments, at classes of its own)."""
+    run at this class: all, the scan alone, all but the scan (context parallelism runs the scan by
+    segments, at classes of its own), or the scan walking the segments' windows (its first scan,
+    Program.windows_program)."""
     spec: str
     part: str
     shape: ShapeClass
     runs_as: ShapeClass | None
-    kernels: str = "all"  # | "scan" | "parallel"
+    kernels: str = "all"  # | "scan" | "parallel" | "windows"
     # a backward on column blocks of V (Program.backward_columns): the block width (0: V whole)
     columns: int = 0
     # an inference call that runs the fused forward (kernels/forward.runs_fused): "narrow", or
@@ -90,9 +91,10 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         runs_as = dataclasses.replace(plain, scale=None)
         classes.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if context_parallel else "all"))
         seqs.append((n, n))
-        if context_parallel:  # segments are scanned as sequences: on [0 | v] (width K + V), then on v
-            classes += [Compile(str(spec), "forward", launch(w, n * context_parallel), runs_as, "scan")
-                        for w in (K + V, V)]
+        if context_parallel:  # segments are scanned as sequences: their windows on [0 | v] (width
+            # K + V), then on v
+            classes += [Compile(str(spec), "forward", launch(w, n * context_parallel), runs_as, which)
+                        for w, which in ((K + V, "windows"), (V, "scan"))]
             seqs += [(n, n * context_parallel)] * 2
     out = []
     for c, (n, launched) in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
@@ -220,15 +222,18 @@ def _program(c: Compile):
 
     program = _variant(c)
     if c.columns:
-        return program.backward_columns()[1].backward_program
-    if c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
-        return forward.inference_program(program, fused=bool(c.fused), wide=c.fused == "wide")
-    return {"forward": program, "training": program.training_program, "backward": program.backward_program}[c.part]
+        program = program.backward_columns()[1].backward_program
+    elif c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
+        program = forward.inference_program(program, fused=bool(c.fused), wide=c.fused == "wide")
+    else:
+        program = {"training": program.training_program, "backward": program.backward_program}[c.part]
+    return program.windows_program if c.kernels == "windows" else program
 
 
 def _kernel_names(c: Compile, program=None) -> list:
     program = program or _program(c)
-    return [k.name for k in program.kernels.kernels if c.kernels == "all" or (c.kernels == "scan") == bool(k.loop)]
+    return [k.name for k in program.kernels.kernels
+            if c.kernels in ("all", "windows") or (c.kernels == "scan") == bool(k.loop)]
 
 
 def _tilelang_entries() -> int:

@@ -71,3 +71,14 @@ def test_training_flag_shows_the_forward_that_stores_T_r(capsys, tmp_path):
     assert "T_r_rows" not in capsys.readouterr().out
     assert main(["gdn", "--emit", "kernel", "--training", "--backward"]) == 1
     assert "choose one" in capsys.readouterr().err
+
+
+def test_windows_flag_shows_the_scan_that_walks_from_a_given_chunk(capsys):
+    """--windows: context parallelism's first scan (passes/walk_skip.py), here the fused kernel's."""
+    assert main(["gdn", "--emit", "kernel", "--fused", "--windows"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel gdn_fused_windows" in out and "in  skip_chunks: int32[N, HV]" in out
+    assert "past the first skip_chunks[sequence, value head] of its walk" in out
+    assert "kernel gdn_prep" not in out  # the scan alone
+    assert main(["gdn", "--emit", "chunk", "--windows"]) == 1
+    assert "--windows goes with --emit kernel" in capsys.readouterr().err

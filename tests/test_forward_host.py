@@ -39,9 +39,11 @@ def test_forward_wiring_matches_reference(ops, fake, spec, cp):
     assert o.dtype == torch.bfloat16 and rel_err(o, o_ref) <= 2e-2 and rel_err(final, s_ref) <= 2e-2
     names = [n for n, _ in f.calls]
     kernels = [k.name for k in op.program.kernels.kernels]
-    # parallel kernels run once, even with segments; the scan once per value width
-    assert names == kernels if cp is None else names == kernels[:-2] + [kernels[-2]] * 2 + kernels[-1:]
-    assert [w for n, w in f.calls if n.endswith("_scan")] == ([64] if cp is None else [128, 64])  # [0 | v] first
+    # parallel kernels run once, even with segments; the scan once per value width, the segments'
+    # windows on [0 | v] first (context_parallel.window_skips)
+    scan = kernels[-2]
+    assert names == kernels if cp is None else names == kernels[:-2] + [f"{scan}_windows", scan] + kernels[-1:]
+    assert [w for n, w in f.calls if n.startswith(scan)] == ([64] if cp is None else [128, 64])
 
 
 def test_context_parallel_runs_fused_where_its_segments_fill_the_gpu(ops, fake):

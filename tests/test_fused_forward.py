@@ -322,8 +322,8 @@ def test_by_default_inference_is_fused_where_the_grid_fills_the_gpu(runs):
 @pytest.mark.parametrize("spec", SPECS)
 def test_context_parallel_runs_the_fused_kernel_as_its_scan(runs, spec):
     """A context-parallel inference call (qla_compiler/context_parallel.py) runs the prep once and
-    the fused kernel twice: on the widened values [0 | v] (width K + V, each segment's map), then
-    on v from each segment's start state. Its o and final state are the fused forward's, to bf16."""
+    the fused kernel twice: on the widened values [0 | v] (width K + V, each segment's map, walking
+    its window: passes/walk_skip.py), then on v from each segment's start state. Its o and final state are the fused forward's, to bf16."""
     op, a, (o_whole, final_whole, _, scale), _ = runs[spec]
     inputs, dims, _ = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
                                   a["cu_seqlens"], False)
@@ -331,7 +331,7 @@ def test_context_parallel_runs_the_fused_kernel_as_its_scan(runs, spec):
         o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
                                op._head_logs(dims.HV), 3)
     prep = [(f"{spec}_prep", 64)] if f"{spec}_prep" in {k.name for k in op.program.kernels.kernels} else []
-    assert emu.calls == prep + [(f"{spec}_fused", 128), (f"{spec}_fused", 64)]
+    assert emu.calls == prep + [(f"{spec}_fused_windows", 128), (f"{spec}_fused", 64)]
     ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in a.items()}
     o_ref, s_ref = op.reference(**ref)
     assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2

@@ -1,0 +1,34 @@
+"""walk_skip: KernelIR → KernelIR of the scan alone, each walk starting past a number of chunks.
+
+Context parallelism (qla_compiler/context_parallel.py) finds each segment's map S ↦ M S + H by
+scanning the segment from [I | 0]. Where the transitions' norms multiply to below a threshold over
+the segment's last chunks (its window), what comes before the window is negligible: the scan walks
+the window alone. The number of chunks a walk leaves out is data, computed on the device per
+(sequence, value head), so this kernel reads it from an int32 [N, HV] tensor (`Kernel.walk_skip`):
+the lowering starts the walk at that chunk, in walk order (a reverse scan leaves out the
+sequence's last chunks). A walk that leaves out every chunk writes its initial state as its final.
+
+    >>> from qla_compiler import compile_spec
+    >>> scan = skipping_scan(compile_spec("gdn").kernels).kernels[0]
+    >>> scan.name, scan.walk_skip
+    ('gdn_scan_windows', 'skip_chunks')
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from qla_compiler.errors import PassError
+from qla_compiler.ir.kernel import KernelIR, Tensor
+
+SKIP = Tensor("skip_chunks", ("N", "HV"), "int32", "in",
+              "chunks each (sequence, value head) walk leaves out at its start (context parallelism's windows)")
+
+
+def skipping_scan(kir: KernelIR) -> KernelIR:
+    scans = [k for k in kir.kernels if k.loop and k.kind != "token_step"]
+    if len(scans) != 1:
+        raise PassError("walk_skip", f"{kir.name}: expected one scan kernel, found {len(scans)}")
+    (scan,) = scans
+    skipping = dataclasses.replace(scan, name=f"{scan.name}_windows", params=[*scan.params, SKIP], walk_skip=SKIP.name)
+    skipping.verify()
+    return dataclasses.replace(kir, name=f"{kir.name}_windows", kernels=[skipping])

@@ -1,0 +1,124 @@
+"""Context parallelism's gate shortcut (qla_compiler/context_parallel.py): the bound on each
+transition's norm, the windows it picks, and the GPU path's host code with the kernels emulated
+(passes/walk_skip.py's kernels walk each segment's window), against the same call walking whole
+segments (exact) and against the reference."""
+import math
+
+import pytest
+import torch
+
+from qla_compiler import context_parallel as cp_mod
+from qla_compiler.context_parallel import contraction_logs, segment_bounds, window_skips
+from qla_compiler.emulate import emulated_kernels, emulated_step
+from qla_compiler.kernels import forward as fwd
+from qla_compiler.testing import random_inputs, rel_err
+
+
+@pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn", "kda", "gla"])
+def test_contraction_bounds_each_transitions_norm(ops, spec):
+    """log ‖A_t‖₂ ≤ λ_t for every token and value head, A_t built from the spec's structure, on
+    keys that are not unit-norm and β up to 3 (where I − β k kᵀ expands) as well as the usual."""
+    op = ops[spec]
+    rec = op.program.recurrence
+    st = rec.structure
+    args = random_inputs(op, T=50, H=2, HV=4, K=6, V=3, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    for name, kind in op.kinds.items():  # keys of norm up to 2, scalars up to 3
+        if kind == "key":
+            args[name] = args[name] * (2 * torch.rand(args[name].shape[:-1], generator=gen, dtype=torch.float64))[..., None]
+        elif kind == "scalar":
+            args[name] = 3 * torch.rand(args[name].shape, generator=gen, dtype=torch.float64)
+    inputs = {n: args[n] for n in op.input_names}
+    lam = contraction_logs(rec, inputs, HV=4)
+    eye = torch.eye(6, dtype=torch.float64)
+    for t in range(50):
+        for hv in range(4):
+            A = eye.clone()
+            if st.decay == "gate":
+                A = A * math.exp(inputs[st.decay_name][0, t, hv])
+            elif st.decay == "key_gate":
+                A = torch.diag(inputs[st.decay_name][0, t, hv].exp())
+            elif st.decay == "head_constant":
+                A = A * rec.constants[0].values(4)[hv]
+            if st.delta:
+                x = inputs[st.write_key][0, t, hv // 2]
+                s = float(st.delta_coeff.subs({i.symbol: float(inputs[i.name][0, t, hv]) for i in rec.inputs
+                                               if i.kind == "scalar"}))
+                A = (eye - s * torch.outer(x, x)) @ A
+            assert math.log(torch.linalg.matrix_norm(A, 2)) <= float(lam[t, hv]) + 1e-6, (t, hv)
+
+
+def test_windows_are_the_shortest_that_decay_enough():
+    """One sequence of 5 chunks in 2 segments (3 + 2 chunks); λ per chunk (64 tokens) set per head:
+    head 0 decays e^-64 a chunk (a window of one chunk), head 1 e^-9.6 (two chunks: −19.2 ≤ −16.6),
+    head 2 not at all (the whole segment). The last segment's map is unused: all its chunks left
+    out. In reverse the window is at the segment's start and the first segment's map is unused."""
+    per_token = torch.tensor([-1.0, -0.15, 0.0])
+    lam = per_token.repeat(300, 1)
+    cu = torch.tensor([0, 300])
+    cu_seg = segment_bounds(cu, 2, 64)
+    assert cu_seg.tolist() == [0, 192, 300]
+    assert window_skips(lam, cu_seg, cu, 2, 64).tolist() == [[2, 1, 0], [2, 2, 2]]
+    assert window_skips(lam, cu_seg, cu, 2, 64, reverse=True).tolist() == [[3, 3, 3], [1, 0, 0]]
+    # g = −inf (a reset) bounds like strong decay, and NaN-free
+    lam[100, 2] = contraction_logs_floor = -2 * cp_mod.NEGLIGIBLE
+    assert window_skips(lam, cu_seg, cu, 2, 64)[0, 2] == 1 and contraction_logs_floor > -math.inf
+
+
+def _strong_none_mild(op, T, cu_seqlens):
+    """bf16 inputs whose value heads decay hard (g = −1.5 a token), not at all, and mildly (−0.02:
+    e^-1.28 a chunk, so a segment of 3 chunks is walked whole)."""
+    args = random_inputs(op, T=T, H=1, HV=3, K=64, V=64, cu_seqlens=cu_seqlens, initial_state=True,
+                         dtype=torch.bfloat16, seed=11)
+    args["g"][...] = torch.tensor([-1.5, 0.0, -0.02])
+    return args
+
+
+def test_fused_forward_walks_windows_and_matches_whole_segments(ops, monkeypatch):
+    """The inference call context-parallel through the fused kernel: the strongly decaying head's
+    segments walk one chunk, the undecayed head's whole segments; o and the final state are those of
+    the call that walks every segment whole (float64 emulation: to float32's rounding of the maps),
+    and the reference's. With a threshold of 1 instead of 16.6 the mild head's windows are one chunk,
+    dropping e^-1.28 of its history, and they are not: the comparison can fail."""
+    op = ops["gdn"]
+    args = _strong_none_mild(op, 700, [0, 1, 520, 700])
+    inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                                      args["cu_seqlens"], False)
+
+    def run(threshold):
+        monkeypatch.setattr(cp_mod, "NEGLIGIBLE", threshold)
+        with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale) as emu, fwd.launch_policy(fused=True):
+            o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
+                                   args["cu_seqlens"], op._head_logs(dims.HV), 3)
+        return o.double(), final, emu
+
+    o, final, emu = run(24 * math.log(2))
+    skip = emu.seen["gdn_fused_windows"]["skip_chunks"]
+    # 519 tokens = 9 chunks in segments of 3: head 0 leaves 2 out of each used segment, heads 1 and
+    # 2 none; the sequences' last segments (index 2 of each) walk nothing
+    assert skip[3:5].tolist() == [[2, 0, 0], [2, 0, 0]] and skip[5].tolist() == [3, 3, 3]
+    o_whole, final_whole, _ = run(math.inf)
+    assert rel_err(final, final_whole) <= 1e-6 and rel_err(o, o_whole) <= 1e-3
+    ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
+    o_ref, s_ref = op.reference(**ref)
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2
+    o_rough, final_rough, _ = run(1.0)
+    assert rel_err(final_rough, final_whole) > 1e-3
+
+
+def test_training_step_walks_windows_forward_and_backward(ops, monkeypatch):
+    """A training step context-parallel (both scans walk windows: the backward's at each segment's
+    start): o, the final state and every gradient as with whole segments, and the reference's."""
+    op = ops["gdn"]
+    args = _strong_none_mild(op, 700, [0, 1, 520, 700])
+    steps = {}
+    for name, threshold in (("windows", 24 * math.log(2)), ("whole", math.inf)):
+        monkeypatch.setattr(cp_mod, "NEGLIGIBLE", threshold)
+        steps[name] = emulated_step(op, args, segments=3)
+    win, whole = steps["windows"], steps["whole"]
+    skip = win["emulator"].seen["gdn_backward_scan_windows"]["skip_chunks"]
+    assert skip[3:6].tolist() == [[3, 3, 3], [2, 0, 0], [2, 0, 0]]  # reverse: the first segment's map is unused
+    assert rel_err(win["final"], whole["final"]) <= 1e-6
+    for name in op.input_names:
+        assert rel_err(win["grads"][name], whole["grads"][name]) <= 1e-3, name
+    assert rel_err(win["d_h0"], whole["d_h0"]) <= 1e-6
