@@ -245,8 +245,9 @@ def main(argv=None) -> int:
                     help="h_qk/h_v:NxL[:K[xV]], e.g. 2/8:1x32768 or 16/64:8x4096:100 (K = V = 128 by default); "
                          "default: the baseline table's nine rows (--decode: DECODE_ROWS)")
     ap.add_argument("--plot", metavar="PNG", help="save a bar chart of the GPU times")
-    ap.add_argument("--cp", type=int, metavar="SEGMENTS",
-                    help="also time qla with context parallelism, each sequence in SEGMENTS segments")
+    ap.add_argument("--cp", type=lambda x: x if x == "auto" else int(x), metavar="SEGMENTS",
+                    help="also time qla with context parallelism, each sequence in SEGMENTS segments "
+                         "(auto: as many as the planner, kernels/cp_plan.py, finds fastest; qla-cpauto)")
     ap.add_argument("--only", nargs="*", metavar="LIB", help="time only these (qla, qla-cpS); default: all")
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")

@@ -8,7 +8,8 @@
 Arguments are the spec's inputs in the spec's order (positional or by name), then `scale=None`
 (K^-1/2), `initial_state=None` [N, HV, K, V], `output_final_state=False`, `cu_seqlens=None`
 (packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel=None` (a number
-of segments: each sequence is cut into that many, which run at once; qla_compiler/context_parallel.py).
+of segments: each sequence is cut into that many, which run at once; qla_compiler/context_parallel.py;
+"auto": as many as the GPU kernels' planner finds fastest, kernels/cp_plan.py, none on the interpreter).
 Returns `(o, final_state or None)`; o has v's dtype and shape [B, T, HV, V]; the state is float32
 (float64 for float64 inputs). CUDA tensors in bf16/fp16 run the generated kernels (a spec the sm90
 lowering cannot take yet, a per-key gate's, refuses them with a PassError saying why), everything
@@ -38,6 +39,7 @@ from .checks import Dims, check_inputs
 from .context_parallel import check_segments, run_segments
 from .errors import PassError
 from .ir.recurrence_interp import run_recurrence
+from .kernels.cp_plan import planned_segments
 from .layout import expand_heads, gather, packed_cu_seqlens, scatter, sequence_bounds
 
 OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
@@ -117,7 +119,7 @@ class CompiledOp:
         # under torch.compile reading values is a graph break: the custom op checks them instead
         dims = check_inputs(inputs, self.kinds, initial_state, cu_seqlens, scale,
                             read_values=not torch.compiler.is_compiling())
-        check_segments(context_parallel)
+        check_segments(context_parallel, auto=True)
         if use_qk_l2norm_in_kernel:
             inputs = {n: (_l2norm(x) if self.kinds[n] == "key" else x) for n, x in inputs.items()}
         scale = dims.K ** -0.5 if scale is None else float(scale)
@@ -134,6 +136,8 @@ class CompiledOp:
         v = inputs[self.value_name]
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
+            if context_parallel == "auto":
+                context_parallel = planned_segments(dims, v.device)
             if self._decodes(inputs, dims, initial_state, context_parallel):
                 return self.recurrent(**inputs, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                       output_final_state=output_final_state)
@@ -141,7 +145,7 @@ class CompiledOp:
                 raise PassError("partition", f"{self.program.no_kernels or 'the program has no kernels'} "
                                 f"(got {v.dtype} CUDA tensors, which run the kernels)")
             o, final = self._run_kernels(inputs, scale, initial_state, cu_seqlens, context_parallel)
-        elif context_parallel is not None:
+        elif context_parallel not in (None, "auto"):  # ("auto" is the GPU's planner: kernels/cp_plan.py)
             o, final = self._interpret_segments(inputs, dims, scale, initial_state, cu_seqlens, work,
                                                 context_parallel)
         else:

@@ -113,5 +113,15 @@ def test_gradients_through_context_parallel(ops):
 def test_context_parallel_is_checked(ops):
     args = random_inputs(ops["gdn"], T=10, K=4, V=4)
     for bad in (-1, 0, True, 2.0):
-        with pytest.raises(ValueError, match="context_parallel: expected None or a positive number of segments"):
+        with pytest.raises(ValueError, match='context_parallel: expected None, "auto" or a positive number of segments'):
             ops["gdn"](**args, context_parallel=bad)
+
+
+def test_auto_is_the_gpu_planners_and_exact_on_the_interpreter(ops):
+    """context_parallel="auto" lets the GPU kernels' planner choose (kernels/cp_plan.py); the
+    interpreter runs the whole sequences, exactly."""
+    op = ops["gdn"]
+    args = random_inputs(op, T=200, H=1, HV=2, K=4, V=4, cu_seqlens=[0, 130, 200], initial_state=True)
+    o, S = op(**args, context_parallel="auto")
+    o_ref, S_ref = op.reference(**args)
+    assert rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10

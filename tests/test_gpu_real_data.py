@@ -36,6 +36,7 @@ sequences, so K = V = 128 is one shape class per dtype; with the head-dim cases,
 (shape_classes(); `python3 benchmarks/fla_gdn_tests.py --precompile --real-data` compiles them,
 with those of FLA's tests, without a GPU). On the GPU node: `python3 -m pytest -q tests/test_gpu_real_data.py`.
 """
+import functools
 import os
 import warnings
 
@@ -76,7 +77,11 @@ DATA_CASES = {
     "dense_B2_uniform_keys": dict(lens=[300], dense_B=2, keys="uniform", gate="fla"),
     # g, beta and the initial state in the io dtype, as FLA's test_chunk_varlen passes them
     "gates_state_in_io_dtype": dict(lens=[256, 1, 243], keys="uniform", gate="fla", small_in_io=True),
+    # strong decay: a state forgets everything within a token (context parallelism's windows: one chunk)
+    "strong_decay": dict(lens=[700, 1, 300], gate=-16.0),
 }
+# context parallelism on those whose gates decay (windows), do not (whole segments) or reset
+CP_CASES = ("strong_decay", "uniform_keys", "g0_uniform_keys", "g_neg_inf_resets", "repeated_token")
 
 # bf16, U[0, 1) keys, 1-token sequences and lengths that are no multiple of 64
 HEAD_DIM_CASES = [(64, 64), (100, 100), (128, 128), (256, 256), (128, 64), (64, 128), (100, 60), (256, 128),
@@ -183,15 +188,16 @@ def _run(fn, args, cotangents, l2norm, dtype=None) -> dict:
     return {"o": o.detach(), "final_state": final.detach(), **{f"d{n}": a[n].grad for n in GRADS}}
 
 
-def _check(args, *, l2norm=False, fla_nan_expected=False):
+def _check(args, *, l2norm=False, fla_nan_expected=False, context_parallel=None):
     fla_op = _fla()  # first: without FLA the test fails before any work
     op = qla_compiler.compile("gdn", target="sm90")
     io = args["v"].dtype
     cot = _cotangents(args)
     ref = _run(op.reference, args, cot, l2norm, dtype=torch.float64)
+    ours_op = functools.partial(op, context_parallel=context_parallel)
     with torch.no_grad():
-        o, final = op(**args, use_qk_l2norm_in_kernel=l2norm)
-    ours = {"o (no grad)": o, "final_state (no grad)": final, **_run(op, args, cot, l2norm)}
+        o, final = ours_op(**args, use_qk_l2norm_in_kernel=l2norm)
+    ours = {"o (no grad)": o, "final_state (no grad)": final, **_run(ours_op, args, cot, l2norm)}
     fla_args = {n: (x.long() if n == "cu_seqlens" else x) for n, x in args.items()}
     fla = _run(fla_op, fla_args, cot, l2norm)
 
@@ -234,6 +240,19 @@ def test_gdn_real_data(case, dtype):
     l2norm = spec.get("l2norm", False)
     args = make_inputs(K=128, V=128, dtype=DTYPES[dtype], seed=list(DATA_CASES).index(case), **spec)
     _check(args, l2norm=l2norm, fla_nan_expected=bool(spec.get("reset")))
+
+
+@pytest.mark.parametrize("segments", [3, 8])
+@pytest.mark.parametrize("case", CP_CASES)
+def test_gdn_real_data_context_parallel(case, segments):
+    """Context parallelism on the same inputs, bf16, inference and training: each segment's map from
+    its window where the gates decay (qla_compiler/context_parallel.py), from the whole segment
+    where they do not; o, the final state and every gradient within the bounds above, against
+    FLA's error without it (issue 17)."""
+    spec = dict(DATA_CASES[case])
+    args = make_inputs(K=128, V=128, dtype=torch.bfloat16, seed=list(DATA_CASES).index(case), **spec)
+    _check(args, l2norm=spec.get("l2norm", False), fla_nan_expected=bool(spec.get("reset")),
+           context_parallel=segments)
 
 
 @pytest.mark.parametrize("K,V", HEAD_DIM_CASES, ids=[f"K{K}-V{V}" for K, V in HEAD_DIM_CASES])

@@ -1,0 +1,32 @@
+"""The context-parallel planner (kernels/cp_plan.py): its model's choices on the bench rows of an
+H200, and what `context_parallel="auto"` hands the kernels."""
+from qla_compiler.checks import Dims
+from qla_compiler.kernels import cp_plan
+from qla_compiler.kernels import forward as fwd
+
+# (H, HV, sequences, tokens each): the bench rows
+ROWS = {"16/64:8x4096": (16, 64, 8, 4096), "8/32:1x32768": (8, 32, 1, 32768), "4/16:8x4096": (4, 16, 8, 4096),
+        "2/8:8x4096": (2, 8, 8, 4096), "16/64:1x2048": (16, 64, 1, 2048), "16/64:1x32768": (16, 64, 1, 32768),
+        "2/8:1x32768": (2, 8, 1, 32768), "2/8:1x8192": (2, 8, 1, 8192), "4/16:1x32768": (4, 16, 1, 32768)}
+
+
+def test_cuts_only_long_sequences_of_few_heads():
+    """Where the grid already fills the SMs (eight sequences, or 64 value heads) the model keeps
+    the whole walk; one long sequence of 2, 4 or 8 KV groups is cut, more for fewer heads."""
+    plan = {row: cp_plan.plan_segments(n, H, HV, 128, 128, n * L, fwd.H200_SMS) for row, (H, HV, n, L) in ROWS.items()}
+    assert {row for row, s in plan.items() if s > 1} == {"8/32:1x32768", "2/8:1x32768", "4/16:1x32768"}
+    assert plan["2/8:1x32768"] > plan["4/16:1x32768"] > plan["8/32:1x32768"]
+
+
+def test_a_cut_is_predicted_faster_than_none_by_the_margin():
+    for H, HV, n, L in ROWS.values():
+        s = cp_plan.plan_segments(n, H, HV, 128, 128, n * L, fwd.H200_SMS)
+        whole = cp_plan.predicted_ms(1, n, H, HV, 128, 128, n * L, fwd.H200_SMS)
+        assert s == 1 or cp_plan.predicted_ms(s, n, H, HV, 128, 128, n * L, fwd.H200_SMS) < cp_plan.GAIN * whole
+
+
+def test_auto_gives_the_kernels_a_count_or_none(monkeypatch):
+    monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)
+    assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 128, 128, 1), "cuda") == 8
+    assert cp_plan.planned_segments(Dims(8, 4096, 16, 64, 128, 128, 8), "cuda") is None
+    assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 100, 128, 1), "cuda") is None  # (K not a power of two)
