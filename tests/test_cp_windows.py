@@ -122,3 +122,20 @@ def test_training_step_walks_windows_forward_and_backward(ops, monkeypatch):
     for name in op.input_names:
         assert rel_err(win["grads"][name], whole["grads"][name]) <= 1e-3, name
     assert rel_err(win["d_h0"], whole["d_h0"]) <= 1e-6
+
+
+def test_windows_kernels_lower_to_cuda():
+    """GDN's fused and backward windows kernels through TileLang to CUDA (sm_90a, no GPU needed):
+    the fused kernel's CTA reads its skip once, the walk runs skip fewer chunks, the rings turn
+    with the walk's count, and the backward's walk indexes chunks from the sequence's end."""
+    import qla_compiler
+    from qla_compiler.kernels.runtime import lower_to_cuda
+    from qla_compiler.passes.lower_tilelang import ShapeClass
+
+    prog = qla_compiler.compile_spec("gdn")
+    shape = ShapeClass(H=2, HV=8, K=128, V=256, BV=64)
+    fused = lower_to_cuda(prog.fused_program.windows_program, shape)["gdn_fused_windows"]
+    assert fused.count("skip_chunks[") == 1 and "i_w < (((seq_len + 63) >> 6) - skip)" in fused
+    assert "state_s_full[(i_w & 1)].arrive()" in fused
+    back = lower_to_cuda(prog.backward_program.windows_program, shape)["gdn_backward_scan_windows"]
+    assert "skip_chunks[" in back and "- (((int64_t)skip) * (int64_t)512)) - (((int64_t)i_w)" in back
