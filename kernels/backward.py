@@ -32,13 +32,14 @@ def reads_from_forward(program) -> set:
     return {p.name for k in ks for p in k.params if p.role == "in" and p.name not in made}
 
 
-def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Tensor, d_final, segments=None):
+def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Tensor, d_final, segments=None,
+             cache: bool = True):
     """Gradients of every input (name -> tensor shaped like the input: a key's or a value's in the io
     dtype, the out kernel's, a key's summed over its group; gates and scalars float32) and of the
     initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state.
     With `segments` the reverse scan runs context-parallel, as the forward's can. Where the
     backward's kernels do not fit at V's tile (Program.backward_columns: K = V = 256), it runs on
-    column blocks of V, each a problem of its own columns."""
+    column blocks of V, each a problem of its own columns. `cache`: as forward.run_kernels'."""
     width, each = program.backward_columns()
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = kept[v_name].dtype if v_name in kept else d_o.dtype  # the forward's io dtype
@@ -47,13 +48,14 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     d_final = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=d_o.device, dtype=torch.float32)
                if d_final is None else d_final.to(torch.float32).contiguous())
     if width >= dims.V:
-        return _backward(each, t, kinds, dims, scale, io, d_final, segments)
+        return _backward(each, t, kinds, dims, scale, io, d_final, segments, cache)
     params = {p.name: p for k in each.backward_program.kernels.kernels for p in k.params}
     parts = []
     for v0, w in column_blocks(dims.V, width):
         sub = dataclasses.replace(dims, V=w)
         cols = {n: _columns(x, params.get(n), v0, sub.V) for n, x in t.items()}
-        parts.append(_backward(each, cols, kinds, sub, scale, io, d_final[..., v0:v0 + sub.V].contiguous(), segments))
+        parts.append(_backward(each, cols, kinds, sub, scale, io, d_final[..., v0:v0 + sub.V].contiguous(), segments,
+                               cache))
     grads = {}
     for name, kind in kinds.items():
         blocks = [g[name] for g, _ in parts]
@@ -90,11 +92,11 @@ def _columns(x: torch.Tensor, param, v0: int, width: int) -> torch.Tensor:
     return x.narrow(axis, v0, n).contiguous()
 
 
-def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments):
+def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments, cache: bool = True):
     """backward() on the whole of V (t: the kernels' tensors by name, d_o among them)."""
     bprog = bprog_of.backward_program
     total = dims.B * dims.T
-    d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments)
+    d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments, cache)
     role = {x: r for r, x in bprog.chunk.gradient_of.items()}  # input -> the out kernel's tensor
     grads = {}
     for name, kind in kinds.items():

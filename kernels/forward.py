@@ -10,14 +10,13 @@ import contextlib
 import dataclasses
 import functools
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from qla_compiler.context_parallel import contraction_logs, run_segments
-from qla_compiler.layout import packed_cu_seqlens
+from qla_compiler.context_parallel import contraction_logs, run_segments, segment_layout
+from qla_compiler.layout import TensorMemo, chunk_offsets, packed_cu_seqlens
 from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, tile_width
 
 from .runtime import load_kernels
@@ -230,51 +229,30 @@ def chunk_map(cu: torch.Tensor, n_tokens: int, C: int) -> torch.Tensor:
     return torch.stack([torch.where(n_valid > 0, first, torch.zeros_like(first)), n_valid], 1).to(torch.int32)
 
 
-def chunk_offsets(cu: torch.Tensor, C: int) -> torch.Tensor:
-    """The chunk slot of each sequence's first chunk, [N + 1] (slots count chunks in token order,
-    as chunk_map does), computed on the device."""
-    per_seq = (cu[1:] - cu[:-1] + C - 1).div(C, rounding_mode="floor")
-    return torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)]).to(torch.int32)
-
-
-class _Layout:
+class _Layout(TensorMemo):
     """The per-call layout tensors of one sequence layout — cu_seqlens as int32, the chunk map, each
-    sequence's first chunk slot — kept while the cu_seqlens tensor they came from is alive and
-    unmodified (every layer of a model calls with the same one; ~20 small device ops each time
-    otherwise). Not during CUDA-graph capture: there the ops must be recorded, so that a replay
-    recomputes them from the captured cu_seqlens' new contents."""
-
-    def __init__(self, size: int = 16):
-        self.size, self.entries = size, {}
+    sequence's first chunk slot — kept while the cu_seqlens tensor they came from lives unmodified
+    (qla_compiler/layout.TensorMemo; a dense batch's by its shape)."""
 
     def __call__(self, dims, cu_seqlens, device, C: int, cache: bool = True):
         def compute():
             cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
-            return cu, chunk_map(cu, dims.B * dims.T, C), chunk_offsets(cu, C)
+            # (the caller's own int32 tensor is not held: it would never be freed)
+            return None if cu is cu_seqlens else cu, chunk_map(cu, dims.B * dims.T, C), chunk_offsets(cu, C)
 
-        def kept(layout):  # the caller's own int32 tensor is not held (it would never be freed)
-            return (None, *layout[1:]) if layout[0] is cu_seqlens else layout
-
-        if not cache or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()) or \
-                (cu_seqlens is not None and cu_seqlens.is_inference()):  # (no version counter to check)
-            return compute()
-        if cu_seqlens is None:  # dense: the layout is a function of the shape
-            key, version = ("dense", dims.B, dims.T, str(device), C), 0
-        else:  # the tensor itself: its id while it lives, its version counter for in-place writes
-            key, version = (id(cu_seqlens), dims.T, str(device), C), cu_seqlens._version
-        hit = self.entries.get(key)
-        if hit is not None and hit[0] == version and (cu_seqlens is None or hit[1]() is cu_seqlens):
-            cu, cmap, offsets = hit[2]
-            return (cu_seqlens if cu is None else cu), cmap, offsets
-        if key not in self.entries and len(self.entries) >= self.size:
-            self.entries.pop(next(iter(self.entries)))
-        ref = (lambda: None) if cu_seqlens is None else weakref.ref(cu_seqlens, lambda _: self.entries.pop(key, None))
-        layout = compute()
-        self.entries[key] = (version, ref, kept(layout))
-        return layout
+        key = ("dense", dims.B) if cu_seqlens is None else "packed"
+        cu, cmap, offsets = super().__call__(cu_seqlens, (key, dims.T, str(device), C), compute, cache)
+        return (cu_seqlens if cu is None else cu), cmap, offsets
 
 
 sequence_layout = _Layout()
+_SEGMENT_LAYOUTS = TensorMemo()
+
+
+def segment_layouts(cu: torch.Tensor, segments: int, C: int, T: int, cache: bool = True):
+    """context_parallel.segment_layout, kept while `cu` (the call's int32 cu_seqlens, which
+    sequence_layout keeps too) lives unmodified: ~40 small device ops a call otherwise."""
+    return _SEGMENT_LAYOUTS(cu, (segments, C, T), lambda: segment_layout(cu, segments, C, T), cache)
 
 
 def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_state, cu_seqlens,
@@ -293,7 +271,7 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     program = _call_program(program, dims, io, device, keep, context_parallel, fused)
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
-    final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel)
+    final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel, cache)
     (result,) = program.chunk.outputs  # the forward's one result, o: the out kernel's tensor of that name
     o = tensors[result].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
@@ -410,11 +388,12 @@ def program_for(program, dims, io, device):
     return program.for_shape(shape_class(dims, dims.V, dims.N, None, io, device))
 
 
-def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments=None):
+def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments=None, cache: bool = True):
     """Launch the program's kernels in KernelIR order — the parallel ones before the scan (prep),
     the scan, the parallel ones after it (out) — reading and writing `tensors` by parameter name
     (it needs the chunk map). With `segments`, the scan runs context-parallel (each sequence cut
-    into that many segments; qla_compiler/context_parallel.py), the parallel kernels once.
+    into that many segments; qla_compiler/context_parallel.py), the parallel kernels once; its
+    segment layout kept with `cu` unless `cache` is False (see call_tensors).
     Returns the scan's final state [N, HV, K, V]."""
     C = program.chunk_size
     sizes = tensor_sizes(dims, C, tensors["chunk_map"])
@@ -431,9 +410,12 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
     for k in ks[:i_scan]:  # per chunk, independent of how sequences are cut into segments
         run(k, tensors)
 
+    cut = segment_layouts(cu, segments, C, dims.B * dims.T, cache) if segments else None
+
     def scan(vals, cu_, h0_, skip=None):
         width, n_seqs = h0_.shape[-1], h0_.shape[0]
-        offsets = tensors["chunk_offsets"] if cu_ is cu and "chunk_offsets" in tensors else chunk_offsets(cu_, C)
+        offsets = cut.offsets if cut is not None and cu_ is cut.cu else \
+            tensors["chunk_offsets"] if cu_ is cu and "chunk_offsets" in tensors else chunk_offsets(cu_, C)
         t = dict(tensors, cu_seqlens=cu_, chunk_offsets=offsets, initial_state=h0_.contiguous(),
                  **{n: x.contiguous() for n, x in vals.items()})
         if skip is None:
@@ -448,7 +430,7 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
     vals = {n: tensors[n] for n in values}
     if segments:
         t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse,
-                                contraction=contraction_logs(program.recurrence, tensors, dims.HV))
+                                contraction=contraction_logs(program.recurrence, tensors, dims.HV), layout=cut)
     else:
         t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})

@@ -29,6 +29,7 @@ chunks, so the chunking — and the prep kernel's per-chunk work — is that of 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import sympy as sp
@@ -77,69 +78,100 @@ def contraction_logs(rec, inputs: dict, HV: int) -> torch.Tensor:
     """
     st = rec.structure
     T, device = inputs[st.write_key].shape[1], inputs[st.write_key].device
-    lam = torch.zeros(T, HV, device=device)
     if st.decay == "gate":
-        lam = lam + inputs[st.decay_name].float().reshape(T, HV)
+        lam = inputs[st.decay_name].reshape(T, HV).float()
     elif st.decay == "key_gate":
-        lam = lam + _per_value_head(inputs[st.decay_name].float().amax(-1).reshape(T, -1), HV)
+        lam = _per_value_head(inputs[st.decay_name].amax(-1).reshape(T, -1).float(), HV)
     elif st.decay == "head_constant":
         (c,) = [c for c in rec.constants if c.name == st.decay_name]
-        lam = lam + torch.tensor([math.log(x) for x in c.values(HV)], device=device)
+        lam = torch.tensor([math.log(x) for x in c.values(HV)], device=device).expand(T, HV)
+    else:
+        lam = torch.zeros(T, HV, device=device)
     if st.delta:
-        x = inputs[st.write_key].float()
-        norm2 = _per_value_head((x * x).sum(-1).reshape(T, -1), HV)
+        x = inputs[st.write_key].reshape(T, -1, inputs[st.write_key].shape[-1]).float()
+        norm2 = _per_value_head(torch.linalg.vector_norm(x, dim=-1) ** 2, HV)
         by_symbol = {i.symbol: inputs[i.name] for i in rec.inputs if i.name in inputs}
-        s = 1.0
+        s = None
         for f in sp.Mul.make_args(st.delta_coeff):  # a number times powers of scalar inputs (classify)
             base, power = f.as_base_exp()
-            s = s * (float(f) if f.is_Number else by_symbol[base].float().reshape(T, HV) ** int(power))
-        lam = lam + torch.log((1 - s * norm2).abs().clamp(min=1))
+            term = float(f) if f.is_Number else by_symbol[base].reshape(T, HV).float()
+            term = term if f.is_Number or power == 1 else term ** int(power)
+            s = term if s is None else s * term
+        lam = lam + (1 - s * norm2).abs().clamp(min=1).log()
     return lam.clamp(min=-2 * NEGLIGIBLE)
 
 
 def _per_value_head(x: torch.Tensor, HV: int) -> torch.Tensor:
     """[T, H] of the query/key heads -> [T, HV]: value head hv reads head hv // (HV / H)."""
-    return x.repeat_interleave(HV // x.shape[1], dim=1)
+    T, H = x.shape
+    return x if H == HV else x[:, :, None].expand(T, H, HV // H).reshape(T, HV)
 
 
-def window_skips(contraction: torch.Tensor, cu_seg: torch.Tensor, cu: torch.Tensor, segments: int,
-                 chunk_size: int, reverse: bool = False) -> torch.Tensor:
-    """[N·segments, HV] int32: how many chunks step 1's walk of each (segment, value head) leaves out
-    at its start. The shortest window of the segment's chunks nearest the next segment (for a
-    `reverse` scan: the previous one) whose λ (`contraction` [T, HV]) sum to at most −NEGLIGIBLE;
-    none (0) where no window does; all where nothing uses the map (the sequence's last segment, its
-    first in reverse). On the device, no synchronisation.
+@dataclass(frozen=True)
+class SegmentLayout:
+    """How the sequences are cut into segments, a function of cu_seqlens, the segment count, the
+    chunk size and the token count alone (so kept with the sequence layout: kernels/forward.py),
+    and what window_skips needs of it: for each chunk of the segments (M ≥ their number, the rest
+    masked) and each direction (`reverse`), the tokens [lo, hi) of the window that starts at it
+    and walks to the segment's end nearest the next segment, how many chunks that window leaves
+    out, and a bias (+inf: the segment's map is unused, leave out everything; −inf: no chunk)."""
+    cu: torch.Tensor  # [N·S + 1] int32: the segments' cu_seqlens (segment_bounds)
+    offsets: torch.Tensor  # [N·S + 1] int32: each segment's first chunk slot
+    segment: torch.Tensor  # [M, 1]: the segment of each chunk
+    windows: dict  # reverse -> (lo [M], hi [M], left_out [M, 1], bias [M, 1] float64)
 
-        >>> lam = torch.full((256, 1), -1.0)                   # e^-1 a token: 64 tokens are e^-64
-        >>> cu = torch.tensor([0, 256])
-        >>> window_skips(lam, segment_bounds(cu, 2, 64), cu, 2, 64).flatten().tolist()
-        [1, 2]
-    """
-    C, T, HV = chunk_size, *contraction.shape
-    cu_seg, cu = cu_seg.long(), cu.long()
-    n = cu_seg.numel() - 1
-    starts, ends = cu_seg[:-1], cu_seg[1:]
+
+def segment_layout(cu: torch.Tensor, segments: int, chunk_size: int, T: int) -> SegmentLayout:
+    """The SegmentLayout of packed sequences cu [N + 1] of T tokens in all, cut into `segments`,
+    computed on the device."""
+    C = chunk_size
+    cu_seg = segment_bounds(cu, segments, C)
+    bounds = cu_seg.long()
+    starts, ends = bounds[:-1], bounds[1:]
+    n = starts.numel()
     chunks = (ends - starts + C - 1) // C
     last = torch.cumsum(chunks, 0)  # one past each segment's last chunk, counting all segments' chunks
     c = torch.arange(T // C + n, device=cu.device)  # at least as many as the segments' chunks
     seg = torch.searchsorted(last, c, right=True).clamp(max=n - 1)
     j = c - (last - chunks)[seg]  # the chunk's index in its segment
     first = (starts[seg] + j * C).clamp(max=T)
-    prefix = torch.cat([contraction.new_zeros(1, HV, dtype=torch.float64), contraction.double().cumsum(0)])
-    if reverse:  # the window is chunks 0..j, walked last to first: the chunks after it are left out
-        span, left_out = prefix[torch.minimum(first + C, ends[seg])] - prefix[starts[seg]], chunks[seg] - 1 - j
-    else:  # the window is chunks j..last: the chunks before it are left out
-        span, left_out = prefix[ends[seg]] - prefix[first], j
-    ok = (span <= -NEGLIGIBLE) & (c < last[-1])[:, None]
-    skip = torch.zeros(n, HV, dtype=torch.long, device=cu.device).scatter_reduce(
-        0, seg[:, None].expand(-1, HV), torch.where(ok, left_out[:, None], 0), "amax")
-    # (a sequence's later segments may be empty: they, and its final state, still use the maps before)
-    unused = torch.arange(n, device=cu.device) % segments == (0 if reverse else segments - 1)
-    return torch.where(unused[:, None], chunks[:, None], skip).to(torch.int32)
+    whole = chunks[seg]
+    index = torch.arange(n, device=cu.device) % segments
+    windows = {}
+    for reverse, lo, hi, left in ((False, first, ends[seg], j),  # the window is chunks j..last
+                                  (True, starts[seg], torch.minimum(first + C, ends[seg]), whole - 1 - j)):
+        # the map of a sequence's last segment (its first in reverse) is unused: every chunk left out
+        # (a sequence's later segments may be empty: they, and its final state, use the maps before)
+        unused = (index == (0 if reverse else segments - 1))[seg]
+        bias = torch.where(c < last[-1], torch.where(unused, torch.inf, 0.0), -torch.inf).to(torch.float64)
+        windows[reverse] = (lo, hi, torch.where(unused, whole, left)[:, None], bias[:, None])
+    offsets = torch.cat([chunks.new_zeros(1), last]).to(torch.int32)
+    return SegmentLayout(cu_seg, offsets, seg[:, None], windows)
+
+
+def window_skips(contraction: torch.Tensor, layout: SegmentLayout, reverse: bool = False) -> torch.Tensor:
+    """[N·segments, HV] int32: how many chunks step 1's walk of each (segment, value head) leaves out
+    at its start. The shortest window of the segment's chunks nearest the next segment (for a
+    `reverse` scan: the previous one) whose λ (`contraction` [T, HV]) sum to at most −NEGLIGIBLE;
+    none (0) where no window does; all where nothing uses the map (the sequence's last segment, its
+    first in reverse). On the device, no synchronisation; ~12 ops, the rest is the layout's.
+
+        >>> lam = torch.full((256, 1), -1.0)                   # e^-1 a token: 64 tokens are e^-64
+        >>> window_skips(lam, segment_layout(torch.tensor([0, 256]), 2, 64, 256)).flatten().tolist()
+        [1, 2]
+    """
+    lo, hi, left_out, bias = layout.windows[reverse]
+    prefix = torch.nn.functional.pad(contraction.cumsum(0, dtype=torch.float64), (0, 0, 1, 0))
+    ok = (prefix[hi] - prefix[lo] - bias) <= -NEGLIGIBLE
+    n, HV = layout.cu.numel() - 1, contraction.shape[1]
+    skip = torch.zeros(n, HV, dtype=torch.long, device=contraction.device).scatter_reduce_(
+        0, layout.segment.expand(-1, HV), torch.where(ok, left_out, 0), "amax")
+    return skip.to(torch.int32)
 
 
 def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tensor, segments: int,
-                 chunk_size: int, reverse: bool = False, contraction: torch.Tensor | None = None):
+                 chunk_size: int, reverse: bool = False, contraction: torch.Tensor | None = None,
+                 layout: SegmentLayout | None = None):
     """scan(values {name: [1, T, HV, W]}, cu_seqlens, h0 [N', HV, K, W]) -> (out, final [N', HV, K, W])
     runs the chunked scan over packed sequences for any value width W (`out` is whatever else the
     scan returns, e.g. o). `values` are the scan's per-token inputs of the state's width, each of
@@ -149,24 +181,28 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     to its start: segments are chained last to first, and the final state is the first segment's.
     With `contraction` (contraction_logs), step 1 walks each segment's window alone: the scan then
     takes a fourth argument, the chunks each (sequence, value head) walk leaves out at its start
-    ([N', HV] int32, window_skips)."""
+    ([N', HV] int32, window_skips). `layout`: segment_layout's for these arguments, where the
+    caller keeps it."""
     check_segments(segments)
     N, HV, K, V = h0.shape
-    cu_seg = segment_bounds(cu, segments, chunk_size)
+    if layout is None:
+        layout = segment_layout(cu, segments, chunk_size, next(iter(values.values())).shape[1])
+    cu_seg = layout.cu
     eye = torch.eye(K, device=h0.device, dtype=h0.dtype)
     start = torch.cat([eye.expand(N * segments, HV, K, K), h0.new_zeros(N * segments, HV, K, V)], -1)
     widened = {n: torch.cat([v.new_zeros(*v.shape[:-1], K), v], -1) for n, v in values.items()}
-    windows = () if contraction is None else (window_skips(contraction, cu_seg, cu, segments, chunk_size, reverse),)
+    windows = () if contraction is None else (window_skips(contraction, layout, reverse),)
     _, maps = scan(widened, cu_seg, start, *windows)            # 1. [M | H] of every segment
     # 2. the scan over segments, one batched S ↦ M S + H (baddbmm) a segment: a call's host time is
     # mostly its small ops, and slices, a matmul and an add were ~10 of them a segment
     maps = maps.view(N, segments, HV, K, K + V).transpose(0, 1).reshape(segments, N * HV, K, K + V)
     starts, state = [None] * segments, h0.reshape(N * HV, K, V)
     order = list(reversed(range(segments)) if reverse else range(segments))
+    M, H = maps[..., :K], maps[..., K:]
     for s, after in zip(order, order[1:] + [None]):
         starts[s] = state
         if after is not None:  # (the map of the sequence's last segment: its final state is scan 3's)
-            state = torch.baddbmm(maps[s, :, :, K:], maps[s, :, :, :K], state)
+            state = torch.baddbmm(H[s], M[s], state)
     starts = torch.stack(starts).view(segments, N, HV, K, V).transpose(0, 1).reshape(N * segments, HV, K, V)
     out, finals = scan(values, cu_seg, starts)  # 3.
     return out, finals.view(N, segments, HV, K, V)[:, 0 if reverse else -1]

@@ -269,7 +269,7 @@ def run_kernels_backward(op: str, xs: list[Tensor], initial_state: Optional[Tens
     tensors, cu, _ = call_tensors(named, cop.kinds, dims, initial_state, cu_seqlens, cop._head_logs(dims.HV),
                                   program.chunk_size, cache=not traced)
     tensors.update(zip(kept(program), made), cu_seqlens=cu)
-    grads, d_h0 = backward(program, tensors, cop.kinds, dims, scale, d_o, d_final, segments)
+    grads, d_h0 = backward(program, tensors, cop.kinds, dims, scale, d_o, d_final, segments, cache=not traced)
     return ([grads[n].to(x.dtype) for n, x in named.items()],
             d_h0.to(initial_state.dtype) if initial_state is not None else d_h0)
 

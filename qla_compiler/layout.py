@@ -6,6 +6,9 @@ k = 0, v = 0, β = 0 and g = 0 leaves the state unchanged, which is what makes p
 """
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 import torch
 
 
@@ -85,3 +88,46 @@ def unpack_chunks(packed: torch.Tensor, lengths: torch.Tensor, C: int, NC: int) 
     out = packed.new_zeros(lengths.shape[0], packed.shape[1], NC, *packed.shape[2:])
     out.movedim(2, 1)[real] = packed[:int(real.sum())]  # (contiguous as pack_chunks' x was)
     return out
+
+
+def chunk_offsets(cu: torch.Tensor, C: int) -> torch.Tensor:
+    """The chunk slot of each sequence's first chunk, [N + 1] (slots count chunks in token order,
+    as kernels/forward.chunk_map does), computed on the device."""
+    per_seq = (cu[1:] - cu[:-1] + C - 1).div(C, rounding_mode="floor")
+    return torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)]).to(torch.int32)
+
+
+class TensorMemo:
+    """Values computed from one tensor (a call's cu_seqlens), kept while it lives unmodified: every
+    layer of a model calls with the same one, and each value is ~20 small device ops otherwise.
+    An entry is keyed on the tensor's id (held weakly: the entry goes with the tensor), checked
+    against its version counter (an in-place write recomputes), plus the caller's key; with no
+    tensor (a dense batch), on the key alone. Nothing is kept during CUDA-graph capture (the ops
+    must be recorded, so that a replay recomputes them from the captured tensor's new contents),
+    for an inference tensor (no version counter), or where `cache` is False (a compiled graph's
+    call: kernels/forward.call_tensors). A value must not hold the tensor itself, or it is never
+    freed.
+
+        >>> memo, cu = TensorMemo(), torch.tensor([0, 5, 9])
+        >>> a = memo(cu, "lengths", lambda: cu[1:] - cu[:-1])
+        >>> memo(cu, "lengths", lambda: cu[1:] - cu[:-1]) is a
+        True
+    """
+
+    def __init__(self, size: int = 16):
+        self.size, self.entries = size, {}
+
+    def __call__(self, tensor: torch.Tensor | None, key, compute: Callable, cache: bool = True):
+        if not cache or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()) or \
+                (tensor is not None and tensor.is_inference()):
+            return compute()
+        full, version = ((key,), 0) if tensor is None else ((key, id(tensor)), tensor._version)
+        hit = self.entries.get(full)
+        if hit is not None and hit[0] == version and (tensor is None or hit[1]() is tensor):
+            return hit[2]
+        if full not in self.entries and len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        ref = (lambda: None) if tensor is None else weakref.ref(tensor, lambda _: self.entries.pop(full, None))
+        value = compute()
+        self.entries[full] = (version, ref, value)
+        return value

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qla_compiler import context_parallel as cp_mod
-from qla_compiler.context_parallel import contraction_logs, segment_bounds, window_skips
+from qla_compiler.context_parallel import contraction_logs, segment_bounds, segment_layout, window_skips
 from qla_compiler.emulate import emulated_kernels, emulated_step
 from qla_compiler.kernels import forward as fwd
 from qla_compiler.testing import random_inputs, rel_err
@@ -55,14 +55,25 @@ def test_windows_are_the_shortest_that_decay_enough():
     out. In reverse the window is at the segment's start and the first segment's map is unused."""
     per_token = torch.tensor([-1.0, -0.15, 0.0])
     lam = per_token.repeat(300, 1)
-    cu = torch.tensor([0, 300])
-    cu_seg = segment_bounds(cu, 2, 64)
-    assert cu_seg.tolist() == [0, 192, 300]
-    assert window_skips(lam, cu_seg, cu, 2, 64).tolist() == [[2, 1, 0], [2, 2, 2]]
-    assert window_skips(lam, cu_seg, cu, 2, 64, reverse=True).tolist() == [[3, 3, 3], [1, 0, 0]]
-    # g = −inf (a reset) bounds like strong decay, and NaN-free
-    lam[100, 2] = contraction_logs_floor = -2 * cp_mod.NEGLIGIBLE
-    assert window_skips(lam, cu_seg, cu, 2, 64)[0, 2] == 1 and contraction_logs_floor > -math.inf
+    layout = segment_layout(torch.tensor([0, 300]), 2, 64, 300)
+    assert layout.cu.tolist() == [0, 192, 300] and layout.offsets.tolist() == [0, 3, 5]
+    assert window_skips(lam, layout).tolist() == [[2, 1, 0], [2, 2, 2]]
+    assert window_skips(lam, layout, reverse=True).tolist() == [[3, 3, 3], [1, 0, 0]]
+    # g = −inf (a reset): contraction_logs floors it at −2·NEGLIGIBLE, a bound like strong decay
+    lam[100, 2] = -2 * cp_mod.NEGLIGIBLE
+    assert window_skips(lam, layout)[0, 2] == 1
+
+
+def test_windows_of_packed_sequences_with_empty_segments():
+    """Three sequences (1, 299 and 30 tokens) in 3 segments, one value head decaying hard: the
+    1-token sequence's used segments walk their one chunk (a window needs a chunk), the empty
+    ones nothing; the 299-token one's used segments (2 chunks each) one chunk; the last
+    segments of each sequence nothing."""
+    cu = torch.tensor([0, 1, 300, 330])
+    layout = segment_layout(cu, 3, 64, 330)
+    assert layout.cu.tolist() == segment_bounds(cu, 3, 64).tolist() == [0, 1, 1, 1, 129, 257, 300, 330, 330, 330]
+    skip = window_skips(torch.full((330, 1), -1.0), layout).flatten().tolist()
+    assert skip == [0, 0, 0, 1, 1, 1, 0, 0, 0]
 
 
 def _strong_none_mild(op, T, cu_seqlens):
@@ -139,3 +150,17 @@ def test_windows_kernels_lower_to_cuda():
     assert "state_s_full[(i_w & 1)].arrive()" in fused
     back = lower_to_cuda(prog.backward_program.windows_program, shape)["gdn_backward_scan_windows"]
     assert "skip_chunks[" in back and "- (((int64_t)skip) * (int64_t)512)) - (((int64_t)i_w)" in back
+
+
+def test_segment_layout_is_kept_with_cu_seqlens():
+    """A context-parallel call's segment layout (~40 device ops) is made once per cu_seqlens tensor
+    and segment count while the tensor is unchanged; an in-place write makes it again, and a
+    compiled graph's call (cache False) keeps none."""
+    cu = torch.tensor([0, 1, 300], dtype=torch.int32)
+    first = fwd.segment_layouts(cu, 3, 64, 300)
+    assert fwd.segment_layouts(cu, 3, 64, 300) is first
+    assert fwd.segment_layouts(cu, 2, 64, 300) is not first
+    assert fwd.segment_layouts(cu, 3, 64, 300, cache=False) is not first
+    cu[1] = 100
+    again = fwd.segment_layouts(cu, 3, 64, 300)
+    assert again is not first and again.cu.tolist() == segment_bounds(cu, 3, 64).tolist()
