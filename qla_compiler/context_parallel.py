@@ -15,11 +15,12 @@ sequence's end: step 2 chains the segments last to first.
 The gate's shortcut (`contraction`, the generated kernels' path): step 1 need not walk a whole
 segment. ‖A_t‖₂ ≤ e^{λ_t} per token (contraction_logs), so a segment's last chunks whose λ sum
 to at most −NEGLIGIBLE map any two states to within 2^-24 of their norms of each other: the
-scan of those chunks alone from [I | 0] gives a map whose error, (M_w (S_w − S_start), S_w the
-true state where the window starts) is below float32's resolution of the state. Each (segment,
-value head) walks its shortest such window (window_skips), the whole segment where none is
-(weak decay, g = 0: exact), nothing where nothing uses its map (the sequence's last segment). Strong decay turns
-step 1 from a scan of everything at width K + V into one of a few chunks a segment.
+scan of those chunks alone from [I | 0] gives a map whose error, M_w (S_w − S_start) with S_w
+the true state where the window starts, is below float32's resolution of the state. Each
+(segment, value head) walks its shortest such window (window_skips), the whole segment where
+none is (weak decay, g = 0: exact), nothing where nothing uses its map (the sequence's last
+segment). Strong decay turns step 1 from a scan of everything at width K + V into one of a few
+chunks a segment.
 
 All of it is torch on the device plus two scans: no host synchronisation. Segments are whole
 chunks, so the chunking — and the prep kernel's per-chunk work — is that of the plain scan.

@@ -25,7 +25,8 @@ def test_contraction_bounds_each_transitions_norm(ops, spec):
     gen = torch.Generator().manual_seed(5)
     for name, kind in op.kinds.items():  # keys of norm up to 2, scalars up to 3
         if kind == "key":
-            args[name] = args[name] * (2 * torch.rand(args[name].shape[:-1], generator=gen, dtype=torch.float64))[..., None]
+            norms = 2 * torch.rand(args[name].shape[:-1], generator=gen, dtype=torch.float64)
+            args[name] = args[name] * norms[..., None]
         elif kind == "scalar":
             args[name] = 3 * torch.rand(args[name].shape, generator=gen, dtype=torch.float64)
     inputs = {n: args[n] for n in op.input_names}
