@@ -86,6 +86,9 @@ def test_notebook_runs_top_to_bottom(kernel_env):
     assert "def gdn_scan(" in text and "T.alloc_fragment((K, BV)" in text
     assert "chunk_program gdn_affine" in rich and "out M=" in rich  # context parallelism
     assert all(f"context_parallel={s}:" in text for s in (1, 2, 4, 8))
+    # the gate's shortcut: mild gates walk whole segments, strong decay one chunk (two after a short one)
+    assert "value head: [[0, 0, 0, 0], [0, 0, 0, 0]]" in text and "value head: [[2, 2, 1, 0], [2, 2, 1, 0]]" in text
+    assert "kernel gdn_fused_windows" in text and "past the first skip_chunks[sequence, value head]" in text
     # 10. the backward as kernels: a reverse scan, and emulated gradients close to autograd's
     assert "kernel gdn_backward_scan" in text and "last to first" in text
     table = text.split("backward, emulated kernels: relative error vs autograd through the reference", 1)[1]
