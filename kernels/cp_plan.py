@@ -72,7 +72,8 @@ def planned_segments(dims, device) -> int | None:
     forward.check_call)."""
     from .forward import sm_count
 
-    return _planned(dims.N, dims.H, dims.HV, dims.K, dims.V, dims.B * dims.T, sm_count(device))
+    # (ints: under torch.compile's dynamic shapes the plan specialises the graph, as the V-block does)
+    return _planned(*(int(x) for x in (dims.N, dims.H, dims.HV, dims.K, dims.V, dims.B * dims.T)), sm_count(device))
 
 
 @functools.lru_cache(maxsize=256)
