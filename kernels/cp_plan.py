@@ -73,11 +73,12 @@ def planned_segments(dims, device) -> int | None:
     from .forward import sm_count
 
     # (ints: under torch.compile's dynamic shapes the plan specialises the graph, as the V-block does)
-    return _planned(*(int(x) for x in (dims.N, dims.H, dims.HV, dims.K, dims.V, dims.B * dims.T)), sm_count(device))
+    return planned(*(int(x) for x in (dims.N, dims.H, dims.HV, dims.K, dims.V, dims.B * dims.T)), sm_count(device))
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(N, H, HV, K, V, tokens, sms):
+def planned(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int) -> int | None:
+    """planned_segments from the call's sizes (what precompile.shape_classes asks for cp=auto)."""
     if tile_width(K) != K or tile_width(V) != V:
         return None
     s = plan_segments(N, H, HV, K, V, tokens, sms)

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precompile", action="append", metavar="DEPLOYMENT",
                     help="compile the kernels that calls at these sizes launch into the on-disk cache, a line "
                          "per kernel (qla_compiler/precompile.py; no GPU needed): H=..,HV=..,K=..[,V=..][,io=bfloat16|"
-                         "float16][,N=a or a-b sequences per call; default every number][,cp=segments][,sms=the "
+                         "float16][,N=a or a-b sequences per call; default every number][,cp=segments, or auto with T=a "
+                         "call's tokens][,sms=the "
                          "GPU's SMs; default this machine's GPU, else an H200's]; repeatable")
     ap.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass")
     ap.add_argument("--print-after-all", nargs="?", const="diff", choices=("diff", "full"),

@@ -29,7 +29,7 @@ from pathlib import Path
 from .passes.lower_tilelang import ShapeClass, tile_width
 
 PARTS = ("forward", "training", "backward")  # the program: as inference runs it; a training step's two
-FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "sms")
+FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "T", "sms")
 
 
 @dataclass(frozen=True)
@@ -54,23 +54,28 @@ class Compile:
 
 
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
-                  context_parallel: int | None = None, sms: int | None = None, training: bool = False,
-                  scale: float | None = None, stages: int | None = None, block_v: int | None = None) -> list:
+                  context_parallel: int | str | None = None, sms: int | None = None, training: bool = False,
+                  scale: float | None = None, stages: int | None = None, block_v: int | None = None,
+                  tokens: int | None = None) -> list:
     """What calls of `spec` with these heads and head dims launch, as a list of Compile: at each
     number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
-    count), with `context_parallel` segments also the segment scans, with `training` also the
-    training forward and the backward. `sms`: the GPU's SMs (None: this machine's GPU, else an
-    H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`, `block_v`: what
-    qla-bench --scan-stages and --block-v force instead of the launch rules."""
+    count), with `context_parallel` segments also the segment scans ("auto": as many as
+    kernels/cp_plan.py plans for calls of `tokens` tokens in all, which its plan depends on), with
+    `training` also the training forward and the backward. `sms`: the GPU's SMs (None: this
+    machine's GPU, else an H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`,
+    `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules."""
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
+    from .kernels.cp_plan import planned
 
     V = V or K
     if H < 1 or HV % H:
         raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
     forward.check_head_dims(K, V)
-    check_segments(context_parallel)
+    check_segments(context_parallel, auto=True)
+    if context_parallel == "auto" and not tokens:
+        raise ValueError("cp=auto: the plan depends on a call's tokens: give them (T=, the tokens of a call in all)")
     if io not in forward.IO_DTYPES.values():
         raise ValueError(f"io: the kernels take {' or '.join(forward.IO_DTYPES.values())}, got {io!r}")
     sms = sms or _this_gpus_sms()
@@ -84,31 +89,35 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
+    def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments)
+        return planned(n, H, HV, K, V, tokens, sms) if context_parallel == "auto" else context_parallel
+
     classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each
-    # class's (sequences of the call, sequences its launches run: N·segments for a segment scan)
+    # class's (sequences of the call, sequences its launches run: N·segments for a segment scan,
+    # the call's segments)
     for n in counts:
+        cp = segments(n)
         plain = launch(V, n)
         runs_as = dataclasses.replace(plain, scale=None)
-        classes.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if context_parallel else "all"))
-        seqs.append((n, n))
-        if context_parallel:  # segments are scanned as sequences: their windows on [0 | v] (width
-            # K + V), then on v
-            classes += [Compile(str(spec), "forward", launch(w, n * context_parallel), runs_as, which)
+        classes.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if cp else "all"))
+        seqs.append((n, n, cp))
+        if cp:  # segments are scanned as sequences: their windows on [0 | v] (width K + V), then on v
+            classes += [Compile(str(spec), "forward", launch(w, n * cp), runs_as, which)
                         for w, which in ((K + V, "windows"), (V, "scan"))]
-            seqs += [(n, n * context_parallel)] * 2
+            seqs += [(n, n * cp, cp)] * 2
     out = []
-    for c, (n, launched) in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
+    for c, (n, launched, cp) in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
         # (kernels/forward._call_program: context parallelism decides on N·segments sequences,
         # and runs the narrow fused kernel as its scan)
-        if forward.runs_fused(K, V, HV, n * (context_parallel or 1), sms):
-            wide = not context_parallel and (block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms))
+        if forward.runs_fused(K, V, HV, n * (cp or 1), sms):
+            wide = not cp and (block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms))
             c = dataclasses.replace(c, fused="wide" if wide else "narrow")
         cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
         out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))
                    if cap < c.shape.BV or cap > 64 else c)
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
-        for c, (_, launched) in zip(classes, seqs):
+        for c, (_, launched, _) in zip(classes, seqs):
             width = _variant(c).backward_columns()[0]
             if width >= V:
                 out.append(dataclasses.replace(c, part="backward"))
@@ -122,11 +131,14 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
 
 
 def parse_deployment(text: str) -> dict:
-    """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=8][,sms=132]' -> shape_classes' keywords
-    (N: a number of sequences per call or a range a-b; V defaults to K).
+    """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=8 or auto][,T=32768][,sms=132]' ->
+    shape_classes' keywords (N: a number of sequences per call or a range a-b; V defaults to K;
+    T: a call's tokens in all, which cp=auto's plan depends on).
 
         >>> parse_deployment("H=2,HV=8,K=128,N=1-4,cp=8")
         {'H': 2, 'HV': 8, 'K': 128, 'n_seqs': [1, 2, 3, 4], 'context_parallel': 8}
+        >>> parse_deployment("H=2,HV=8,K=128,N=1,cp=auto,T=32768")
+        {'H': 2, 'HV': 8, 'K': 128, 'n_seqs': [1], 'context_parallel': 'auto', 'tokens': 32768}
     """
     from .checks import option_fields
 
@@ -140,8 +152,10 @@ def parse_deployment(text: str) -> dict:
             elif key == "N":
                 a, _, b = value.partition("-")
                 out["n_seqs"] = list(range(int(a), int(b or a) + 1))
+            elif key == "cp" and value == "auto":
+                out["context_parallel"] = "auto"
             else:
-                out[{"cp": "context_parallel"}.get(key, key)] = int(value)
+                out[{"cp": "context_parallel", "T": "tokens"}.get(key, key)] = int(value)
         except ValueError as e:
             if str(e).startswith("--precompile"):
                 raise

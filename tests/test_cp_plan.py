@@ -30,3 +30,20 @@ def test_auto_gives_the_kernels_a_count_or_none(monkeypatch):
     assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 128, 128, 1), "cuda") == 8
     assert cp_plan.planned_segments(Dims(8, 4096, 16, 64, 128, 128, 8), "cuda") is None
     assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 100, 128, 1), "cuda") is None  # (K not a power of two)
+
+
+def test_precompile_covers_what_auto_runs():
+    """cp=auto in a deployment (qla-compile --precompile ...,cp=auto,T=...) compiles the segment scans
+    the planner will choose at that size, and none where it keeps the whole walk; without T it
+    says what is missing (the plan depends on it)."""
+    import pytest
+
+    from qla_compiler.precompile import parse_deployment, shape_classes
+
+    long = shape_classes("gdn", **parse_deployment("H=2,HV=8,K=128,N=1,cp=auto,T=32768,sms=132"))
+    assert {(c.kernels, c.shape.V) for c in long} >= {("windows", 256), ("scan", 128)}
+    assert shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, context_parallel=8, sms=132) == long
+    short = shape_classes("gdn", **parse_deployment("H=16,HV=64,K=128,N=8,cp=auto,T=32768,sms=132"))
+    assert short == shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, sms=132)
+    with pytest.raises(ValueError, match="cp=auto: the plan depends on a call's tokens"):
+        shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, context_parallel="auto")
