@@ -15,6 +15,7 @@
     qla-compile specs/gdn.py --emit kernel --training       # the forward a training step runs
     qla-compile specs/gdn.py --emit kernel --token-step     # the decoding kernel (op.recurrent)
     qla-compile specs/gdn.py --emit kernel --fused --windows  # context parallelism's first scan
+    qla-compile gdn --cp-plan H=2,HV=8,K=128,T=32768         # what context_parallel="auto" chooses
     qla-compile gdn --precompile H=16,HV=64,K=128,V=128,io=bfloat16 --training
                                  # compile a deployment's kernels into the disk cache ahead of time
 """
@@ -67,6 +68,10 @@ def main(argv=None) -> int:
                          "float16][,N=a or a-b sequences per call; default every number][,cp=segments, or auto with T=a "
                          "call's tokens][,sms=the "
                          "GPU's SMs; default this machine's GPU, else an H200's]; repeatable")
+    ap.add_argument("--cp-plan", metavar="DEPLOYMENT",
+                    help="print what context_parallel=\"auto\" chooses for calls of these sizes and the cost "
+                         "model's time at each segment count (kernels/cp_plan.py): H=..,HV=..,K=..[,V=..],T=a "
+                         "call's tokens[,N=sequences, default 1][,sms=..]")
     ap.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass")
     ap.add_argument("--print-after-all", nargs="?", const="diff", choices=("diff", "full"),
                     help="after every pass, print what it changed: for a rewrite of the chunk program the "
@@ -78,6 +83,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.precompile:
         return run_precompile(args)
+    if args.cp_plan:
+        return print_cp_plan(args.cp_plan)
 
     from .compiler import compile_spec  # (after parsing: --help imports none of the compiler)
 
@@ -215,6 +222,31 @@ def run_precompile(args) -> int:
     compiled = sum(c for *_, c in done)
     print(f"{len(done)} kernels of {len(todo)} shape classes: {compiled} compiled, {len(done) - compiled} "
           f"found in the cache, {time.time() - t:.1f}s (generated modules in {cache_dir()})")
+    return 0
+
+
+def print_cp_plan(deployment: str) -> int:
+    """--cp-plan: the planner's choice and its model's time at each segment count."""
+    from .kernels import cp_plan
+    from .precompile import _this_gpus_sms, parse_deployment
+
+    try:
+        d = parse_deployment(deployment)
+        unknown = set(d) - {"H", "HV", "K", "V", "n_seqs", "tokens", "sms"}
+        if unknown or "tokens" not in d:
+            raise ValueError("--cp-plan: give H, HV, K, T (a call's tokens) and optionally V, N, sms"
+                             + (f"; not {', '.join(sorted(unknown))}" if unknown else ""))
+    except ValueError as e:
+        print(f"qla-compile: error: {e}", file=sys.stderr)
+        return 1
+    H, HV, K, T = d["H"], d["HV"], d["K"], d["tokens"]
+    V, sms = d.get("V", K), d.get("sms") or _this_gpus_sms()
+    for N in d.get("n_seqs", [1]):
+        print(f"context_parallel=\"auto\" for H={H} HV={HV} K={K} V={V}, {N} sequence(s), {T} tokens, {sms} SMs "
+              f"(kernels/cp_plan.py; the scan's modelled GPU time):")
+        for s in cp_plan.SEGMENTS:
+            print(f"  {s:>3} segments  {cp_plan.predicted_ms(s, N, H, HV, K, V, T, sms):7.3f} ms")
+        print(f"  chosen: {cp_plan.planned(N, H, HV, K, V, T, sms) or 'none (the whole walk)'}")
     return 0
 
 
