@@ -8,13 +8,13 @@ glue. Modelled in GPU time (waves of CTAs × chunks a walk × the time of a chun
 
     t(1) = waves(V/BV · HV · N) · NC · chunk
     t(S) = waves(V/BV · HV · N·S) · ⌈NC / S⌉ · chunk                                  the walks
-         + waves((K+V)/BV' · HV · N·(S−1)) · min(WINDOW, ⌈NC / S⌉) · chunk + glue      their starts
+         + waves((K+V)/BV' · HV · N·S) · min(WINDOW, ⌈NC / S⌉) · chunk + glue          their starts
 
 with NC the chunks of a sequence (the call's tokens over its sequences: no lengths are read from
 the device), BV the launch rule's V-block (forward.block_v) and one CTA an SM (the fused
 kernel's registers and shared memory allow one). WINDOW assumes gates that decay (the bench's:
-a window of a chunk or two); where they do not, the window is the whole segment and the call
-costs up to the width ratio more than the model says, exactly as it would compute anyway.
+a window of a chunk or two); where they do not, the window is the whole segment: the call stays
+exact and costs up to a second walk of every segment at width K + V more than the model says.
 
 The constants are the H200's (session 21, benchmarks/NOTES.md): CHUNK_MS from the narrow fused
 kernel at 8/32:1x32768 (0.907 ms for 512 chunks in one wave), GLUE_MS the context-parallel call's
