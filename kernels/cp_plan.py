@@ -31,8 +31,6 @@ from __future__ import annotations
 import functools
 import math
 
-from qla_compiler.passes.lower_tilelang import tile_width
-
 CHUNK_MS = 0.907 / 512  # one chunk of a walk, one wave (the narrow fused kernel, V-block 64)
 GLUE_MS = 0.20  # a context-parallel call's torch kernels (widened values, start states, skips)
 WINDOW = 2  # chunks a segment's window walks where the gates decay
@@ -68,8 +66,7 @@ def plan_segments(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int
 
 def planned_segments(dims, device) -> int | None:
     """What `context_parallel="auto"` runs for a call of these Dims on `device`: None (no cut) or
-    plan_segments' count. None where the kernels cannot cut (K or V not a power of two:
-    forward.check_call)."""
+    plan_segments' count. None where the kernels cannot cut (forward.cuts)."""
     from .forward import sm_count
 
     # (ints: under torch.compile's dynamic shapes the plan specialises the graph, as the V-block does)
@@ -79,7 +76,9 @@ def planned_segments(dims, device) -> int | None:
 @functools.lru_cache(maxsize=256)
 def planned(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int) -> int | None:
     """planned_segments from the call's sizes (what precompile.shape_classes asks for cp=auto)."""
-    if tile_width(K) != K or tile_width(V) != V:
+    from .forward import cuts
+
+    if not cuts(K, V):
         return None
     s = plan_segments(N, H, HV, K, V, tokens, sms)
     return None if s == 1 else s

@@ -338,10 +338,16 @@ def fused_or_not(program, wide: bool = False):
     return program
 
 
+def cuts(K: int, V: int) -> bool:
+    """Whether the kernels run context parallelism at these head dims: where K and V are powers of
+    two (their tiles, which the widened values [0 | v] are laid out in, are the dims themselves)."""
+    return tile_width(K) == K and tile_width(V) == V
+
+
 def check_call(dims, keep: bool, context_parallel) -> None:
     """What the kernels refuse, from the shapes alone (a ValueError naming the argument)."""
     check_head_dims(dims.K, dims.V)
-    if context_parallel and (tile_width(dims.K) != dims.K or tile_width(dims.V) != dims.V):
+    if context_parallel and not cuts(dims.K, dims.V):
         raise ValueError(f"context_parallel: the GPU kernels run it only where K and V are powers of two "
                          f"(got K = {dims.K}, V = {dims.V}); leave it None")
 
