@@ -8,7 +8,7 @@
 Arguments are the spec's inputs in the spec's order (positional or by name), then `scale=None`
 (K^-1/2), `initial_state=None` [N, HV, K, V], `output_final_state=False`, `cu_seqlens=None`
 (packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel=None` (a number
-of segments: each sequence is cut into that many, which run at once; qla_compiler/context_parallel.py;
+of segments: each sequence is cut into that many, which run at once, 1 the same as None; qla_compiler/context_parallel.py;
 "auto": as many as the GPU kernels' planner finds fastest, kernels/cp_plan.py, none on the interpreter).
 Returns `(o, final_state or None)`; o has v's dtype and shape [B, T, HV, V]; the state is float32
 (float64 for float64 inputs). CUDA tensors in bf16/fp16 run the generated kernels (a spec the sm90
@@ -135,6 +135,7 @@ class CompiledOp:
                                             use_qk_l2norm_in_kernel, context_parallel)
         v = inputs[self.value_name]
         work = torch.float64 if v.dtype == torch.float64 else torch.float32
+        context_parallel = None if context_parallel == 1 else context_parallel  # one segment: no cut
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
             if context_parallel == "auto":
                 context_parallel = planned_segments(dims, v.device)

@@ -125,3 +125,18 @@ def test_auto_is_the_gpu_planners_and_exact_on_the_interpreter(ops):
     o, S = op(**args, context_parallel="auto")
     o_ref, S_ref = op.reference(**args)
     assert rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
+
+
+def test_one_segment_is_no_cut(ops, monkeypatch):
+    """context_parallel=1 is the same call as None: nothing is cut or walked by segments (it once ran
+    the segments' machinery for one segment, a scan and a window search for nothing)."""
+    from qla_compiler import op as op_module
+
+    def refuse(*a, **k):
+        raise AssertionError("run_segments called for one segment")
+    monkeypatch.setattr(op_module, "run_segments", refuse)
+    op = ops["gdn"]
+    args = random_inputs(op, T=90, H=1, HV=2, K=4, V=4, cu_seqlens=[0, 70, 90], initial_state=True)
+    o1, S1 = op(**args, context_parallel=1)
+    o, S = op(**args)
+    assert torch.equal(o1, o) and torch.equal(S1, S)

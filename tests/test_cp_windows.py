@@ -77,6 +77,45 @@ def test_windows_of_packed_sequences_with_empty_segments():
     assert skip == [0, 0, 0, 1, 1, 1, 0, 0, 0]
 
 
+def _skips_by_definition(lam, cu, segments, C, reverse):
+    """window_skips spelled out, one (segment, value head) at a time over token ranges."""
+    bounds = segment_bounds(torch.tensor(cu), segments, C).tolist()
+    out = []
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        n = (b - a + C - 1) // C
+        row = []
+        for hv in range(lam.shape[1]):
+            if i % segments == (0 if reverse else segments - 1):
+                row.append(n)  # an unused map
+                continue
+            sums = [float(lam[a + j * C:min(a + (j + 1) * C, b), hv].double().sum()) for j in range(n)]
+            left = [j for j in range(n) if sum(sums[j:]) <= -cp_mod.NEGLIGIBLE] if not reverse else \
+                [n - 1 - j for j in range(n) if sum(sums[:j + 1]) <= -cp_mod.NEGLIGIBLE]
+            row.append(max(left, default=0))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_windows_match_their_definition_on_random_packings(seed):
+    """Random packed lengths (1-token sequences and ones not a multiple of the chunk), random λ
+    with a strong, a mild and a flat head and resets; every segment count 2..5, both directions."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, 7] + torch.randint(1, 400, (4,), generator=gen).tolist()
+    lens = [lens[i] for i in torch.randperm(len(lens), generator=gen).tolist()]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    lam = torch.stack([-2 * torch.rand(T, generator=gen), -0.3 * torch.rand(T, generator=gen), torch.zeros(T)], 1)
+    lam[torch.randint(0, T, (3,), generator=gen), 2] = -2 * cp_mod.NEGLIGIBLE  # resets
+    for segments in range(2, 6):
+        layout = segment_layout(torch.tensor(cu), segments, 16, T)
+        for reverse in (False, True):
+            assert window_skips(lam, layout, reverse).tolist() == \
+                _skips_by_definition(lam, cu, segments, 16, reverse), (segments, reverse)
+
+
 def _strong_none_mild(op, T, cu_seqlens):
     """bf16 inputs whose value heads decay hard (g = −1.5 a token), not at all, and mildly (−0.02:
     e^-1.28 a chunk, so a segment of 3 chunks is walked whole)."""
