@@ -78,20 +78,23 @@ class _Run:
         """The block's columns of a per-token tensor [1, T, heads, D] at every point, [points, width]."""
         p = self.params[name]
         if p.shape[3] == "V" and self.scan:
-            return self.at.v0[:, None] + torch.arange(self.sz.BV, device=self.dev)
+            # (a tensor's zero columns are not in memory: its columns start that much later)
+            start = self.at.v0 - (self.sz.of(p.zero_columns) if p.zero_columns else 0)
+            return start[:, None] + torch.arange(self.sz.BV, device=self.dev)
         return torch.arange(self.sz.of(p.shape[3]), device=self.dev).expand(self.n, -1)
 
     def _rows(self):
         return self.at.t0[:, None] + torch.arange(self.sz.C, device=self.dev)  # [points, C]
 
     def read_block(self, name):
-        """The chunk's rows of a per-token tensor; rows past the tensor and columns past its head dim
-        read zeros (TMA fills them; a masked load writes them)."""
+        """The chunk's rows of a per-token tensor; rows past the tensor and columns outside it (past
+        its head dim, before its first: zero columns) read zeros (TMA fills them; a masked load
+        writes them)."""
         x = self.g[name][0]
         rows, cols = self._rows(), self._columns(name)
-        ok = (rows < x.shape[0])[:, :, None] & (cols < x.shape[2])[:, None, :]
+        ok = (rows < x.shape[0])[:, :, None] & ((cols >= 0) & (cols < x.shape[2]))[:, None, :]
         r = rows.clamp(max=x.shape[0] - 1)[:, :, None]
-        c = cols.clamp(max=x.shape[2] - 1)[:, None, :]
+        c = cols.clamp(min=0, max=x.shape[2] - 1)[:, None, :]
         return torch.where(ok, x[r, self._head(name)[:, None, None], c].to(F64), 0.0)
 
     def write_block(self, name, value):

@@ -435,8 +435,14 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
 
     vals = {n: tensors[n] for n in values}
     if segments:
+        # the windows kernel reads the values' zero columns itself (passes/walk_skip.py): no [0 | v]
+        (windows,) = program.windows_program.kernels.kernels
+        zeros = {p.name for p in windows.params if p.zero_columns}
+        if zeros and zeros != set(values):
+            raise RuntimeError(f"{windows.name} reads zero columns of {sorted(zeros)}, the scan's values are {values}")
         t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse,
-                                contraction=contraction_logs(program.recurrence, tensors, dims.HV), layout=cut)
+                                contraction=contraction_logs(program.recurrence, tensors, dims.HV), layout=cut,
+                                widen=not zeros)
     else:
         t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})

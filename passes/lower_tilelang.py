@@ -288,7 +288,10 @@ class _Render:
         p = self.params[name]
         head = "i_h" if p.shape[2] == "H" else "i_hv"
         width = self.tiles.get(p.shape[3], p.shape[3]) if p.padded else p.shape[3]
-        return (head, "v0", "BV") if (p.shape[3] == "V" and scan) else (head, "0", width)
+        if p.zero_columns and not (p.shape[3] == "V" and scan):
+            raise PassError("lower", f"{p.name}: zero columns are read by the scans' V-blocks alone")
+        start = f"v0 - {p.zero_columns}" if p.zero_columns else "v0"  # (TMA reads zeros before column 0)
+        return (head, start, "BV") if (p.shape[3] == "V" and scan) else (head, "0", width)
 
     def _global(self, name, scan: bool) -> str:
         """The chunk's rows of a per-token tensor, as a slice."""
@@ -298,6 +301,8 @@ class _Render:
 
     def _element(self, name, scan: bool) -> str:
         """Element (i, j) of the chunk's rows of a per-token tensor."""
+        if self.params[name].zero_columns:  # an element load would read before column 0
+            raise PassError("lower", f"{name}: a tensor with zero columns loads by whole blocks (TMA) only")
         head, start, _ = self._columns(name, scan)
         return f"{name}[0, t0 + i, {head}, {'j' if start == '0' else f'{start} + j'}]"
 
@@ -313,7 +318,10 @@ _DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1", "S": "Slots",
 
 def _param(p, tiles: dict) -> str:
     name = p.name
-    dims = ", ".join(_DIMS.get(d, tiles.get(d, d) if p.padded else d) for d in p.shape)
+    dims = [_DIMS.get(d, tiles.get(d, d) if p.padded else d) for d in p.shape]
+    if p.zero_columns:  # (memory holds the columns after them)
+        dims[-1] = f"{dims[-1]} - {p.zero_columns}"
+    dims = ", ".join(dims)
     return f"{name}: T.Tensor(({dims}{',' if len(p.shape) == 1 else ''}), {_dtype(p.dtype)})"
 
 

@@ -8,10 +8,15 @@ the window alone. The number of chunks a walk leaves out is data, computed on th
 the lowering starts the walk at that chunk, in walk order (a reverse scan leaves out the
 sequence's last chunks). A walk that leaves out every chunk writes its initial state as its final.
 
+The segment scan runs at width K + V on values [0 | v]: its per-token inputs of the state's value
+width (v; U in a training forward; dO and the like in a backward) say so in a field
+(Tensor.zero_columns = "K"), so the runtime passes v as it is and no [0 | v] is written: the
+lowering reads a V-block from column v0 − K, and TMA fills the blocks before column 0 with zeros.
+
     >>> from qla_compiler import compile_spec
     >>> scan = skipping_scan(compile_spec("gdn").kernels).kernels[0]
-    >>> scan.name, scan.walk_skip
-    ('gdn_scan_windows', 'skip_chunks')
+    >>> scan.name, scan.walk_skip, [p.name for p in scan.params if p.zero_columns]
+    ('gdn_scan_windows', 'skip_chunks', ['U_rows'])
 """
 from __future__ import annotations
 
@@ -29,6 +34,13 @@ def skipping_scan(kir: KernelIR) -> KernelIR:
     if len(scans) != 1:
         raise PassError("walk_skip", f"{kir.name}: expected one scan kernel, found {len(scans)}")
     (scan,) = scans
-    skipping = dataclasses.replace(scan, name=f"{scan.name}_windows", params=[*scan.params, SKIP], walk_skip=SKIP.name)
+    params = [dataclasses.replace(p, zero_columns="K") if widened(p) else p for p in scan.params]
+    skipping = dataclasses.replace(scan, name=f"{scan.name}_windows", params=[*params, SKIP], walk_skip=SKIP.name)
     skipping.verify()
     return dataclasses.replace(kir, name=f"{kir.name}_windows", kernels=[skipping])
+
+
+def widened(p: Tensor) -> bool:
+    """Whether context parallelism widens this scan input to [0 | x]: a per-token input of the
+    state's value width (qla_compiler/context_parallel.run_segments's `values`)."""
+    return p.role == "in" and p.shape[0] == "1" and p.shape[-1] == "V"

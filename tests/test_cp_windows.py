@@ -145,6 +145,7 @@ def test_fused_forward_walks_windows_and_matches_whole_segments(ops, monkeypatch
 
     o, final, emu = run(24 * math.log(2))
     skip = emu.seen["gdn_fused_windows"]["skip_chunks"]
+    assert emu.seen["gdn_fused_windows"]["v"].shape[-1] == 64  # v as it is: the kernel reads [0 | v]
     # 519 tokens = 9 chunks in segments of 3: head 0 leaves 2 out of each used segment, heads 1 and
     # 2 none; the sequences' last segments (index 2 of each) walk nothing
     assert skip[3:5].tolist() == [[2, 0, 0], [2, 0, 0]] and skip[5].tolist() == [3, 3, 3]
@@ -159,15 +160,22 @@ def test_fused_forward_walks_windows_and_matches_whole_segments(ops, monkeypatch
 
 def test_training_step_walks_windows_forward_and_backward(ops, monkeypatch):
     """A training step context-parallel (both scans walk windows: the backward's at each segment's
-    start): o, the final state and every gradient as with whole segments, and the reference's."""
+    start): o, the final state and every gradient as with whole segments, and as without context
+    parallelism (what both share, the segments' maps, checked too)."""
     op = ops["gdn"]
     args = _strong_none_mild(op, 700, [0, 1, 520, 700])
-    steps = {}
+    steps = {"plain": emulated_step(op, args)}
     for name, threshold in (("windows", 24 * math.log(2)), ("whole", math.inf)):
         monkeypatch.setattr(cp_mod, "NEGLIGIBLE", threshold)
         steps[name] = emulated_step(op, args, segments=3)
-    win, whole = steps["windows"], steps["whole"]
-    skip = win["emulator"].seen["gdn_backward_scan_windows"]["skip_chunks"]
+    win, whole, plain = steps["windows"], steps["whole"], steps["plain"]
+    assert rel_err(win["final"], plain["final"]) <= 1e-5 and rel_err(win["o"].double(), plain["o"].double()) <= 1e-2
+    for name in op.input_names:
+        assert rel_err(win["grads"][name], plain["grads"][name]) <= 1e-2, name
+    seen = win["emulator"].seen
+    skip = seen["gdn_backward_scan_windows"]["skip_chunks"]
+    # the values as they are (the kernels read [0 | x], Tensor.zero_columns): 64 wide, not 128
+    assert seen["gdn_scan_windows"]["U_rows"].shape[-1] == seen["gdn_backward_scan_windows"]["d_o"].shape[-1] == 64
     assert skip[3:6].tolist() == [[3, 3, 3], [2, 0, 0], [2, 0, 0]]  # reverse: the first segment's map is unused
     assert rel_err(win["final"], whole["final"]) <= 1e-6
     for name in op.input_names:
@@ -176,9 +184,14 @@ def test_training_step_walks_windows_forward_and_backward(ops, monkeypatch):
 
 
 def test_windows_kernels_lower_to_cuda():
-    """GDN's fused and backward windows kernels through TileLang to CUDA (sm_90a, no GPU needed):
-    the fused kernel's CTA reads its skip once, the walk runs skip fewer chunks, the rings turn
-    with the walk's count, and the backward's walk indexes chunks from the sequence's end."""
+    """GDN's windows kernels (fused, training forward, backward) through TileLang to CUDA (sm_90a,
+    no GPU needed): the fused kernel's CTA reads its skip once, the walk runs skip fewer chunks,
+    the rings turn with the walk's count, and the backward's walk indexes chunks from the
+    sequence's end. The values' zero columns: each such tensor is read by TMA alone (no pointer
+    to it reaches the kernel, so no element load can read before its column 0), its V-blocks from
+    column v0 − K = blockIdx.x · 64 − 128, which TMA fills with zeros where negative."""
+    import re
+
     import qla_compiler
     from qla_compiler.kernels.runtime import lower_to_cuda
     from qla_compiler.passes.lower_tilelang import ShapeClass
@@ -190,6 +203,11 @@ def test_windows_kernels_lower_to_cuda():
     assert "state_s_full[(i_w & 1)].arrive()" in fused
     back = lower_to_cuda(prog.backward_program.windows_program, shape)["gdn_backward_scan_windows"]
     assert "skip_chunks[" in back and "- (((int64_t)skip) * (int64_t)512)) - (((int64_t)i_w)" in back
+    training = lower_to_cuda(prog.windows_program, shape)["gdn_scan_windows"]
+    for src, names in ((fused, ["v"]), (training, ["U_rows"]), (back, ["d_o", "d_v_new_o_intra_rows"])):
+        for name in names:
+            assert not re.search(rf"\* __restrict__ {name}\b", src), name
+            assert re.search(rf"tma_load\({name}_desc, [^;]*\(\(\(int\)blockIdx\.x\) \* 64\) - 128\)", src), name
 
 
 def test_segment_layout_is_kept_with_cu_seqlens():
