@@ -182,6 +182,43 @@ def variants() -> dict:
     out["no_cumsum"] = re.sub(r"for j in T\.unroll\(C\):.*?\n(\s+)for i in T\.Parallel\(C\):\n\s+g_cum_s_acc\[i\] \+= .*?\n",
                               "for i in T.Parallel(C):\n\\1g_cum_s_acc[i] = g_floored_s[i]\n", src, count=1, flags=re.S)
     assert out["threads256"] != src and out["no_cumsum"] != src
+    # one CTA per (chunk, key head) for its G value heads: the prep's per-CTA fixed work (the keys'
+    # load, KKt on wgmma, the waits) is ~0.33 ms of its 0.61 ms at 16/64:8x4096 on the H200 (the
+    # `no_inverse` variant), paid once per value head though the G value heads read the same keys;
+    # shared here, it is paid once per key head. Per value head (a serial loop) the base's own
+    # statements: g, β, the cumsum, A, the inverse, the gate scaling, the stores (T bit for bit the
+    # base's); KKt stays in its fragment across the loop
+    out["heads_shared"] = heads_shared(src)
+    return out
+
+
+def heads_shared(src: str) -> str:
+    """`src` with its prep's grid over (chunk, key head) and its per-value-head part in a loop over
+    the key head's G value heads, the keys loaded and KKt formed once before it."""
+    start = src.index("@T.prim_func\ndef gdn_prep(")
+    end = src.index("\n\n\n", start)
+    prep = src[start:end]
+    grid = "with T.Kernel(CH, HV, threads=128) as (i_slot, i_hv):\n        i_h = i_hv // G\n"
+    assert prep.count(grid) == 1, "the prep's grid is no longer (chunk, value head)"
+    prep = prep.replace(grid, "with T.Kernel(CH, H, threads=128) as (i_slot, i_h):\n")
+    # everything after the keys' TMA load is per value head, but the wait, the padding rows' zeroing
+    # and KKt: those move before the loop (the barrier is waited on once, in phase 0)
+    load = re.search(r"\n        T\.tma_copy\(k\[0, t0:t0 \+ C, i_h, 0:K\], k_s, .*?\n", prep)
+    assert load, "the prep no longer loads its keys by one TMA copy"
+    head, per_head = prep[:load.end()], prep[load.end():]
+    once = re.search(r"        T\.mbarrier_wait_parity\(k_s_bar\[0\], 0\)\n"
+                     r"        if n_valid < C:.*?\n"
+                     r"        T\.gemm\(k_s, k_s, KKt, [^\n]*\n", per_head, flags=re.S)
+    assert once, "the prep's key wait, padding and KKt are no longer as this variant expects"
+    per_head = per_head[:once.start()] + per_head[once.end():]
+    assert "i_h" not in per_head.replace("i_hv", "") and "k_s" not in per_head and "KKt[i, j]" in per_head
+    loop = ("        for gi in T.serial(G):\n"
+            "            i_hv = i_h * G + gi\n"
+            + "".join("    " + ln if ln.strip() else ln for ln in per_head.splitlines(True))
+            # the next value head overwrites g_s, β, g_cum_s and T_rows_s, which this one's stores read
+            + "\n            T.sync_threads()")
+    out = src[:start] + head + once.group(0) + loop + src[end:]
+    assert out.count("for gi in T.serial(G):") == 1
     return out
 
 

@@ -4,7 +4,7 @@ The scan is one CTA per (V-block, value head, sequence) walking its chunks one a
 with few value heads and sequences most SMs idle while a long sequence is walked. Cut into S
 segments (qla_compiler/context_parallel.py) the walk is S times shorter and the grid S times
 larger, at the price of a first scan of each segment's window at width K + V and ~0.2 ms of torch
-glue. Modelled in GPU time (waves of CTAs × chunks a walk × the time of a chunk):
+glue (the windows' λ sums, the start states' chain). Modelled in GPU time (waves of CTAs × chunks a walk × the time of a chunk):
 
     t(1) = waves(V/BV · HV · N) · NC · chunk
     t(S) = waves(V/BV · HV · N·S) · ⌈NC / S⌉ · chunk                                  the walks
@@ -19,7 +19,9 @@ exact and costs up to a second walk of every segment at width K + V more than th
 The constants are the H200's (session 21, benchmarks/NOTES.md): CHUNK_MS from the narrow fused
 kernel at 8/32:1x32768 (0.907 ms for 512 chunks in one wave), GLUE_MS the context-parallel call's
 torch kernels at 2/8:1x32768 and 8 segments. `benchmarks/cp_sweep.py` measures the segment counts
-on the bench rows and fits them again.
+on the bench rows and fits them again. Session 22's sweep: the plan is the fastest count on all
+six rows measured; the fit's chunk agrees (1.88 µs), its glue does not (0.425 ms), because the
+glue grows with the segments and the heads, which a constant cannot say (NOTES).
 
     >>> plan_segments(N=1, H=2, HV=8, K=128, V=128, tokens=32768, sms=132)
     8
