@@ -4,14 +4,17 @@ model's prediction, the scan's part of it; then the model's constants fitted to 
 
     python benchmarks/cp_sweep.py                         # GPU: the rows where the planner may cut
     python benchmarks/cp_sweep.py --rows 2/8:1x32768 --segments 1 4 8 --json sweep.json
+    python benchmarks/cp_sweep.py --fit benchmarks/cp_sweep_h200.json    # no GPU: fit stored data
 
-Fitting: per row, t(S) − t(1) = (the model's walks(S) − walks(1)) · chunk + [S > 1] · glue,
-least squares over every (row, S), the prep's time cancelling in the difference; printed as the
-CHUNK_MS and GLUE_MS the model would take (its WINDOW is the bench gates' window).
+Fitting: per row, t(S) − t(1) = Σ_f (terms_f(S) − terms_f(1)) · cost_f over the model's terms
+(cp_plan.cost_terms: chunks and waves of the launches, the cut's glue, its segments, its tokens ×
+key heads), least squares over every (row, S > 1), the prep's time cancelling in the difference;
+printed as the Costs the model would take. `benchmarks/cp_sweep_h200.json` is session 22's sweep
+(the constants in kernels/cp_plan.py come from it).
 """
 import argparse
+import dataclasses
 import json
-import math
 
 ROWS = ["2/8:1x32768", "2/8:1x8192", "4/16:1x32768", "8/32:1x32768", "16/64:1x32768", "2/8:8x4096",
         "4/16:8x4096", "16/64:1x2048"]
@@ -29,7 +32,11 @@ def main():
     ap.add_argument("--rows", nargs="*", default=ROWS)
     ap.add_argument("--segments", nargs="*", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--fit", metavar="JSON", help="fit the constants to measurements stored by --json, and stop")
     args = ap.parse_args()
+    if args.fit:
+        with open(args.fit) as f:
+            return fit(json.load(f), 132)
     sms = sm_count(torch.device("cuda"))
     data = []
     for row in args.rows:
@@ -51,32 +58,34 @@ def main():
 
 
 def fit(data: list, sms: int) -> None:
-    """Least squares for (chunk, glue) in t(S) − t(1) = Δwalks · chunk + glue (see the docstring)."""
+    """Least squares for the model's Costs in t(S) − t(1) = Σ Δterms · cost (see the docstring)."""
+    import torch
+
     from qla_compiler.bench import parse_row
     from qla_compiler.kernels import cp_plan
 
+    names = [f.name for f in dataclasses.fields(cp_plan.Costs)]
     base = {d["row"]: d["ms"] for d in data if d["segments"] == 1}
-    rows_a, rows_b = [], []
+    rows_a, rows_b, which = [], [], []
     for d in data:
         if d["segments"] == 1 or d["row"] not in base:
             continue
         H, HV, lens = parse_row(d["row"])
-        unit = dict(N=len(lens), H=H, HV=HV, K=128, V=128, tokens=sum(lens), sms=sms)
-        # the model's time in units of a chunk, its glue left out: (t − glue) / CHUNK_MS
-        walks = lambda s: (cp_plan.predicted_ms(s, **unit) - (cp_plan.GLUE_MS if s > 1 else 0)) / cp_plan.CHUNK_MS
-        rows_a.append((walks(d["segments"]) - walks(1), 1.0))
+        size = (len(lens), H, HV, 128, 128, sum(lens), sms)
+        one, cut = cp_plan.cost_terms(1, *size), cp_plan.cost_terms(d["segments"], *size)
+        rows_a.append([cut[n] - one[n] for n in names])
         rows_b.append(d["ms"] - base[d["row"]])
-    if len(rows_a) < 2:
+        which.append((d["row"], d["segments"]))
+    if len(rows_a) < len(names):
+        print(f"fit: {len(rows_a)} measurements do not determine {len(names)} constants")
         return
-    import torch
-
-    sol = torch.linalg.lstsq(torch.tensor(rows_a, dtype=torch.float64),
-                             torch.tensor(rows_b, dtype=torch.float64)[:, None]).solution.flatten()
-    chunk, glue = float(sol[0]), float(sol[1])
-    print(f"fit: CHUNK_MS = {chunk:.6f} ({chunk * 1000:.2f} µs; the model's {cp_plan.CHUNK_MS * 1000:.2f}), "
-          f"GLUE_MS = {glue:.3f} (the model's {cp_plan.GLUE_MS:.3f})")
-    if not math.isfinite(chunk):
-        print("fit: not determined by these measurements")
+    a, b = torch.tensor(rows_a, dtype=torch.float64), torch.tensor(rows_b, dtype=torch.float64)
+    sol = torch.linalg.lstsq(a, b[:, None]).solution.flatten()
+    res = a @ sol - b
+    fitted = dict(zip(names, sol.tolist()))
+    print("fit: " + ", ".join(f"{n} = {v:.4g} (the model's {getattr(cp_plan.H200, n):.4g})" for n, v in fitted.items()))
+    print(f"fit: residuals rms {float(res.pow(2).mean().sqrt()):.3f} ms, max {float(res.abs().max()):.3f} ms "
+          f"(at {which[int(res.abs().argmax())]})")
 
 
 if __name__ == "__main__":

@@ -3,25 +3,27 @@
 The scan is one CTA per (V-block, value head, sequence) walking its chunks one after another, so
 with few value heads and sequences most SMs idle while a long sequence is walked. Cut into S
 segments (qla_compiler/context_parallel.py) the walk is S times shorter and the grid S times
-larger, at the price of a first scan of each segment's window at width K + V and ~0.2 ms of torch
-glue (the windows' λ sums, the start states' chain). Modelled in GPU time (waves of CTAs × chunks a walk × the time of a chunk):
+larger, at the price of a first scan of each segment's window at width K + V and the torch glue
+around it (the windows' λ sums, the start states' chain). Modelled in GPU time:
 
-    t(1) = waves(V/BV · HV · N) · NC · chunk
-    t(S) = waves(V/BV · HV · N·S) · ⌈NC / S⌉ · chunk                                  the walks
-         + waves((K+V)/BV' · HV · N·S) · min(WINDOW, ⌈NC / S⌉) · chunk + glue          their starts
+    t(S) = Σ over the launches  waves · (walk · chunk + wave)
+         + [S > 1] · (glue + S · segment + tokens · H · token)
 
-with NC the chunks of a sequence (the call's tokens over its sequences: no lengths are read from
-the device), BV the launch rule's V-block (forward.block_v) and one CTA an SM (the fused
-kernel's registers and shared memory allow one). WINDOW assumes gates that decay (the bench's:
-a window of a chunk or two); where they do not, the window is the whole segment: the call stays
-exact and costs up to a second walk of every segment at width K + V more than the model says.
+The launches are the walks, waves(V/BV · HV · N·S) CTAs of ⌈NC / S⌉ chunks, and with a cut the
+windows, waves((K+V)/BV' · HV · N·S) of min(WINDOW, ⌈NC / S⌉); NC is the chunks of a sequence
+(the call's tokens over its sequences: no lengths are read from the device), BV the launch rule's
+V-block (forward.block_v), one CTA an SM (the fused kernel's registers and shared memory allow
+one). `wave` is what a CTA costs besides its chunks (its state's load and store, its start);
+`segment` the start states' chain (one batched product a segment); `token` the windows' λ, which
+reads every key (its norm). WINDOW assumes gates that decay (the bench's: a window of a chunk or
+two); where they do not, the window is the whole segment: the call stays exact and costs up to a
+second walk of every segment at width K + V more than the model says.
 
-The constants are the H200's (session 21, benchmarks/NOTES.md): CHUNK_MS from the narrow fused
-kernel at 8/32:1x32768 (0.907 ms for 512 chunks in one wave), GLUE_MS the context-parallel call's
-torch kernels at 2/8:1x32768 and 8 segments. `benchmarks/cp_sweep.py` measures the segment counts
-on the bench rows and fits them again. Session 22's sweep: the plan is the fastest count on all
-six rows measured; the fit's chunk agrees (1.88 µs), its glue does not (0.425 ms), because the
-glue grows with the segments and the heads, which a constant cannot say (NOTES).
+The constants are least squares over the H200's segment sweep (session 22: six rows × 2, 4, 8,
+16 segments against none, `benchmarks/cp_sweep_h200.json`; `python benchmarks/cp_sweep.py --fit
+benchmarks/cp_sweep_h200.json` fits them again): residuals ≤ 0.063 ms, rms 0.025, where one
+chunk term and one glue constant left 0.6 ms. On every row of the sweep the plan is the fastest
+count measured.
 
     >>> plan_segments(N=1, H=2, HV=8, K=128, V=128, tokens=32768, sms=132)
     8
@@ -30,19 +32,30 @@ glue grows with the segments and the heads, which a constant cannot say (NOTES).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
-CHUNK_MS = 0.907 / 512  # one chunk of a walk, one wave (the narrow fused kernel, V-block 64)
-GLUE_MS = 0.20  # a context-parallel call's torch kernels (widened values, start states, skips)
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The model's constants (ms): each multiplies one of cost_terms' counts."""
+    chunk: float  # one chunk of a walk, per wave of CTAs
+    wave: float  # a wave of CTAs besides its chunks
+    glue: float  # a cut call's fixed torch glue
+    segment: float  # each segment (the start states' chain)
+    token: float  # each token × key head (the windows' λ)
+
+
+H200 = Costs(chunk=0.00126, wave=0.0122, glue=0.0464, segment=0.0101, token=0.451 / 2 ** 20)
 WINDOW = 2  # chunks a segment's window walks where the gates decay
 SEGMENTS = (1, 2, 4, 8, 16, 32)
 GAIN = 0.9  # cut only where the model says at least 10 % faster: its error is about that
 
 
-def predicted_ms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
-                 chunk_size: int = 64) -> float:
-    """The model's GPU time (ms) of the scan of a call cut into `segments`."""
+def cost_terms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
+               chunk_size: int = 64) -> dict:
+    """The counts the model's constants multiply (Costs' fields) for a call cut into `segments`."""
     from .forward import block_v, widest_v_block
 
     chunks = math.ceil(tokens / max(N, 1) / chunk_size)
@@ -52,10 +65,19 @@ def predicted_ms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens:
         bv = min(block_v(width, HV, runs, sms, K), widest_v_block(K))
         return math.ceil(math.ceil(width / bv) * HV * runs / sms)
 
-    t = waves(V, N * segments) * walk * CHUNK_MS
-    if segments > 1:
-        t += waves(K + V, N * segments) * min(WINDOW, walk) * CHUNK_MS + GLUE_MS
-    return t
+    launches = [(waves(V, N * segments), walk)]
+    cut = segments > 1
+    if cut:
+        launches.append((waves(K + V, N * segments), min(WINDOW, walk)))
+    return dict(chunk=sum(w * n for w, n in launches), wave=sum(w for w, _ in launches), glue=float(cut),
+                segment=segments * cut, token=tokens * H * cut)
+
+
+def predicted_ms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
+                 chunk_size: int = 64, costs: Costs = H200) -> float:
+    """The model's GPU time (ms) of the scan of a call cut into `segments`."""
+    terms = cost_terms(segments, N, H, HV, K, V, tokens, sms, chunk_size)
+    return sum(n * getattr(costs, f) for f, n in terms.items())
 
 
 def plan_segments(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int, chunk_size: int = 64) -> int:

@@ -47,3 +47,33 @@ def test_precompile_covers_what_auto_runs():
     assert short == shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, sms=132)
     with pytest.raises(ValueError, match="cp=auto: the plan depends on a call's tokens"):
         shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, context_parallel="auto")
+
+
+def _sweep():
+    """Session 22's segment sweep on the H200, stored beside its fitting script."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parents[1] / "benchmarks" / "cp_sweep_h200.json").read_text())
+
+
+def test_the_plan_is_the_fastest_count_measured():
+    """On every row of the stored H200 sweep, the planned count's measured time is within 5 % of
+    the fastest count's (2/8:1x8192: none, against 4 segments 2.5 % faster)."""
+    data = _sweep()
+    for row in {d["row"] for d in data}:
+        measured = {d["segments"]: d["ms"] for d in data if d["row"] == row}
+        H, HV, n, L = ROWS[row]
+        plan = cp_plan.plan_segments(n, H, HV, 128, 128, n * L, fwd.H200_SMS)
+        assert measured[plan] <= 1.05 * min(measured.values()), (row, plan, measured)
+
+
+def test_the_model_predicts_the_sweep():
+    """The model's constants against the measurements they were fitted to: each cut's change in
+    GPU time against none (the prep cancels) within 0.07 ms."""
+    for d in _sweep():
+        H, HV, n, L = ROWS[d["row"]]
+        base = next(e["ms"] for e in _sweep() if e["row"] == d["row"] and e["segments"] == 1)
+        size = (n, H, HV, 128, 128, n * L, fwd.H200_SMS)
+        model = cp_plan.predicted_ms(d["segments"], *size) - cp_plan.predicted_ms(1, *size)
+        assert abs(model - (d["ms"] - base)) <= 0.07, d
