@@ -15,10 +15,11 @@ from typing import Callable
 
 import torch
 
-from qla_compiler.context_parallel import contraction_logs, run_segments, segment_layout
+from qla_compiler.context_parallel import contraction_logs, run_segments, segment_layout, window_skips
 from qla_compiler.layout import TensorMemo, chunk_offsets, packed_cu_seqlens
 from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, tile_width
 
+from . import window_search
 from .runtime import load_kernels
 
 IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -441,14 +442,23 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
         if zeros and zeros != set(values):
             raise RuntimeError(f"{windows.name} reads zero columns of {sorted(zeros)}, the scan's values are {values}")
         t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse,
-                                contraction=contraction_logs(program.recurrence, tensors, dims.HV), layout=cut,
-                                widen=not zeros)
+                                skips=_window_search(program, tensors, dims.HV, C), layout=cut, widen=not zeros)
     else:
         t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})
     for k in ks[i_scan + 1:]:
         run(k, tensors)
     return final
+
+
+def _window_search(program, tensors: dict, HV: int, C: int):
+    """(layout, reverse) -> the chunks each segment's window walk leaves out: on the GPU's compiled
+    path one kernel (kernels/window_search.py), else (the emulator, meta tensors) the torch
+    definition it is held to (context_parallel.window_skips)."""
+    if POLICY.kernels is None and tensors["chunk_map"].is_cuda:
+        return window_search.searcher(program.recurrence, tensors, HV, C)
+    lam = contraction_logs(program.recurrence, tensors, HV)
+    return lambda layout, reverse: window_skips(lam, layout, reverse)
 
 
 def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:

@@ -12,7 +12,7 @@ columns widened to [0 | v] from the start state [I | 0] ends in [M | H]. Then
 The backward's reverse scan carries dS the same way (its dO-like inputs are widened), from each
 sequence's end: step 2 chains the segments last to first.
 
-The gate's shortcut (`contraction`, the generated kernels' path): step 1 need not walk a whole
+The gate's shortcut (`skips`, the generated kernels' path): step 1 need not walk a whole
 segment. ‖A_t‖₂ ≤ e^{λ_t} per token (contraction_logs), so a segment's last chunks whose λ sum
 to at most −NEGLIGIBLE map any two states to within 2^-24 of their norms of each other: the
 scan of those chunks alone from [I | 0] gives a map whose error, M_w (S_w − S_start) with S_w
@@ -22,7 +22,9 @@ none is (weak decay, g = 0: exact), nothing where nothing uses its map (the sequ
 segment). Strong decay turns step 1 from a scan of everything at width K + V into one of a few
 chunks a segment.
 
-All of it is torch on the device plus two scans: no host synchronisation. Segments are whole
+All of it runs on the device, no host synchronisation: two scans, torch for the rest, and on the
+GPU's compiled path the window search as one kernel (kernels/window_search.py, held to
+window_skips here). Segments are whole
 chunks, so the chunking — and the prep kernel's per-chunk work — is that of the plain scan.
 
     >>> o, final = run_segments(scan, {"v": v}, cu, h0, segments=8, chunk_size=64)   # doctest: +SKIP
@@ -84,8 +86,7 @@ def contraction_logs(rec, inputs: dict, HV: int) -> torch.Tensor:
     elif st.decay == "key_gate":
         lam = _per_value_head(inputs[st.decay_name].amax(-1).reshape(T, -1).float(), HV)
     elif st.decay == "head_constant":
-        (c,) = [c for c in rec.constants if c.name == st.decay_name]
-        lam = torch.tensor([math.log(x) for x in c.values(HV)], device=device).expand(T, HV)
+        lam = head_constant_logs(rec, HV, device).expand(T, HV)
     else:
         lam = torch.zeros(T, HV, device=device)
     if st.delta:
@@ -93,15 +94,29 @@ def contraction_logs(rec, inputs: dict, HV: int) -> torch.Tensor:
         # (float32 or wider as it reads them: a float32 copy of bf16 keys was 0.02 ms at 32768 tokens)
         wide = torch.promote_types(x.dtype, torch.float32)
         norm2 = _per_value_head(torch.linalg.vector_norm(x, dim=-1, dtype=wide).float() ** 2, HV)
-        by_symbol = {i.symbol: inputs[i.name] for i in rec.inputs if i.name in inputs}
-        s = None
-        for f in sp.Mul.make_args(st.delta_coeff):  # a number times powers of scalar inputs (classify)
-            base, power = f.as_base_exp()
-            term = float(f) if f.is_Number else by_symbol[base].reshape(T, HV).float()
-            term = term if f.is_Number or power == 1 else term ** int(power)
-            s = term if s is None else s * term
-        lam = lam + (1 - s * norm2).abs().clamp(min=1).log()
+        lam = lam + (1 - delta_coefficient(rec, inputs, HV) * norm2).abs().clamp(min=1).log()
     return lam.clamp(min=-2 * NEGLIGIBLE)
+
+
+def head_constant_logs(rec, HV: int, device) -> torch.Tensor:
+    """[HV] float32: the log of a head-constant decay (RetNet's γ_h) per value head."""
+    (c,) = [c for c in rec.constants if c.name == rec.structure.decay_name]
+    return torch.tensor([math.log(x) for x in c.values(HV)], device=device, dtype=torch.float32)
+
+
+def delta_coefficient(rec, inputs: dict, HV: int) -> torch.Tensor:
+    """s_t [T, HV] (float32) of the delta factor I − s_t x_t x_tᵀ, from the call's packed inputs:
+    a number times powers of scalar inputs (classify); for GDN β itself, no op."""
+    st = rec.structure
+    T = inputs[st.write_key].shape[1]
+    by_symbol = {i.symbol: inputs[i.name] for i in rec.inputs if i.name in inputs}
+    s = None
+    for f in sp.Mul.make_args(st.delta_coeff):
+        base, power = f.as_base_exp()
+        term = float(f) if f.is_Number else by_symbol[base].reshape(T, HV).float()
+        term = term if f.is_Number or power == 1 else term ** int(power)
+        s = term if s is None else s * term
+    return s if torch.is_tensor(s) else torch.full((T, HV), float(s), device=inputs[st.write_key].device)
 
 
 def _per_value_head(x: torch.Tensor, HV: int) -> torch.Tensor:
@@ -126,6 +141,7 @@ class SegmentLayout:
     segment: torch.Tensor  # [M, 1]: the segment of each chunk
     tokens: torch.Tensor  # [M, C]: each chunk's tokens, T (a row of zeros) past its end
     windows: dict  # reverse -> (lo [M], hi [M] chunk indices, left_out [M, 1], bias [M, 1] float64)
+    unused: dict  # reverse -> [N·S] int32: 1 where nothing reads the segment's map
 
 
 def segment_layout(cu: torch.Tensor, segments: int, chunk_size: int, T: int) -> SegmentLayout:
@@ -146,16 +162,17 @@ def segment_layout(cu: torch.Tensor, segments: int, chunk_size: int, T: int) -> 
     tokens = torch.where(tokens < ends[seg][:, None], tokens, T)
     whole, begin = chunks[seg], (last - chunks)[seg]  # the segment's chunks, its first chunk's index
     index = torch.arange(n, device=cu.device) % segments
-    windows = {}
+    windows, unused_segments = {}, {}
     for reverse, lo, hi, left in ((False, c, last[seg], j),  # the window: this chunk to the segment's last
                                   (True, begin, c + 1, whole - 1 - j)):  # its first to this chunk
         # the map of a sequence's last segment (its first in reverse) is unused: every chunk left out
         # (a sequence's later segments may be empty: they, and its final state, use the maps before)
-        unused = (index == (0 if reverse else segments - 1))[seg]
+        unused_segments[reverse] = (index == (0 if reverse else segments - 1)).to(torch.int32)
+        unused = unused_segments[reverse].bool()[seg]
         bias = torch.where(c < last[-1], torch.where(unused, torch.inf, 0.0), -torch.inf).to(torch.float64)
         windows[reverse] = (lo, hi, torch.where(unused, whole, left)[:, None], bias[:, None])
     offsets = torch.cat([chunks.new_zeros(1), last]).to(torch.int32)
-    return SegmentLayout(cu_seg, offsets, seg[:, None], tokens, windows)
+    return SegmentLayout(cu_seg, offsets, seg[:, None], tokens, windows, unused_segments)
 
 
 def window_skips(contraction: torch.Tensor, layout: SegmentLayout, reverse: bool = False) -> torch.Tensor:
@@ -182,7 +199,7 @@ def window_skips(contraction: torch.Tensor, layout: SegmentLayout, reverse: bool
 
 
 def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tensor, segments: int,
-                 chunk_size: int, reverse: bool = False, contraction: torch.Tensor | None = None,
+                 chunk_size: int, reverse: bool = False, skips: Callable | None = None,
                  layout: SegmentLayout | None = None, widen: bool = True):
     """scan(values {name: [1, T, HV, W]}, cu_seqlens, h0 [N', HV, K, W]) -> (out, final [N', HV, K, W])
     runs the chunked scan over packed sequences for any value width W (`out` is whatever else the
@@ -191,9 +208,10 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     Returns what one scan over the whole sequences returns (out for `values`, final [N, HV, K, V]),
     computed by segments. A `reverse` scan (a backward) carries its state from each sequence's end
     to its start: segments are chained last to first, and the final state is the first segment's.
-    With `contraction` (contraction_logs), step 1 walks each segment's window alone: the scan then
-    takes a fourth argument, the chunks each (sequence, value head) walk leaves out at its start
-    ([N', HV] int32, window_skips). `layout`: segment_layout's for these arguments, where the
+    With `skips`, step 1 walks each segment's window alone: skips(layout, reverse) gives the chunks
+    each (segment, value head) walk leaves out at its start ([N', HV] int32: window_skips of
+    contraction_logs, or the GPU's kernels/window_search.py), which the scan takes as a fourth
+    argument. `layout`: segment_layout's for these arguments, where the
     caller keeps it. `widen`: step 1 gets the values widened to [0 | v]; False where its scan reads
     the K zero columns itself (a kernel's Tensor.zero_columns: passes/walk_skip.py)."""
     check_segments(segments)
@@ -204,7 +222,7 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     eye = torch.eye(K, device=h0.device, dtype=h0.dtype)
     start = torch.cat([eye.expand(N * segments, HV, K, K), h0.new_zeros(N * segments, HV, K, V)], -1)
     widened = {n: _widen(v, K) for n, v in values.items()} if widen else values
-    windows = () if contraction is None else (window_skips(contraction, layout, reverse),)
+    windows = () if skips is None else (skips(layout, reverse),)
     _, maps = scan(widened, cu_seg, start, *windows)            # 1. [M | H] of every segment
     # 2. the scan over segments, one batched S ↦ M S + H (baddbmm) a segment: a call's host time is
     # mostly its small ops, and slices, a matmul and an add were ~10 of them a segment

@@ -222,3 +222,20 @@ def test_segment_layout_is_kept_with_cu_seqlens():
     cu[1] = 100
     again = fwd.segment_layouts(cu, 3, 64, 300)
     assert again is not first and again.cu.tolist() == segment_bounds(cu, 3, 64).tolist()
+
+
+@pytest.mark.parametrize("spec", ["gdn", "retnet"])
+def test_window_search_kernel_lowers_to_cuda(spec):
+    """The GPU's window search (kernels/window_search.py) through TileLang to CUDA for sm_90a, no
+    GPU needed: GDN's (a gate and the delta factor: the keys' norms) and RetNet's (a head constant,
+    no keys read), both walk directions; each chunk's λ are summed between two barriers, and only
+    while no window has been found. (On the GPU, tests/test_gpu_window_search.py holds its skips to
+    window_skips'.)"""
+    import qla_compiler
+    from qla_compiler.kernels import window_search
+
+    rec = qla_compiler.compile_spec(spec).recurrence
+    for reverse in (False, True):
+        src = window_search.compiled(window_search.kind(rec), 2, 8, 128, "bfloat16", 64, reverse).get_kernel_source()
+        assert src.count("__syncthreads()") == 2 and "if_condition = (found[0] < 0)" in src.replace("bool ", "")
+        assert ("keys[" in src) == (spec == "gdn")
