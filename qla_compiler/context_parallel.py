@@ -24,8 +24,8 @@ chunks a segment.
 
 All of it runs on the device, no host synchronisation: two scans, torch for the rest, and on the
 GPU's compiled path the window search as one kernel (kernels/window_search.py, held to
-window_skips here). Segments are whole
-chunks, so the chunking — and the prep kernel's per-chunk work — is that of the plain scan.
+window_skips here). Segments are whole chunks, so the chunking — and the prep kernel's per-chunk
+work — is that of the plain scan.
 
     >>> o, final = run_segments(scan, {"v": v}, cu, h0, segments=8, chunk_size=64)   # doctest: +SKIP
 """
@@ -211,9 +211,9 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     With `skips`, step 1 walks each segment's window alone: skips(layout, reverse) gives the chunks
     each (segment, value head) walk leaves out at its start ([N', HV] int32: window_skips of
     contraction_logs, or the GPU's kernels/window_search.py), which the scan takes as a fourth
-    argument. `layout`: segment_layout's for these arguments, where the
-    caller keeps it. `widen`: step 1 gets the values widened to [0 | v]; False where its scan reads
-    the K zero columns itself (a kernel's Tensor.zero_columns: passes/walk_skip.py)."""
+    argument. `layout`: segment_layout's for these arguments, where the caller keeps it. `widen`:
+    step 1 gets the values widened to [0 | v]; False where its scan reads the K zero columns itself
+    (a kernel's Tensor.zero_columns: passes/walk_skip.py)."""
     check_segments(segments)
     N, HV, K, V = h0.shape
     if layout is None:
