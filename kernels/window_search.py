@@ -116,13 +116,24 @@ def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool
 
 @functools.lru_cache(maxsize=64)
 def compiled(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool):
-    """The search compiled for sm_90a (TileLang's cache keeps it across processes)."""
+    """The search compiled for sm_90a (TileLang's cache keeps it across processes; the first use in
+    a process says so on stderr, as the generated kernels do)."""
+    import logging
+    import sys
+    import time
+
     import tilelang
 
     from .runtime import BACKEND, TARGET, import_module, write_source
 
-    mod = import_module(write_source("window_search", source(kind_, H, HV, K, io, C, reverse)))
-    return tilelang.compile(mod.window_search, target=TARGET, execution_backend=BACKEND)
+    path = write_source("window_search", source(kind_, H, HV, K, io, C, reverse))
+    logging.getLogger("tilelang").setLevel(logging.ERROR)
+    t = time.time()
+    print(f"qla: compiling window_search ({kind_[0]}{' delta' if kind_[1] else ''}, H={H} HV={HV} K={K} {io}"
+          f"{', reverse' if reverse else ''}) ...", file=sys.stderr, flush=True)
+    kernel = tilelang.compile(import_module(path).window_search, target=TARGET, execution_backend=BACKEND)
+    print(f"qla: window_search ready in {time.time() - t:.1f}s  ({path})", file=sys.stderr, flush=True)
+    return kernel
 
 
 def searcher(rec, inputs: dict, HV: int, C: int):
