@@ -32,7 +32,7 @@ work — is that of the plain scan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import sympy as sp
@@ -142,6 +142,9 @@ class SegmentLayout:
     tokens: torch.Tensor  # [M, C]: each chunk's tokens, T (a row of zeros) past its end
     windows: dict  # reverse -> (lo [M], hi [M] chunk indices, left_out [M, 1], bias [M, 1] float64)
     unused: dict  # reverse -> [N·S] int32: 1 where nothing reads the segment's map
+    # (HV, K, V, dtype) -> step 1's start state [I | 0] for every segment, made once with the layout
+    # (only read: the scans take it as their initial state)
+    identity: dict = field(default_factory=dict)
 
 
 def segment_layout(cu: torch.Tensor, segments: int, chunk_size: int, T: int) -> SegmentLayout:
@@ -219,8 +222,11 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     if layout is None:
         layout = segment_layout(cu, segments, chunk_size, next(iter(values.values())).shape[1])
     cu_seg = layout.cu
-    eye = torch.eye(K, device=h0.device, dtype=h0.dtype)
-    start = torch.cat([eye.expand(N * segments, HV, K, K), h0.new_zeros(N * segments, HV, K, V)], -1)
+    start = layout.identity.get((HV, K, V, h0.dtype))
+    if start is None:
+        eye = torch.eye(K, device=h0.device, dtype=h0.dtype)
+        start = torch.cat([eye.expand(N * segments, HV, K, K), h0.new_zeros(N * segments, HV, K, V)], -1)
+        layout.identity[(HV, K, V, h0.dtype)] = start
     widened = {n: _widen(v, K) for n, v in values.items()} if widen else values
     windows = () if skips is None else (skips(layout, reverse),)
     _, maps = scan(widened, cu_seg, start, *windows)            # 1. [M | H] of every segment
@@ -229,7 +235,7 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     maps = maps.view(N, segments, HV, K, K + V).transpose(0, 1).reshape(segments, N * HV, K, K + V)
     starts, state = [None] * segments, h0.reshape(N * HV, K, V)
     order = list(reversed(range(segments)) if reverse else range(segments))
-    M, H = maps[..., :K], maps[..., K:]
+    M, H = maps[..., :K].unbind(0), maps[..., K:].unbind(0)  # (one op each, not one a segment)
     for s, after in zip(order, order[1:] + [None]):
         starts[s] = state
         if after is not None:  # (the map of the sequence's last segment: its final state is scan 3's)

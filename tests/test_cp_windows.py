@@ -239,3 +239,36 @@ def test_window_search_kernel_lowers_to_cuda(spec):
         src = window_search.compiled(window_search.kind(rec), 2, 8, 128, "bfloat16", 64, reverse).get_kernel_source()
         assert src.count("__syncthreads()") == 2 and "if_condition = (found[0] < 0)" in src.replace("bool ", "")
         assert ("keys[" in src) == (spec == "gdn")
+
+
+def test_a_context_parallel_call_dispatches_few_torch_ops(monkeypatch):
+    """Host time of a context-parallel call is mostly its torch ops (~5–10 µs each on the H200's
+    host; NOTES, session 22). With the window search a kernel (stubbed here: one launch, no aten
+    op), an inference call at 8 segments dispatches at most 40 aten ops besides its kernels (session
+    21: 175; with the torch search: 86), 14 without context parallelism; counted on meta tensors."""
+    import qla_compiler
+    from qla_compiler.testing import OpLog
+
+    op = qla_compiler.compile("gdn", target="sm90")
+    T, H, HV = 4096, 2, 8
+    args = dict(q=torch.randn(1, T, H, 128), k=torch.randn(1, T, H, 128), v=torch.randn(1, T, HV, 128),
+                g=-torch.rand(1, T, HV), beta=torch.rand(1, T, HV))
+    args = {n: x.to(torch.bfloat16 if n in ("q", "k", "v") else torch.float32).to("meta") for n, x in args.items()}
+
+    class Noop:  # what loads a program's kernels: launches that do nothing
+        def __call__(self, program, shape):
+            return {k.name: (lambda *a: None) for k in program.kernels.kernels}
+
+    monkeypatch.setattr(fwd, "_window_search", lambda program, tensors, HV, C: (
+        lambda layout, reverse: torch.empty(layout.cu.numel() - 1, HV, dtype=torch.int32, device=layout.cu.device)))
+    counts = {}
+    for segments in (None, 8):
+        def call():
+            inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, None, None, False)
+            return fwd.forward(op.program, inputs, op.kinds, dims, scale, None, None, op._head_logs(dims.HV), segments)
+        with fwd.launch_policy(kernels=Noop(), sms=fwd.H200_SMS), torch.no_grad():
+            call()  # (the segment layout, made once per cu_seqlens)
+            with OpLog() as log:
+                call()
+        counts[segments] = len(log.ops)
+    assert counts[None] <= 14 and counts[8] <= 40, counts
