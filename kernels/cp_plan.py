@@ -23,7 +23,9 @@ The constants are least squares over the H200's segment sweep (session 22: six r
 16 segments against none, `benchmarks/cp_sweep_h200.json`; `python benchmarks/cp_sweep.py --fit
 benchmarks/cp_sweep_h200.json` fits them again): residuals ≤ 0.063 ms, rms 0.025, where one
 chunk term and one glue constant left 0.6 ms. On every row of the sweep the plan is the fastest
-count measured.
+count measured. The sweep predates the window search as a kernel (kernels/window_search.py reads
+only the windows' keys): `token` and `glue` are the torch search's, an upper bound until the next
+sweep refits them.
 
     >>> plan_segments(N=1, H=2, HV=8, K=128, V=128, tokens=32768, sms=132)
     8
