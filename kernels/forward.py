@@ -18,6 +18,7 @@ import torch
 from qla_compiler.context_parallel import contraction_logs, run_segments, segment_layout, window_skips
 from qla_compiler.layout import TensorMemo, chunk_offsets, packed_cu_seqlens
 from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, tile_width
+from qla_compiler.passes.walk_skip import widened
 
 from . import window_search
 from .runtime import load_kernels
@@ -409,7 +410,7 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
     scan_kernel = ks[i_scan]
     # the scan's per-token inputs of the state's value width (v, or what prep made from it; dO in a
     # backward): context parallelism widens them
-    values = [p.name for p in scan_kernel.params if p.role == "in" and p.shape[-1] == "V" and p.shape[0] == "1"]
+    values = [p.name for p in scan_kernel.params if widened(p)]
 
     def run(kernel, t, width=dims.V, n_seqs=dims.N):
         launch(program, kernel, t, dims, scale, io, sizes, width, n_seqs)
@@ -418,6 +419,7 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
         run(k, tensors)
 
     cut = segment_layouts(cu, segments, C, dims.B * dims.T, cache) if segments else None
+    windows = program.windows_program if segments else None  # the first scan's: the windows alone
 
     def scan(vals, cu_, h0_, skip=None):
         width, n_seqs = h0_.shape[-1], h0_.shape[0]
@@ -428,7 +430,6 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
         if skip is None:
             run(scan_kernel, t, width, n_seqs)
         else:  # the walks of segments' windows (context_parallel.window_skips)
-            windows = program.windows_program
             (kernel,) = windows.kernels.kernels
             t[kernel.walk_skip] = skip
             launch(windows, kernel, t, dims, scale, io, sizes, width, n_seqs)
@@ -436,13 +437,10 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
 
     vals = {n: tensors[n] for n in values}
     if segments:
-        # the windows kernel reads the values' zero columns itself (passes/walk_skip.py): no [0 | v]
-        (windows,) = program.windows_program.kernels.kernels
-        zeros = {p.name for p in windows.params if p.zero_columns}
-        if zeros and zeros != set(values):
-            raise RuntimeError(f"{windows.name} reads zero columns of {sorted(zeros)}, the scan's values are {values}")
+        # the windows kernel reads the values' zero columns itself (Tensor.zero_columns): no [0 | v]
+        reads_zeros = any(p.zero_columns for p in windows.kernels.kernels[0].params)
         t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse,
-                                skips=_window_search(program, tensors, dims.HV, C), layout=cut, widen=not zeros)
+                                skips=_window_search(program, tensors, dims.HV, C), layout=cut, widen=not reads_zeros)
     else:
         t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})
