@@ -1,6 +1,7 @@
 """The fused forward built other ways, timed beside the one generated: GPU time per forward call
-(kernels/forward's fused path forced) and each kernel's share, one process per variant (a variant
-changes how the program is derived or launched, which a process fixes when the spec compiles).
+(kernels/forward's fused path forced), each kernel's share and o against the generated path's,
+one process per variant (a variant changes how the program is derived or launched, which a
+process fixes when the spec compiles).
 
     python benchmarks/fused_variants.py --compile     # CPU: every variant's kernels into the cache
     python benchmarks/fused_variants.py               # GPU: the table
@@ -59,6 +60,8 @@ def _run(variant: str, rows, compile_only: bool) -> dict:
                                               block_v=policy.get("block_v")) if c.fused]
         compile_classes(list(dict.fromkeys(todo)), log=lambda line: print(line, file=sys.stderr, flush=True))
         return {}
+    import torch
+
     from qla_compiler import ops
     from qla_compiler.bench import device_ms, make_inputs
 
@@ -68,8 +71,15 @@ def _run(variant: str, rows, compile_only: bool) -> dict:
         per_kernel = {}
         with fwd.launch_policy(fused=True, **policy):
             total = device_ms(lambda: ops.chunk_gated_delta_rule(**args), per_kernel=per_kernel)
+            o = ops.chunk_gated_delta_rule(**args)[0]
+        torch.save(o.cpu(), _outputs(variant, row))
         out[row] = (total, {k: v for k, v in per_kernel.items() if k.startswith("gdn")})
     return out
+
+
+def _outputs(variant: str, row: str) -> str:
+    """Where a variant's o on a row is kept for the comparison with the generated path's."""
+    return f"/tmp/fused_variants_{variant.replace(' ', '_')}_{row.replace('/', '-').replace(':', '_')}.pt"
 
 
 def main(argv=None) -> int:
@@ -100,7 +110,13 @@ def main(argv=None) -> int:
         for variant, by_row in results.items():
             total, kernels = by_row[row]
             parts = ", ".join(f"{k.removesuffix('_kernel')} {ms:.3f}" for k, ms in sorted(kernels.items(), key=lambda x: -x[1]))
-            print(f"    {variant:<24} {total:.3f}   ({parts})")
+            diff = ""
+            if variant != "as generated" and "as generated" in results:
+                import torch
+
+                o, base = torch.load(_outputs(variant, row)).double(), torch.load(_outputs("as generated", row)).double()
+                diff = f"   o against as generated: {float((o - base).norm() / base.norm()):.1e}"
+            print(f"    {variant:<24} {total:.3f}   ({parts}){diff}")
     return 0
 
 

@@ -234,7 +234,7 @@ class Stmt:
             return f"{self.dst} {acc} {self.srcs[0]}{ta} · {self.srcs[1]}{tb}   (wgmma)"
         if self.op == "inverse":
             return (f"{self.dst} = inverse {self.srcs[0]}   (16-blocks by substitution in float32, "
-                    f"merges of {a['tf32_from']}-blocks in tf32)")
+                    f"merges of {a['tf32_from']}-blocks in tf32; built in {self.srcs[0]}'s place, which it overwrites)")
         extra = " ".join(f"{k}={v}" for k, v in a.items())
         return f"{self.dst} = {self.op} {' '.join(self.srcs)} {extra}".rstrip()
 
@@ -275,6 +275,9 @@ class Kernel:
     # a parallel kernel: the most shared memory its live buffers take at once, in bytes, at the
     # KernelIR's head-dim tiles (what the schedule budgets; 0 where it budgets otherwise)
     shared_peak: int = 0
+    # a parallel kernel: the CTAs an SM is to hold at once, asked of ptxas as launch bounds (each
+    # thread's registers then fit 64K / (threads · ctas_per_sm)); 0 where ptxas chooses alone
+    ctas_per_sm: int = 0
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -298,6 +301,11 @@ class Kernel:
                                    or p.zero_columns == p.shape[-1]):
                 raise ValueError(f"{self.name}: {p.name} reads {p.zero_columns} zero columns: only an input of "
                                  "tokens [1, T, heads, D] can (its blocks loaded whole, by TMA)")
+        if self.ctas_per_sm and (self.loop or self.warp_roles or not isinstance(self.threads, int)
+                                 or self.ctas_per_sm * self.threads > 2048):
+            raise ValueError(f"{self.name}: {self.ctas_per_sm} CTAs an SM asked of a kernel of {self.threads} threads"
+                             f"{' with a loop over chunks' if self.loop or self.warp_roles else ''}: only a parallel "
+                             "kernel of a fixed thread count asks, for at most 2048 threads an SM")
         for b in self.buffers:
             if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
                 raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")
@@ -338,6 +346,7 @@ class Kernel:
     def __str__(self) -> str:
         grid = ", ".join(f"{a}:{e}" for a, e in self.grid)
         peak = f"  shared ≤ {self.shared_peak / 1024:.0f} KB" if self.shared_peak else ""
+        peak += f"  {self.ctas_per_sm} CTAs an SM" if self.ctas_per_sm else ""
         lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}{peak}  # {self.doc}"]
         for p in self.params:
             lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"

@@ -248,6 +248,9 @@ class _Run:
         elif s.op == "inverse":
             x = torch.tril(b[s.srcs[0]], -1)
             b[s.dst] = _unit_lower_inverse(x, a["tf32_from"]) if self.sz.rounding is not None else _exact_inverse(x)
+            # the building block builds T in its input's place: what the input held is gone, and a
+            # statement that read it afterwards would read NaN here (kernels/tri_inverse.py)
+            b[s.srcs[0]] = torch.full_like(b[s.srcs[0]], float("nan"))
         elif s.op == "store":
             self.write_block(s.dst, b[s.srcs[0]])
         elif s.op == "store_vec":

@@ -39,15 +39,20 @@ prep's 0.85 on the H200; as two tf32 products, 0.10 (benchmarks/NOTES.md, sessio
 
 The lowering allocates the scratch buffers listed in SCRATCH and calls the macro:
 
-    unit_lower_inverse(A_s, X, X_D_s, X_T_s, X_P_s, X_A21_s, X_T11_s, X_T22_s, X_M_s, C, WARPS)
+    unit_lower_inverse(A_s, X, X_D_s, X_P_s, X_A21_s, X_T11_s, X_T22_s, X_M_s, C, WARPS)
 
-WARPS is the kernel's threads / 32. A_s (float32, shared) is the input, left as it is. D_s (C×16,
-float32) receives the diagonal 16-blocks of T from the warps that solved them. T_s (C×C, float32)
-holds T as the merges build it: the diagonal 16-blocks, then the merged blocks below them; above
-the diagonal only the blocks a merge reads are zeroed. P_s (C×16, float32) holds each 16 → 32
-merge's first product A₂₁ T₁₁, which the second reads across threads. A21_s, T11_s, T22_s and M_s
-(32×32, float32) are the 32 → 64 merge's operands and first product, unpadded blocks as the
-tensor-core product reads them.
+WARPS is the kernel's threads / 32. A_s (float32, shared) is the input, and T is built in its
+place: each step overwrites only blocks of A that no later step reads (the diagonal 16-blocks once
+their warp has swept them, a merge's A₂₁ once its first product is formed), so A and T share one
+C×C block: the GDN prep's shared memory 51 → 34 KB, 4 → 6 CTAs an SM (with the schedule's
+Kernel.ctas_per_sm), 0.61 → 0.60 ms at 16/64 heads on the H200 — the prep is bound by its
+shared-memory traffic more than by the CTAs that hide its latency (benchmarks/NOTES.md, session
+23). Above the diagonal A_s keeps what it held; every read of T there is masked.
+X (float32 fragment) receives T with zeros above the diagonal. D_s (C×16, float32) receives the
+diagonal 16-blocks of T from the warps that solved them, for the 16 → 32 merge's operands. P_s
+(C×16, float32) holds each 16 → 32 merge's first product A₂₁ T₁₁, which the second reads across
+threads. A21_s, T11_s, T22_s and M_s (32×32, float32) are the 32 → 64 merge's operands and first
+product, unpadded blocks as the tensor-core product reads them.
 """
 import tilelang.language as T
 
@@ -57,7 +62,7 @@ from .tri_inverse_scratch import HALF as PAIR  # the blocks the first merge make
 
 
 @T.macro
-def _substitute(A_s, D_s, T_s, C, warps):
+def _substitute(A_s, D_s, C, warps):
     # D_s[i, c] = T[i, b0 + c] for the 16-block b0 of row i, each block by one warp (the kernel's
     # `warps` take the C / 16 blocks in turn): column sweeps, at step j every row below j takes
     # row j's multiple. Lane l holds row l // 2, columns 8 (l % 2) … 8 (l % 2) + 7, in registers;
@@ -78,18 +83,19 @@ def _substitute(A_s, D_s, T_s, C, warps):
                 for c in T.unroll(BLOCK // 2):
                     dj = T.shfl_sync(d[c], 2 * j + lane % 2)
                     d[c] = T.if_then_else(lane // 2 > j, d[c] - a * dj, d[c])
+            # T's block in A's place: the warp's lanes read only this block of A, and each
+            # has read its last value of it by the sweep's last shuffle
             for c in T.unroll(BLOCK // 2):
                 D_s[block * BLOCK + lane // 2, (lane % 2) * (BLOCK // 2) + c] = d[c]
-    # into T_s's 32-wide diagonal blocks, zeros above the 16-blocks (the second merge reads them)
-    for i, c in T.Parallel(C, min(C, PAIR)):
-        T_s[i, i - i % PAIR + c] = T.if_then_else(i % PAIR // BLOCK == c // BLOCK, D_s[i, c % BLOCK], 0.0)
+                A_s[block * BLOCK + lane // 2, block * BLOCK + (lane % 2) * (BLOCK // 2) + c] = d[c]
 
 
 @T.macro
-def _merge_pairs(A_s, D_s, T_s, P_s, C):
+def _merge_pairs(A_s, D_s, P_s, C):
     # 16 → 32, the pairs p of 16-blocks at once: T[b1 + r, b0 + c] = −Σ_l T₂₂[r, l] (A₂₁ T₁₁)[l, c]
     # with b0 = 32p, b1 = b0 + 16 (T₁₁, T₂₂ in D_s); A₂₁ T₁₁ goes through P_s (rows 16p + l) for
-    # the second product
+    # the second product, and T₂₁ into A₂₁'s place (the first product's reads of it came before
+    # P_s was written, which the second product waits for)
     product = T.alloc_fragment((C // PAIR, BLOCK, BLOCK), "float32")
     T.clear(product)
     for l in T.unroll(BLOCK):
@@ -102,7 +108,7 @@ def _merge_pairs(A_s, D_s, T_s, P_s, C):
         for p, r, c in T.Parallel(C // PAIR, BLOCK, BLOCK):
             product[p, r, c] += D_s[p * PAIR + BLOCK + r, l] * P_s[p * BLOCK + l, c]
     for p, r, c in T.Parallel(C // PAIR, BLOCK, BLOCK):
-        T_s[p * PAIR + BLOCK + r, p * PAIR + c] = -product[p, r, c]
+        A_s[p * PAIR + BLOCK + r, p * PAIR + c] = -product[p, r, c]
 
 
 def _tf32(x):
@@ -114,31 +120,32 @@ def _tf32(x):
 
 
 @T.macro
-def _merge_halves(A_s, T_s, A21_s, T11_s, T22_s, M_s):
+def _merge_halves(A_s, A21_s, T11_s, T22_s, M_s):
     # 32 → 64: T[32 + r, c] = −Σ_l T₂₂[r, l] (A₂₁ T₁₁)[l, c] over 32-blocks, both products tf32 on
-    # the tensor cores, every operand rounded to tf32 as it is staged; above their diagonals T₁₁
-    # and T₂₂ are zeroed here (T_s holds zeros or nothing there)
+    # the tensor cores, every operand rounded to tf32 as it is staged; T₁₁ and T₂₂ are read from A_s
+    # on and below their diagonals only (above, A_s holds A's zeros or a 16-block's), and T₂₁ goes
+    # into A₂₁'s place once the products have read their staged copies
     product = T.alloc_fragment((PAIR, PAIR), "float32")
     for r, c in T.Parallel(PAIR, PAIR):
         A21_s[r, c] = _tf32(A_s[PAIR + r, c])
-        T11_s[r, c] = T.if_then_else(c <= r, _tf32(T_s[r, c]), 0.0)
-        T22_s[r, c] = T.if_then_else(c <= r, _tf32(T_s[PAIR + r, PAIR + c]), 0.0)
+        T11_s[r, c] = T.if_then_else(c <= r, _tf32(A_s[r, c]), 0.0)
+        T22_s[r, c] = T.if_then_else(c <= r, _tf32(A_s[PAIR + r, PAIR + c]), 0.0)
     T.gemm(A21_s, T11_s, product, clear_accum=True)
     for r, c in T.Parallel(PAIR, PAIR):
         M_s[r, c] = _tf32(product[r, c])
     T.gemm(T22_s, M_s, product, clear_accum=True)
     for r, c in T.Parallel(PAIR, PAIR):
-        T_s[PAIR + r, c] = -product[r, c]
+        A_s[PAIR + r, c] = -product[r, c]
 
 
 @T.macro
-def unit_lower_inverse(A_s, X, D_s, T_s, P_s, A21_s, T11_s, T22_s, M_s, C, warps):
+def unit_lower_inverse(A_s, X, D_s, P_s, A21_s, T11_s, T22_s, M_s, C, warps):
     # (a macro's Python-level branches are resolved when it is parsed, so every block width
     # below is a constant in the kernel; `warps`: the kernel's threads / 32)
-    _substitute(A_s, D_s, T_s, C, warps)
+    _substitute(A_s, D_s, C, warps)
     if C >= PAIR:
-        _merge_pairs(A_s, D_s, T_s, P_s, C)
+        _merge_pairs(A_s, D_s, P_s, C)
     if C == 2 * PAIR:
-        _merge_halves(A_s, T_s, A21_s, T11_s, T22_s, M_s)
-    for i, j in T.Parallel(C, C):  # above the diagonal T_s holds zeros or nothing
-        X[i, j] = T.if_then_else(j <= i, T_s[i, j], 0.0)
+        _merge_halves(A_s, A21_s, T11_s, T22_s, M_s)
+    for i, j in T.Parallel(C, C):  # T on and below the diagonal; above it, what A_s held
+        X[i, j] = T.if_then_else(j <= i, A_s[i, j], 0.0)

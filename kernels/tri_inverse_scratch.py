@@ -4,7 +4,9 @@ tri_inverse.py imports TileLang to define the macro; the passes import only this
 `qla-compile --emit chunk`).
 
     >>> list(SCRATCH), INPUT_DTYPE, INPUT_ROW_PAD
-    (['D_s', 'T_s', 'P_s', 'A21_s', 'T11_s', 'T22_s', 'M_s'], 'float32', 4)
+    (['D_s', 'P_s', 'A21_s', 'T11_s', 'T22_s', 'M_s'], 'float32', 4)
+    >>> sorted(sum(PHASES, ())) == sorted(SCRATCH)
+    True
 
 Why the padding. A row of C = 64 floats is 256 bytes, a multiple of the 32 banks' 128, so one
 column of different rows is one bank. The macro reads A and T by rows that differ from thread to
@@ -26,6 +28,9 @@ TF32_FROM = HALF
 # name suffix -> the scratch buffer, in the order the macro takes them: the sweeps' and the 16 → 32
 # merge's, then the 32 → 64 merge's operands A₂₁, T₁₁, T₂₂ and its first product M = A₂₁ T₁₁
 SCRATCH = {"D_s": Buffer("D_s", ("C", str(BLOCK)), "float32", "shared"),
-           "T_s": Buffer("T_s", ("C", "C"), "float32", "shared", row_pad=4),
            "P_s": Buffer("P_s", ("C", str(BLOCK)), "float32", "shared"),
            **{n: Buffer(n, (str(HALF), str(HALF)), "float32", "shared") for n in ("A21_s", "T11_s", "T22_s", "M_s")}}
+# the scratch buffers live at once, phase by phase: the substitution's and the 16 → 32 merge's,
+# then the 32 → 64 merge's; TileLang's allocator gives a later phase an earlier one's memory (the
+# GDN prep at C = 64: 16 KB of scratch at its peak, not the 24 of all six)
+PHASES = (("D_s", "P_s"), ("A21_s", "T11_s", "T22_s", "M_s"))

@@ -439,6 +439,9 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
                 "        i_h = i_hv // G",
                 "        t0 = chunk_map[i_slot, 0]",
                 "        n_valid = chunk_map[i_slot, 1]  # 0 for unused slots: nothing is stored"]
+        if kernel.ctas_per_sm:
+            out.append(f"        T.annotate_min_blocks_per_sm({kernel.ctas_per_sm})  # registers for "
+                       f"{kernel.ctas_per_sm} CTAs an SM (launch bounds)")
     for b in kernel.buffers:
         alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
         out.append(f"        {b.name} = {alloc}({_shape(b.alloc_shape(), r.tiles)}, {_dtype(b.dtype)})")

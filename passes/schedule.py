@@ -37,8 +37,8 @@ from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, Tensor
 from .partition import Partition
 from .schedule_build import Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params
 from .schedule_fused import fused_kernel
-from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, dim_sizes, live_shared, place_loads, reads,
-                              smem_bytes, threads_for, zero_pad)
+from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes, live_fragments, live_shared,
+                              place_loads, reads, smem_bytes, threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
 
@@ -164,10 +164,16 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
                              None if inverses else "the per-token matmuls")) if op in ops and w]
     body = place_loads(b, b.body + stores, split_phase)
     threads = threads_for(b, body)
+    peak = max(live_shared(b.buffers, body, dims), default=0)
+    # the inverse's sweeps and merges wait on shared memory (short_sb stalls, H200 ncu): a prep
+    # holding one asks for every CTA an SM can hold (the solve-only prep: 6 where ptxas alone
+    # chose registers for 5; 2 % faster, NOTES session 23)
+    ctas = ctas_per_sm(peak, live_fragments(b.buffers, body, dims), threads) if inverses else 0
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
                   list(b.buffers.values()), [], body, [],
                   roles=(f"all {threads // 32} warps: " + "; ".join(work),),
-                  doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep)
+                  doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep,
+                  shared_peak=peak, ctas_per_sm=ctas)
 
 
 def _rows_block(b: Builder, x: str, free: list, own: bool) -> str | None:

@@ -4,7 +4,7 @@ by that liveness (as early as the peak allows, waited for right before the reade
 from __future__ import annotations
 
 from qla_compiler.ir.kernel import Buffer, Stmt
-from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH
+from qla_compiler.kernels.tri_inverse_scratch import PHASES as INVERSE_PHASES, SCRATCH as INVERSE_SCRATCH
 
 from .schedule_build import Builder
 
@@ -21,6 +21,14 @@ SMEM_BUDGET = 200 * 1024
 # splitting each wgmma's columns: GDN's backward out kernel (176 KB of live fragments) spilled
 # at 128 threads and took 15.4 ms on 16/64 × 32768, 6.9 ms at 256 (session 5, run B).
 FRAGMENT_REGISTERS = 224
+# An H100/H200 SM: 228 KB of shared memory, of which the system reserves 1 KB per resident CTA,
+# and 64K registers. For a prep with the inverse the schedule asks ptxas for ctas_per_sm (launch
+# bounds), which caps each thread's registers at 64K / (threads · CTAs): the GDN solve-only prep
+# 4 → 6 CTAs an SM with T built in A's place, 0.61 → 0.60 ms at 16/64 (H200, session 23).
+SM_SHARED, CTA_RESERVED, SM_REGISTERS = 228 * 1024, 1024, 65536
+# registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
+# fragment registers, 96 in all uncapped, 79 and no spills at a cap of 80)
+REGISTER_OVERHEAD = 48
 _DTYPE_BYTES = {"io": 2, "float32": 4, "tfloat32": 4, "int32": 4}
 
 
@@ -127,7 +135,7 @@ def _live(buffers: dict, stmts: list, scope: str) -> list:
     return [[buffers[x] for x in first if first[x] <= i <= last[x]] for i in range(len(stmts))]
 
 
-def _live_fragments(buffers: dict, stmts: list, dims: dict) -> int:
+def live_fragments(buffers: dict, stmts: list, dims: dict) -> int:
     """Peak bytes of fragments (registers, over all threads) live at once."""
     return max((sum(buffer_bytes(b, dims) for b in bs) for bs in _live(buffers, stmts, "fragment")), default=0)
 
@@ -135,15 +143,31 @@ def _live_fragments(buffers: dict, stmts: list, dims: dict) -> int:
 def threads_for(b: Builder, body: list) -> int:
     """A parallel kernel's threads: one warpgroup, or two where its live fragments would not fit
     one's registers (FRAGMENT_REGISTERS)."""
-    return THREADS if _live_fragments(b.buffers, body, b.dims) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
+    return THREADS if live_fragments(b.buffers, body, b.dims) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
 
 
 def live_shared(buffers: dict, stmts: list, dims: dict) -> list:
     """Bytes of shared memory live at each statement: every shared buffer from its first touch
     (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
     live = [smem_bytes(bs, dims) for bs in _live(buffers, stmts, "shared")]
-    scratch = smem_bytes(INVERSE_SCRATCH.values(), dims)
+    scratch = max(smem_bytes([INVERSE_SCRATCH[n] for n in phase], dims) for phase in INVERSE_PHASES)
     return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
+
+
+def ctas_per_sm(shared_peak: int, fragment_bytes: int, threads: int) -> int:
+    """How many CTAs of a parallel kernel an SM can hold: as many as its shared memory at its peak
+    allows (SM_SHARED, less CTA_RESERVED each), as far as the registers allow each thread its live
+    fragments and REGISTER_OVERHEAD more (FRAGMENT_REGISTERS' reading: addresses, temporaries).
+
+        >>> ctas_per_sm(34 * 1024, 32 * 4 * 128, 128)    # GDN's solve-only prep: 6 (80 registers)
+        6
+        >>> ctas_per_sm(51 * 1024, 32 * 4 * 128, 128)    # with T beside A: 4, the shared memory's
+        4
+    """
+    by_shared = SM_SHARED // (shared_peak + CTA_RESERVED)
+    per_thread = fragment_bytes // (4 * threads) + REGISTER_OVERHEAD
+    by_registers = SM_REGISTERS // (threads * per_thread)
+    return max(1, min(by_shared, by_registers))
 
 
 def reads(st: Stmt) -> set:

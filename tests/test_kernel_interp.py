@@ -178,3 +178,15 @@ def test_rounding_as_on_the_gpu_shows_what_scale_after_product_buys(ops, keys):
     assert all(abs(with_it[n] - without[n]) <= 0.02 * without[n] for n in ("k", "v", "g")), (with_it, without)
     exact = _grad_errors(op, args, None)  # only the tensors between kernels rounded (bf16)
     assert exact["q"] < with_it["q"], (exact, with_it)  # the buffers' rounding is there (equal if not)
+
+
+def test_reading_the_inverse_input_after_the_inverse_fails(ops, monkeypatch):
+    """kernels/tri_inverse.py builds T in its input's place: a statement after the inverse that read
+    A reads what the GPU no longer holds. Here the inverse runs twice on A_r_s, which would be
+    harmless were A kept; the interpreter's result is NaN, not a plausible number."""
+    def twice(body):
+        at = next(i for i, s in enumerate(body) if s.op == "inverse")
+        body.insert(at + 1, body[at])
+        return body
+    err_o, _ = _forward(ops["gdn"], monkeypatch, _with_body("prep", twice))
+    assert not err_o <= 3 * TOL  # NaN

@@ -485,8 +485,21 @@ def test_the_solve_only_prep_stores_T_as_whole_rows_from_a_padded_inverse():
     assert prep.buffer("A_r_s").row_pad == 4 and "rows padded by 4" in str(prep)
     src = lower(prog.fused_program.kernels, ShapeClass(H=2, HV=8, K=128, V=128, BV=16))
     assert "A_r_s = T.alloc_shared((C, C + 4), \"float32\")" in src
-    assert "T_r_T_s = T.alloc_shared((C, C + 4), \"float32\")" in src
+    assert "T_r_T_s" not in src  # T is built in A's place (kernels/tri_inverse.py)
     assert f"T.copy({stores['T_rows']}, T_rows[0, t0:t0 + C, i_hv, 0:C])" in src
+
+
+def test_the_solve_only_prep_asks_for_the_ctas_its_shared_memory_allows():
+    """Without a second C×C float32 block for T the prep's shared memory at its peak is ~34 KB:
+    6 CTAs fit an H200 SM, and the registers of 80 a thread (its 32 of live fragments and the
+    overhead) allow 6. The KernelIR says so, and the lowering asks ptxas for it (launch bounds)."""
+    prep = qla_compiler.compile_spec("gdn").fused_program.kernels.kernels[0]
+    assert 32 * 1024 < prep.shared_peak < 36 * 1024 and prep.ctas_per_sm == 6
+    assert "6 CTAs an SM" in str(prep).splitlines()[0]
+    src = lower(qla_compiler.compile_spec("gdn").fused_program.kernels, ShapeClass(H=2, HV=8, K=128, V=128, BV=16))
+    assert "T.annotate_min_blocks_per_sm(6)" in src
+    with pytest.raises(ValueError, match="only a parallel kernel of a fixed thread count asks"):
+        dataclasses.replace(prep, ctas_per_sm=17).verify()
 
 
 def test_an_inverse_stored_as_it_is_stages_through_a_block_of_its_own():

@@ -151,7 +151,8 @@ def test_the_kernel_ir_says_the_inverse_precision_and_the_lowering_holds_it_to_t
     from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 
     kir = qla_compiler.compile_spec("gdn").kernels
-    assert "T_r = inverse A_r_s   (16-blocks by substitution in float32, merges of 32-blocks in tf32)" in str(kir)
+    assert ("T_r = inverse A_r_s   (16-blocks by substitution in float32, merges of 32-blocks in tf32; "
+            "built in A_r_s's place, which it overwrites)") in str(kir)
     prep = kir.kernels[0]
     body = [dataclasses.replace(s, attrs=(("tf32_from", 64),)) if s.op == "inverse" else s for s in prep.body]
     other = dataclasses.replace(kir, kernels=[dataclasses.replace(prep, body=body)] + kir.kernels[1:])
