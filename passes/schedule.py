@@ -169,6 +169,7 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
     # holding one asks for every CTA an SM can hold (the solve-only prep: 6 where ptxas alone
     # chose registers for 5; 2 % faster, NOTES session 23)
     ctas = ctas_per_sm(peak, live_fragments(b.buffers, body, dims), threads) if inverses else 0
+    ctas = ctas if ctas > 1 else 0  # (one is what ptxas assumes unasked)
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
                   list(b.buffers.values()), [], body, [],
                   roles=(f"all {threads // 32} warps: " + "; ".join(work),),
