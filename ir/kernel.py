@@ -301,11 +301,13 @@ class Kernel:
                                    or p.zero_columns == p.shape[-1]):
                 raise ValueError(f"{self.name}: {p.name} reads {p.zero_columns} zero columns: only an input of "
                                  "tokens [1, T, heads, D] can (its blocks loaded whole, by TMA)")
-        if self.ctas_per_sm and (self.loop or self.warp_roles or not isinstance(self.threads, int)
+        if self.ctas_per_sm and (self.loop or self.warp_roles or self.kind == "token_step"
+                                 or not isinstance(self.threads, int) or not 0 < self.ctas_per_sm <= 32
                                  or self.ctas_per_sm * self.threads > 2048):
             raise ValueError(f"{self.name}: {self.ctas_per_sm} CTAs an SM asked of a kernel of {self.threads} threads"
                              f"{' with a loop over chunks' if self.loop or self.warp_roles else ''}: only a parallel "
-                             "kernel of a fixed thread count asks, for at most 2048 threads an SM")
+                             "kernel over chunk slots of a fixed thread count asks, for 1–32 CTAs and at most 2048 "
+                             "threads an SM")
         for b in self.buffers:
             if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
                 raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")

@@ -83,8 +83,9 @@ def _substitute(A_s, D_s, C, warps):
                 for c in T.unroll(BLOCK // 2):
                     dj = T.shfl_sync(d[c], 2 * j + lane % 2)
                     d[c] = T.if_then_else(lane // 2 > j, d[c] - a * dj, d[c])
-            # T's block in A's place: the warp's lanes read only this block of A, and each
-            # has read its last value of it by the sweep's last shuffle
+            # T's block in A's place: the warp's lanes read only this block of A, but lane 2r + 1
+            # reads the columns lane 2r overwrites, so the writes wait for every read (TileLang
+            # puts a barrier for this write after read between the sweep and the stores)
             for c in T.unroll(BLOCK // 2):
                 D_s[block * BLOCK + lane // 2, (lane % 2) * (BLOCK // 2) + c] = d[c]
                 A_s[block * BLOCK + lane // 2, block * BLOCK + (lane % 2) * (BLOCK // 2) + c] = d[c]

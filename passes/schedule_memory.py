@@ -163,9 +163,12 @@ def ctas_per_sm(shared_peak: int, fragment_bytes: int, threads: int) -> int:
         6
         >>> ctas_per_sm(51 * 1024, 32 * 4 * 128, 128)    # with T beside A: 4, the shared memory's
         4
+        >>> ctas_per_sm(34 * 1024, 36 * 4 * 128, 128)    # 84 registers: a cap of 80 at 6 would spill
+        5
     """
     by_shared = SM_SHARED // (shared_peak + CTA_RESERVED)
-    per_thread = fragment_bytes // (4 * threads) + REGISTER_OVERHEAD
+    # (registers go to a thread in 8s: ptxas's cap at n CTAs is 64K / (threads · n) rounded down to 8)
+    per_thread = -(-(fragment_bytes // (4 * threads) + REGISTER_OVERHEAD) // 8) * 8
     by_registers = SM_REGISTERS // (threads * per_thread)
     return max(1, min(by_shared, by_registers))
 

@@ -498,8 +498,9 @@ def test_the_solve_only_prep_asks_for_the_ctas_its_shared_memory_allows():
     assert "6 CTAs an SM" in str(prep).splitlines()[0]
     src = lower(qla_compiler.compile_spec("gdn").fused_program.kernels, ShapeClass(H=2, HV=8, K=128, V=128, BV=16))
     assert "T.annotate_min_blocks_per_sm(6)" in src
-    with pytest.raises(ValueError, match="only a parallel kernel of a fixed thread count asks"):
-        dataclasses.replace(prep, ctas_per_sm=17).verify()
+    for wrong in (17, -1, 33):  # 17 · 128 threads over the SM's 2048; negative; over Hopper's 32 CTAs
+        with pytest.raises(ValueError, match="only a parallel kernel over chunk slots of a fixed thread count asks"):
+            dataclasses.replace(prep, ctas_per_sm=wrong).verify()
 
 
 def test_an_inverse_stored_as_it_is_stages_through_a_block_of_its_own():
