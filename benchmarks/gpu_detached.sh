@@ -23,7 +23,10 @@ case "${1:-}" in
       while IFS= read -r step; do
         n=$((n + 1)); [ -z "$step" ] && continue
         echo "$(date +%T) start $n: $step" >> '$J'/progress
-        bash -c "$step" > '$J'/$(printf %02d $n).log 2>&1; rc=$?
+        # each step in a session of its own, and whatever of it outlives the step killed with it
+        # (test workers a timeout left running would share the CPU with the next step)
+        setsid bash -c "$step" > '$J'/$(printf %02d $n).log 2>&1 & pid=$!; wait $pid; rc=$?
+        kill -9 -- -$pid 2>/dev/null
         echo "$(date +%T) end $n rc=$rc" >> '$J'/progress
       done < '$J'/steps
       touch '$J'/done' > $J/runner.log 2>&1 &

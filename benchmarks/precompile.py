@@ -27,11 +27,12 @@ from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.precompile import Compile, compile_classes, shape_classes
 
 
-def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, stages=None, bv=None, V=None, training=False):
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, stages=None, bv=None, V=None, training=False, tokens=None):
     """The shape classes calls at these sizes launch, on an H200 (qla_compiler/precompile.py;
-    `bv`: the V-block qla-bench --block-v forces instead of the launch rules)."""
+    `bv`: the V-block qla-bench --block-v forces instead of the launch rules; `tokens`: a call's,
+    which cp="auto"'s plan depends on)."""
     return shape_classes(spec, H=H, HV=HV, K=K, V=V, io=io, n_seqs=n_seqs, context_parallel=cp, sms=forward.H200_SMS,
-                         training=training, stages=stages, block_v=bv)
+                         training=training, stages=stages, block_v=bv, tokens=tokens)
 
 
 def for_gpu_tests():
@@ -64,7 +65,8 @@ def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):
         # (qla-bench --backward: the training step's programs too)
         out += classes("gdn", H, HV, K, len(lens), stages=stages, bv=bv, V=V, training=backward)
         if cp:
-            out += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv, training=backward)
+            out += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv, training=backward,
+                           tokens=sum(lens))
     return out
 
 
@@ -113,7 +115,8 @@ def main(argv):
     ap.add_argument("items", nargs="*", help="spec:H/HV:K:io:BV")
     ap.add_argument("--tests", action="store_true", help="the classes of the GPU tests")
     ap.add_argument("--bench", action="store_true", help="the classes of qla-bench's rows")
-    ap.add_argument("--cp", type=int, help="with --bench: also the context-parallel classes")
+    ap.add_argument("--cp", type=lambda x: x if x == "auto" else int(x), metavar="SEGMENTS",
+                    help="with --bench: also the context-parallel classes (a segment count, or auto: the plan's)")
     ap.add_argument("--rows", nargs="*", default=ROWS, help="with --bench: only these rows")
     ap.add_argument("--scan-stages", type=int, help="with --bench: for qla-bench --scan-stages N")
     ap.add_argument("--backward", action="store_true", help="with --bench: for qla-bench --backward")

@@ -2,7 +2,7 @@
 # Compile on this CPU what a GPU job will launch, and pack it as .gpu/tl-cache.tar, so that the
 # device's minutes go to running (a fresh GPU node restores the tar: ../shared/gpu/README.md).
 #
-#   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward]
+#   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -11,7 +11,9 @@
 # file's head-dim cases, K and V up to 256 with gradients (~5 minutes), and the bench rows at
 # K = V = 256 and 100 (forward; 16/64:8x4096:256 also trained). --backward: the training
 # step's classes of the bench rows (qla-bench --backward; the node compiled them in session 13,
-# which used up the step's timeout). Two processes per step (this
+# which used up the step's timeout). --cp-auto: the bench rows' context-parallel classes as
+# qla-bench --cp auto plans them, forward and training (the window searches too). --variants: the
+# experiments gpu_steps.txt runs (prep_variants.py, window_search_variants.py). Two processes per step (this
 # machine's cores); a fresh cache directory each run, so the tar holds no stale kernels.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -48,6 +50,11 @@ for a in "$@"; do
                  sharded wide $PY benchmarks/precompile.py --bench --rows $WIDE
                  sharded wide_backward $PY benchmarks/precompile.py --bench --backward --rows 16/64:8x4096:256 ;;
     --backward) sharded backward $PY benchmarks/precompile.py --bench --backward --rows $ROWS ;;
+    --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
+    --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
+                $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1
+                if grep -q FAILED "$LOGS/variants.txt"; then echo "variants: one failed ($LOGS/variants.txt)" >&2; exit 1; fi
+                echo "$(date +%T) variants compiled" ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
