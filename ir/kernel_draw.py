@@ -82,7 +82,8 @@ def _panel(k, order: str) -> dict:
     Returns width, height, texts, boxes and the ports (chip ends) of its global tensors."""
     ins = [t for t in k.params if t.role == "in"]
     outs = [t for t in k.params if t.role != "in"]
-    grid = f"grid({', '.join(f'{a}:{e}' for a, e in k.grid)})   {k.threads} threads"
+    grid = f"grid({', '.join(f'{a}:{e}' for a, e in k.grid)})   {k.threads} threads" \
+        + (f", {k.ctas_per_sm} CTAs an SM" if k.ctas_per_sm else "")
     groups = []
     for scope, title in SCOPES:
         bufs = [b for b in k.buffers if b.scope == scope]
