@@ -5,6 +5,10 @@ wrong on purpose where a part is removed).
     python benchmarks/prep_variants.py --compile        # CPU: compile every variant into the cache
     python benchmarks/prep_variants.py --time           # GPU: time each (16/64 heads, 8 x 4096 tokens)
                                                         # and T's error against a float64 solve
+
+The variants of earlier sessions that were measured and set aside (the three-pass tf32 merges, the
+16 → 32 merge on the tensor cores, the shared-memory sweeps, heads_first, heads_shared) are in
+this file as of caca352; benchmarks/NOTES.md has their results.
 """
 import argparse
 import re
