@@ -16,7 +16,7 @@ import sys
 import time
 
 import qla_compiler
-from qla_compiler.kernels.runtime import BACKEND, TARGET, import_module, write_source
+from qla_compiler.kernels.runtime import compile_prim, import_module, write_source
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
 
 SHAPE = ShapeClass(H=16, HV=64, K=128, V=128, BV=64, io="bfloat16")
@@ -79,9 +79,8 @@ def variants() -> dict:
 
 
 def compiled(name: str, src: str):
-    import tilelang
-    mod = import_module(write_source(f"prepexp_{name}", src))
-    return tilelang.compile(mod.gdn_prep, target=TARGET, execution_backend=BACKEND)
+    path = write_source(f"prepexp_{name}", src)
+    return compile_prim(import_module(path).gdn_prep, "gdn_prep", name, path, progress=False)
 
 
 def main():

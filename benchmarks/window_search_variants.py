@@ -57,12 +57,10 @@ def variants(H: int, HV: int) -> dict:
 
 
 def compiled(name: str, src: str):
-    import tilelang
+    from qla_compiler.kernels.runtime import compile_prim, import_module, write_source
 
-    from qla_compiler.kernels.runtime import BACKEND, TARGET, import_module, write_source
-
-    mod = import_module(write_source(f"wsexp_{name.replace(' ', '_')}", src))
-    return tilelang.compile(mod.window_search, target=TARGET, execution_backend=BACKEND)
+    path = write_source(f"wsexp_{name.replace(' ', '_')}", src)
+    return compile_prim(import_module(path).window_search, "window_search", name, path, progress=False)
 
 
 def main() -> int:
@@ -83,7 +81,8 @@ def main() -> int:
 
         import qla_compiler
         from qla_compiler.bench import make_inputs, parse_row
-        from qla_compiler.context_parallel import delta_coefficient, segment_layout
+        from qla_compiler.context_parallel import segment_layout
+        from qla_compiler.kernels import window_search
 
         _, _, lens = parse_row(row)
         args = make_inputs(H, HV, lens)
@@ -91,16 +90,14 @@ def main() -> int:
         T_ = sum(lens)
         inputs = {"k": args["k"], "g": args["g"], "beta": args["beta"]}
         layout = segment_layout(args["cu_seqlens"].to(torch.int32), segments, C, T_)
-        decay = args["g"].reshape(1, T_, HV).float().contiguous()
-        coeff = delta_coefficient(op.program.recurrence, inputs, HV).contiguous()
+        searched = window_search.arguments(op.program.recurrence, inputs, HV)  # decay, keys, coefficient
         norms = args["k"].float().pow(2).sum(-1).reshape(T_, H).contiguous()
         print(f"{row}, {segments} segments (GPU ms per search; skips against the generated kernel's)")
         base = None
         for n, s in vs.items():
             kern = compiled(n, s)
             skip = torch.empty(layout.cu.numel() - 1, HV, dtype=torch.int32, device="cuda")
-            call_args = [decay, args["k"], coeff] + ([norms] if n == "norms given" else []) + \
-                [layout.cu, layout.unused[False], skip]
+            call_args = searched + ([norms] if n == "norms given" else []) + [layout.cu, layout.unused[False], skip]
             kern(*call_args)
             torch.cuda.synchronize()
             if base is None:

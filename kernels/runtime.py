@@ -97,21 +97,29 @@ class Kernels:
         """The kernel `name`, compiled (or read from TileLang's cache) on first use; `progress`:
         print a line to stderr before and after (the warm-up prints its own)."""
         if name not in self._compiled:
-            import logging
-
-            import tilelang
-
-            # TileLang logs every compile and cache hit; qla prints its own progress line instead
-            logging.getLogger("tilelang").setLevel(logging.ERROR)
-            s, t = self.shape, time.time()
-            if progress:
-                print(f"qla: compiling {name} (H={s.H} HV={s.HV} K={s.K} V={s.V} BV={s.BV} {s.io}) ...",
-                      file=sys.stderr, flush=True)
-            self._compiled[name] = tilelang.compile(getattr(self._module, name), target=TARGET,
-                                                    execution_backend=BACKEND)
-            if progress:
-                print(f"qla: {name} ready in {time.time() - t:.1f}s  ({self.path})", file=sys.stderr, flush=True)
+            s = self.shape
+            self._compiled[name] = compile_prim(getattr(self._module, name), name,
+                                                f"H={s.H} HV={s.HV} K={s.K} V={s.V} BV={s.BV} {s.io}", self.path,
+                                                progress)
         return self._compiled[name]
+
+
+def compile_prim(func, name: str, detail: str, path: Path, progress: bool = True):
+    """A TileLang prim_func compiled for sm_90a (or read from TileLang's cache); `progress`: a line
+    to stderr before and after, naming it and `detail` (its class), and the module's `path`."""
+    import logging
+
+    import tilelang
+
+    # TileLang logs every compile and cache hit; qla prints its own progress line instead
+    logging.getLogger("tilelang").setLevel(logging.ERROR)
+    t = time.time()
+    if progress:
+        print(f"qla: compiling {name} ({detail}) ...", file=sys.stderr, flush=True)
+    kernel = tilelang.compile(func, target=TARGET, execution_backend=BACKEND)
+    if progress:
+        print(f"qla: {name} ready in {time.time() - t:.1f}s  ({path})", file=sys.stderr, flush=True)
+    return kernel
 
 
 def load_kernels(program, shape: ShapeClass) -> Kernels:

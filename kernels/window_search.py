@@ -118,35 +118,21 @@ def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool
 def compiled(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool):
     """The search compiled for sm_90a (TileLang's cache keeps it across processes; the first use in
     a process says so on stderr, as the generated kernels do)."""
-    import logging
-    import sys
-    import time
-
-    import tilelang
-
-    from .runtime import BACKEND, TARGET, import_module, write_source
+    from .runtime import compile_prim, import_module, write_source
 
     path = write_source("window_search", source(kind_, H, HV, K, io, C, reverse))
-    logging.getLogger("tilelang").setLevel(logging.ERROR)
-    t = time.time()
-    print(f"qla: compiling window_search ({kind_[0]}{' delta' if kind_[1] else ''}, H={H} HV={HV} K={K} {io}"
-          f"{', reverse' if reverse else ''}) ...", file=sys.stderr, flush=True)
-    kernel = tilelang.compile(import_module(path).window_search, target=TARGET, execution_backend=BACKEND)
-    print(f"qla: window_search ready in {time.time() - t:.1f}s  ({path})", file=sys.stderr, flush=True)
-    return kernel
+    detail = f"{kind_[0]}{' delta' if kind_[1] else ''}, H={H} HV={HV} K={K} {io}{', reverse' if reverse else ''}"
+    return compile_prim(import_module(path).window_search, "window_search", detail, path)
 
 
 def searcher(rec, inputs: dict, HV: int, C: int):
     """(layout, reverse) -> [N·S, HV] int32, window_skips' result, by the kernel, for a call's packed
     inputs [1, T, ...] by name on the GPU."""
-    k_, st = kind(rec), rec.structure
-    keys = inputs[st.write_key]
-    H, K, T = keys.shape[2], keys.shape[3], keys.shape[1]
+    k_ = kind(rec)
+    keys = inputs[rec.structure.write_key]
+    H, K = keys.shape[2], keys.shape[3]
     io = str(keys.dtype).removeprefix("torch.")
-    args = {"gate": lambda: [inputs[st.decay_name].reshape(1, T, HV).float().contiguous()],
-            "head_constant": lambda: [head_constant_logs(rec, HV, keys.device)], "none": lambda: []}[k_[0]]()
-    if k_[1]:
-        args += [keys.contiguous(), delta_coefficient(rec, inputs, HV).contiguous()]
+    args = arguments(rec, inputs, HV)
 
     def search(layout, reverse: bool) -> torch.Tensor:
         n = layout.cu.numel() - 1
@@ -155,3 +141,16 @@ def searcher(rec, inputs: dict, HV: int, C: int):
         return skip
 
     return search
+
+
+def arguments(rec, inputs: dict, HV: int) -> list:
+    """What the search takes before the layout's tensors, in source's parameter order, from a
+    call's packed inputs: the log decay (a gate per token, or the heads' constants), and with a
+    delta factor the keys and its coefficient."""
+    k_, st = kind(rec), rec.structure
+    keys = inputs[st.write_key]
+    args = {"gate": lambda: [inputs[st.decay_name].reshape(1, keys.shape[1], HV).float().contiguous()],
+            "head_constant": lambda: [head_constant_logs(rec, HV, keys.device)], "none": lambda: []}[k_[0]]()
+    if k_[1]:
+        args += [keys.contiguous(), delta_coefficient(rec, inputs, HV).contiguous()]
+    return args
