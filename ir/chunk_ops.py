@@ -101,15 +101,44 @@ def _tri_mask(C, strict, like):
     return torch.ones(C, C, dtype=torch.bool, device=like.device).tril(-1 if strict else 0)
 
 
+def _block_mask(C, block, like):
+    """True where i and j lie in the same sub-chunk of `block` tokens (the diagonal blocks)."""
+    sub = torch.arange(C, device=like.device) // block
+    return sub.unsqueeze(-1) == sub.unsqueeze(-2)
+
+
 def _masked_diff(ctx, args, attrs, shapes):
     (x,), (s,) = args, shapes
+    C = x.shape[-len(s)]
+    keep = _tri_mask(C, attrs["mask"] == "strict", x)
+    if attrs.get("block"):
+        keep = keep & _block_mask(C, attrs["block"], x)
     if len(s) == 2:  # x: C×K, per key: d_ijk = x_ik − x_jk
         d = x.unsqueeze(-2) - x.unsqueeze(-3)
-        keep = _tri_mask(x.shape[-2], attrs["mask"] == "strict", x).unsqueeze(-1)
+        keep = keep.unsqueeze(-1)
     else:
         d = x.unsqueeze(-1) - x.unsqueeze(-2)
-        keep = _tri_mask(x.shape[-1], attrs["mask"] == "strict", x)
     return torch.where(keep, d, torch.full_like(d, -math.inf))
+
+
+def _ref_diff(ctx, args, attrs, shapes):
+    """x_i − x_ref on rows lo ≤ i < hi (later) or x_ref − x_i there (not later), −inf elsewhere."""
+    (x,), (s,) = args, shapes
+    dim = x.dim() - len(s)  # the chunk's
+    ref = x.narrow(dim, attrs["ref"], 1)
+    d = x - ref if attrs["later"] else ref - x
+    rows = torch.arange(x.shape[dim], device=x.device)
+    keep = ((rows >= attrs["lo"]) & (rows < attrs["hi"])).view(-1, *[1] * (len(s) - 1))
+    return torch.where(keep, d, torch.full_like(d, -math.inf))
+
+
+def _ref_diff_shape(shapes, attrs):
+    (s,) = shapes
+    if s not in (("C",), ("C", "K")):
+        raise ValueError(f"ref_diff of a {s} block: it takes a vector over the chunk (C) or a C×K block")
+    if not 0 <= attrs["lo"] < attrs["hi"]:
+        raise ValueError(f"ref_diff rows [{attrs['lo']}, {attrs['hi']}) are empty")
+    return s
 
 
 def _masked_diff_shape(shapes, attrs):
@@ -269,7 +298,11 @@ _op("positions", 0, _fixed(("C",)), _positions, "i+1, clipped at the chunk's len
 _op("cumsum", 1, _same, _cumsum(False), "chunk-local inclusive prefix sum (of a C×K block: per key)")
 _op("last", 1, _last_shape, _last, "the value at the chunk's last token (of a C×K block: its row, K)")
 _op("masked_diff", 1, _masked_diff_shape, _masked_diff,
-    "x_i − x_j where j ≤ i (mask=lower) or j < i (mask=strict), −inf elsewhere (of C×K: C×C×K, per key)")
+    "x_i − x_j where j ≤ i (mask=lower) or j < i (mask=strict), −inf elsewhere (of C×K: C×C×K, per key); "
+    "block=B: only where i and j share a sub-chunk of B tokens")
+_op("ref_diff", 1, _ref_diff_shape, _ref_diff,
+    "x_i − x_ref (later) or x_ref − x_i (not later) on the rows lo ≤ i < hi, −inf elsewhere "
+    "(of C×K: per key; ref, lo, hi: rows of the chunk)")
 # the floor on a log-gate (passes/chunk.py's G_FLOOR): g = −inf, a hard reset, would otherwise meet
 # another −inf in a masked difference, (−inf) − (−inf) = NaN
 _op("clamp_min", 1, _same, lambda ctx, args, a, s: args[0].clamp_min(a["min"]), "max(x, min)")
@@ -309,6 +342,6 @@ _op("colsum", 1, _matrix_to(1), _block_sum(True), "Σ_i X_ij (of C×C×K: Σ_i X
 _op("sum_all", 1, _fixed(()), _sum_all, "the sum of every entry of a block (the transpose of broadcasting)")
 
 # ops through which a scaling of the input scales the output by the same factor
-LINEAR = {"cumsum", "last", "masked_diff", "neg", "add", "sub", "rev_cumsum", "at_last", "rowsum", "colsum",
+LINEAR = {"cumsum", "last", "masked_diff", "ref_diff", "neg", "add", "sub", "rev_cumsum", "at_last", "rowsum", "colsum",
           "sum_all"}  # (contract is linear in each argument, not in all at once: not here)
 EXPONENTIALS = {"exp", "exp2"}

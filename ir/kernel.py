@@ -23,7 +23,8 @@ from .display import rich_html
 # ---- expressions -----------------------------------------------------------------------------
 # An Expr is a tuple: ("buf", name, idx...) | ("lit", value) | ("param", name) | ("head", name)
 # | (op, a, b) for add, sub, mul, max, above (1 where a > b, else 0) | (op, a) for neg, exp, exp2
-# | ("select_lower"|"select_strict", i, j, then, else) | ("select_valid", i, then, else) | ("min_pos", i).
+# | ("select_lower"|"select_strict", i, j, then, else) | ("select_valid", i, then, else) | ("min_pos", i)
+# | ("select_rows", i, lo, hi, then, else): then on the rows lo ≤ i < hi.
 # Index entries are expressions over the loop variables i, j and n_valid (the tokens of the chunk).
 
 
@@ -34,6 +35,7 @@ PRETTY = {
     "select_lower": "[{j}≤{i} ? {a} : {b}]", "select_strict": "[{j}<{i} ? {a} : {b}]",
     "select_valid": "[{i}<n_valid ? {a} : {b}]", "min_pos": "min({i}+1, n_valid)",
     "select_last": "[{i}=n_valid−1 ? {a} : {b}]",
+    "select_rows": "[{lo}≤{i}<{hi} ? {a} : {b}]",
 }
 
 
@@ -53,6 +55,8 @@ def format_expr(e, syntax: dict, leaf) -> str:
         return syntax[tag].format(i=e[1], j=e[2], a=sub(e[3]), b=sub(e[4]))
     if tag in ("select_valid", "select_last"):
         return syntax[tag].format(i=e[1], a=sub(e[2]), b=sub(e[3]))
+    if tag == "select_rows":
+        return syntax[tag].format(i=e[1], lo=e[2], hi=e[3], a=sub(e[4]), b=sub(e[5]))
     if tag == "min_pos":
         return syntax[tag].format(i=e[1])
     return syntax[tag].format(*[sub(x) for x in e[1:]])

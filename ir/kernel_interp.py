@@ -15,6 +15,8 @@ the global tensors, which keep their dtypes.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +107,13 @@ class _Run:
         h = self._head(name)[:, None, None].expand_as(ok)
         x[0, r[ok], h[ok], c[ok]] = value[ok].to(x.dtype)
 
+    def _pad(self, block, attrs):
+        """What a block's rows past the chunk hold: zeros, or (pad=hold, a prefix sum) its last row."""
+        if attrs.get("pad") != "hold":
+            return torch.zeros((), dtype=block.dtype, device=block.device)
+        last = (self.at.n_valid - 1).clamp(min=0)
+        return block[torch.arange(self.n, device=self.dev), last][:, None]
+
     def _valid_rows(self):
         return torch.arange(self.sz.C, device=self.dev)[None, :] < self.at.n_valid[:, None]
 
@@ -164,7 +173,9 @@ class _Run:
         if tag == "above":
             return (sub[0] > sub[1]).to(F64)
         if tag in ("neg", "exp", "exp2"):
-            return {"neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2}[tag](sub[0])
+            value = {"neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2}[tag](sub[0])
+            # as the GPU computes it: in float32, where e^{89} is already inf (and inf · 0 is NaN)
+            return value.float().to(F64) if tag != "neg" and self.sz.rounding is not None else value
         if tag in ("select_lower", "select_strict"):
             i, j = self._index(e[1], loop), self._index(e[2], loop)
             return torch.where(j <= i if tag == "select_lower" else j < i, *sub)
@@ -173,6 +184,9 @@ class _Run:
             return torch.where(self._index(e[1], loop) < n_valid, *sub)
         if tag == "select_last":
             return torch.where(self._index(e[1], loop) == n_valid - 1, *sub)
+        if tag == "select_rows":
+            i = self._index(e[1], loop)
+            return torch.where((i >= int(e[2])) & (i < int(e[3])), *sub)
         if tag == "min_pos":
             return torch.minimum(self._index(e[1], loop) + 1, n_valid).to(F64)
         raise InterpretError(f"{self.k.name}: no meaning for the expression {tag!r}")
@@ -188,7 +202,7 @@ class _Run:
         if s.op == "load":
             block = self.read_block(s.srcs[0])
             if a.get("rows"):  # a synchronous load masked to the chunk's rows
-                block = torch.where(self._valid_rows()[:, :, None], block, 0.0)
+                block = torch.where(self._valid_rows()[:, :, None], block, self._pad(block, a))
             b[s.dst] = block
         elif s.op == "load_vec":
             x = self.g[s.srcs[0]][0].to(F64)
@@ -224,7 +238,8 @@ class _Run:
         elif s.op == "wait_load":
             pass  # the statements run in order: a block has landed by its next statement
         elif s.op == "zero_pad":
-            b[s.dst] = torch.where(self._valid_rows().view(self.n, -1, *[1] * (b[s.dst].dim() - 2)), b[s.dst], 0.0)
+            x = b[s.dst]
+            b[s.dst] = torch.where(self._valid_rows().view(self.n, -1, *[1] * (x.dim() - 2)), x, self._pad(x, a))
         elif s.op == "copy":
             b[s.dst] = b[s.srcs[0]].clone()
         elif s.op == "gemm":
@@ -234,9 +249,17 @@ class _Run:
         elif s.op == "ewise":
             value = self.expr(a["expr"], self._loop(s.dst, a["index"]))
             b[s.dst] = value.expand_as(b[s.dst]).clone()
-        elif s.op == "cumsum":
+        elif s.op == "cumsum":  # along the chunk (a C×K block's rows, per key)
             x = b[s.srcs[0]]
-            b[s.dst] = x.flip(-1).cumsum(-1).flip(-1) if a.get("reverse") else x.cumsum(-1)
+            b[s.dst] = x.flip(1).cumsum(1).flip(1) if a.get("reverse") else x.cumsum(1)
+        elif s.op == "decayed_product":  # Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i
+            x, z, g = (b[n] for n in s.srcs)
+            C, blk = x.shape[1], int(a["block"])
+            sub = torch.arange(C, device=self.dev) // blk
+            keep = (sub[:, None] == sub[None, :]) & torch.ones(C, C, dtype=torch.bool, device=self.dev).tril()
+            exp = {"exp": torch.exp, "exp2": torch.exp2}[a["exp"]]
+            d = torch.where(keep[None, :, :, None], g[:, :, None, :] - g[:, None, :, :], -math.inf)
+            b[s.dst] = torch.einsum("nik,njk,nijk->nij", x, z, exp(d))
         elif s.op == "reduce":
             src, *accs = s.srcs
             prev = b[src]

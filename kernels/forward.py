@@ -342,7 +342,8 @@ def fused_or_not(program, wide: bool = False):
 
 def cuts(K: int, V: int) -> bool:
     """Whether the kernels run context parallelism at these head dims: where K and V are powers of
-    two (their tiles, which the widened values [0 | v] are laid out in, are the dims themselves)."""
+    two from 64 (their tiles, which the widened values [0 | v] are laid out in, are the dims
+    themselves: lower_tilelang.tile_width)."""
     return tile_width(K) == K and tile_width(V) == V
 
 
@@ -350,7 +351,7 @@ def check_call(dims, keep: bool, context_parallel) -> None:
     """What the kernels refuse, from the shapes alone (a ValueError naming the argument)."""
     check_head_dims(dims.K, dims.V)
     if context_parallel and not cuts(dims.K, dims.V):
-        raise ValueError(f"context_parallel: the GPU kernels run it only where K and V are powers of two "
+        raise ValueError(f"context_parallel: the GPU kernels run it only where K and V are powers of two from 64 "
                          f"(got K = {dims.K}, V = {dims.V}); leave it None")
 
 

@@ -13,6 +13,14 @@ same total and the branches on it stay uniform. At the first chunk where the tot
 It writes how many chunks the walk leaves out: the chunks before the window (after it, in
 reverse), none where no window decays enough, all where nothing reads the segment's map.
 
+The keys' norms ‖k_t‖² (with a delta factor): all threads first load the chunk's C×K keys into
+shared memory together, coalesced, 16 bytes a load (rows past the segment's end not read), then
+each thread sums its token's squares in float32 from its row there. Summed by each thread over its
+own row in global memory (uncoalesced), they were ~87% of the kernel's time: 0.0735 ms against
+0.0098 ms with the norms given as an input (H200, 2/8 heads, 1x32768 tokens, 8 segments;
+benchmarks/window_search_variants.py, session 24). The barrier after that load also keeps a
+chunk's λ from overwriting the last chunk's before every thread has summed them.
+
 The host code's torch version stays the definition (context_parallel.window_skips; the CPU path
 and the emulated kernels run it); tests/test_gpu_window_search.py holds the kernel to it.
 
@@ -28,7 +36,8 @@ import torch
 
 from qla_compiler.context_parallel import NEGLIGIBLE, delta_coefficient, head_constant_logs
 
-DECAYS = ("gate", "head_constant", "none")  # per-key gates have no GPU kernels yet (passes/lowerable.py)
+# (a per-key gate's λ bounds the decay by its slowest key: context_parallel.window_skips in torch)
+DECAYS = ("gate", "head_constant", "none")
 
 
 def kind(rec) -> tuple:
@@ -50,12 +59,23 @@ def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool
     log_decay = {"gate": "decay[0, t, i_hv]", "head_constant": "head_logs[i_hv]", "none": "0.0"}[decay]
     if delta:
         lam = f"{log_decay} + T.log(T.max(1.0, T.abs(1.0 - coeff[t, i_hv] * norm2[0])))"
+        vec = 16 // (4 if io == "float32" else 2)  # a key's elements in a 16-byte load
+        while K % vec:
+            vec //= 2
+        # the chunk's C×K keys into shared memory by all threads, coalesced (the rows past the
+        # segment's end, the next segment's or past the tensor's, are not read: zeros), then each
+        # thread's token's ‖k‖² from its row
+        load = ["                for r, x in T.Parallel(C, K):  # coalesced, VEC elements a load",
+                "                    keys_s[r, x] = T.if_then_else(j * C + r < n, keys[0, bos + j * C + r, i_h, x], T.cast(0, IO))",
+                "                T.sync_threads()  # the keys in, and every thread done with the last chunk's λ"]
         norm = ["                    norm2[0] = 0.0",
-                "                    for x in T.serial(K):",
-                "                        norm2[0] += T.cast(keys[0, t, i_h, x], \"float32\") * "
-                "T.cast(keys[0, t, i_h, x], \"float32\")"]
+                "                    for x0 in T.serial(K // VEC):",
+                "                        for v in T.vectorized(VEC):",
+                "                            key[v] = keys_s[tx, x0 * VEC + v]",
+                "                        for v in T.serial(VEC):",
+                "                            norm2[0] += T.cast(key[v], \"float32\") * T.cast(key[v], \"float32\")"]
     else:
-        lam, norm = log_decay, []
+        lam, load, norm, vec = log_decay, [], [], 0
     walk = "w" if reverse else "chunks - 1 - w"
     left = "chunks - 1 - found[0]" if reverse else "found[0]"
     lines = [
@@ -63,6 +83,7 @@ def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool
         "import tilelang.language as T",
         "",
         f"H, HV, K, C = {H}, {HV}, {K}, {C}",
+        *([f"VEC = {vec}  # a key's elements per 16-byte load"] if delta else []),
         "G = HV // H",
         f'IO = "{io}"',
         f"NEGLIGIBLE = {NEGLIGIBLE!r}",
@@ -85,7 +106,9 @@ def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool
         '        lam_s = T.alloc_shared((C,), "float32")',
         '        total = T.alloc_local((1,), "float64")  # the window\'s λ so far, the same in every thread',
         '        found = T.alloc_local((1,), "int32")  # the chunk where it reached −NEGLIGIBLE, −1 before',
-        *(['        norm2 = T.alloc_local((1,), "float32")'] if delta else []),
+        *(['        keys_s = T.alloc_shared((C, K + VEC), IO)  # a chunk\'s keys; rows padded: no bank conflicts',
+           '        key = T.alloc_local((VEC,), IO)',
+           '        norm2 = T.alloc_local((1,), "float32")'] if delta else []),
         "        bos = cu_seg[i_s]",
         "        n = cu_seg[i_s + 1] - bos",
         "        chunks = T.ceildiv(n, C)",
@@ -96,6 +119,7 @@ def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool
         f"        for w in T.serial(walks):  # from the segment's {'start' if reverse else 'end'}",
         f"            j = {walk}",
         "            if found[0] < 0:",
+        *load,
         "                if j * C + tx < n:",
         "                    t = bos + j * C + tx",
         *norm,
@@ -105,7 +129,8 @@ def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool
         "                T.sync_threads()",
         "                for u in T.serial(C):",
         '                    total[0] += T.cast(lam_s[u], "float64")',
-        "                T.sync_threads()  # before the next chunk's λ overwrite what was summed",
+        ("                # (the next chunk's λ wait at the barrier after its keys' load)" if delta else
+         "                T.sync_threads()  # before the next chunk's λ overwrite what was summed"),
         "                if total[0] <= -NEGLIGIBLE:",
         "                    found[0] = j",
         "        if tx == 0:",

@@ -47,6 +47,7 @@ TILELANG = {
     "select_lower": "T.if_then_else({j} <= {i}, {a}, {b})", "select_strict": "T.if_then_else({j} < {i}, {a}, {b})",
     "select_valid": "T.if_then_else({i} < n_valid, {a}, {b})",
     "select_last": "T.if_then_else({i} == n_valid - 1, {a}, {b})",
+    "select_rows": "T.if_then_else({lo} <= {i}, T.if_then_else({i} < {hi}, {a}, {b}), {b})",
     "min_pos": 'T.cast(T.min({i} + 1, n_valid), "float32")',
 }
 
@@ -158,6 +159,8 @@ class _Render:
     def stmt(self, s: Stmt, scan: bool) -> list[str]:
         a = s.attr
         if s.op == "load" and s.dst in self.masked_loads:  # rows past the sequence, columns past the head dim
+            if a.get("pad") == "hold":
+                raise PassError("lower", f"{s}: a block holding its last row loads whole (no padded head-dim tile)")
             sync = ["T.sync_threads()  # nobody reads what this block's memory held before"] if a.get("sync") else []
             return sync + [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
                            f"    {s.dst}[i, j] = T.if_then_else(i < n_valid and {self._col_ok(s.srcs[0], scan)}, "
@@ -165,9 +168,12 @@ class _Render:
         if s.op in ("wait_load", "zero_pad") and s.dst in self.masked_loads:
             return []  # loaded whole and masked above
         if s.op == "load" and a.get("rows"):  # rows past the sequence belong to the next one: zeros
+            if a.get("pad") == "hold":  # (or the last row again)
+                return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
+                        f"    {s.dst}[i, j] = {self._element(s.srcs[0], scan, row='T.min(i, T.max(n_valid - 1, 0))')}"]
             return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
                     f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {self._element(s.srcs[0], scan)}, "
-                    "T.cast(0, IO))"]
+                    f"{self._zero(s.dst)})"]
         if s.op in ("load", "load_chunk_state"):
             K, V = self.tiles.get("K", "K"), self.tiles.get("V", "V")  # (a per-chunk state is padded)
             src = self._global(s.srcs[0], scan) if s.op == "load" else \
@@ -187,8 +193,10 @@ class _Render:
             return ["for i in T.Parallel(C):",
                     f"    {s.dst}[i] = T.if_then_else(i < n_valid, {x}[0, t0 + i, i_hv], {pad})"]
         if s.op == "zero_pad":
+            # (holding: rows below n_valid are not written, so reading row n_valid − 1 races with nothing)
+            pad = f"{s.dst}[T.max(n_valid - 1, 0), j]" if a.get("pad") == "hold" else self._zero(s.dst)
             loop = [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
-                    f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {s.dst}[i, j], T.cast(0, IO))"]
+                    f"    {s.dst}[i, j] = T.if_then_else(i < n_valid, {s.dst}[i, j], {pad})"]
             if not a.get("only_partial"):
                 return ["# the rows past the sequence belong to the next one"] + loop
             return ["if n_valid < C:  # the rows past the sequence belong to the next one"] + \
@@ -205,6 +213,33 @@ class _Render:
                 value = f"T.cast({value}, {_dtype(self.dtype[s.dst])})"
             return [f"for {', '.join(idx)} in T.Parallel({self._buf_shape(s.dst)}):",
                     f"    {s.dst}[{', '.join(idx)}] = {value}"]
+        if s.op == "cumsum" and "," in self._buf_shape(s.dst):
+            # a C×K block, per key: a thread a column walks the C rows (no barrier; C dependent adds)
+            row = "C - 1 - i" if a.get("reverse") else "i"
+            cols = self._buf_shape(s.dst).split(", ")[1]
+            return [f"for j in T.Parallel({cols}):",
+                    f"    {s.dst}_acc[j] = 0.0",
+                    "for i in T.serial(C):",
+                    f"    for j in T.Parallel({cols}):",
+                    f"        {s.dst}_acc[j] += {s.srcs[0]}[{row}, j]",
+                    f"        {s.dst}[{row}, j] = {s.dst}_acc[j]"]
+        if s.op == "decayed_product":
+            # Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i, into the product's
+            # fragment (its layout is the wgmma accumulator's: a warp holds 16 rows, so every thread
+            # holds the same share of the diagonal blocks); e^{...} is never stored. Each element
+            # walks k from its own start: a warp's lanes hold rows i % 8 and column pairs
+            # (j // 2) % 4, and one column k of 8 rows 256 bytes apart is an 8-way bank conflict.
+            # (k outermost, a thread's sums in flight together, ran 2.5× slower: NOTES, session 24)
+            x, z, g = s.srcs
+            width = self._buf_shape(x).split(", ")[1]
+            exp = {"exp": "T.exp", "exp2": "T.exp2"}[a["exp"]]
+            kk = f"(i_k + 2 * (i % 8) + 16 * ((j // 2) % 4)) % {width}"
+            return [f"for i, j in T.Parallel(C, C):",
+                    f"    {s.dst}[i, j] = 0.0",
+                    f"    if i // {a['block']} == j // {a['block']} and j <= i:  # a diagonal sub-block, on or below the diagonal",
+                    f"        for i_k in T.serial({width}):",
+                    f"            {s.dst}[i, j] += T.cast({x}[i, {kk}], \"float32\") * T.cast({z}[j, {kk}], \"float32\") * "
+                    f"{exp}({g}[i, {kk}] - {g}[j, {kk}])"]
         if s.op == "cumsum":
             # every thread sums its own prefix: C steps, no barrier (T.cumsum runs on threads 0..31
             # only, and a row sum over a C×C fragment costs C cross-thread reductions)
@@ -299,18 +334,22 @@ class _Render:
         cols = f"0:{width}" if start == "0" else f"{start}:{start} + {width}"
         return f"{name}[0, t0:t0 + C, {head}, {cols}]"
 
-    def _element(self, name, scan: bool) -> str:
-        """Element (i, j) of the chunk's rows of a per-token tensor."""
+    def _element(self, name, scan: bool, row: str = "i") -> str:
+        """Element (row, j) of the chunk's rows of a per-token tensor."""
         if self.params[name].zero_columns:  # an element load would read before column 0
             raise PassError("lower", f"{name}: a tensor with zero columns loads by whole blocks (TMA) only")
         head, start, _ = self._columns(name, scan)
-        return f"{name}[0, t0 + i, {head}, {'j' if start == '0' else f'{start} + j'}]"
+        return f"{name}[0, t0 + {row}, {head}, {'j' if start == '0' else f'{start} + j'}]"
+
+    def _zero(self, name) -> str:
+        return "T.cast(0, IO)" if self.dtype[self.aliases.get(name, name)] == "io" else "0.0"
 
 
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
 SCRATCH = {
     "inverse": {k: (b.scope, _shape(b.alloc_shape()), b.dtype) for k, b in INVERSE_SCRATCH.items()},
-    "cumsum": {"acc": ("fragment", "(C,)", "float32")},
+    # a vector's C running prefix sums (a thread a row), a C×K block's K (a thread a column)
+    "cumsum": {"acc": ("fragment", None, "float32")},
 }
 
 _DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1", "S": "Slots", "L": "L"}
@@ -447,6 +486,8 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
         out.append(f"        {b.name} = {alloc}({_shape(b.alloc_shape(), r.tiles)}, {_dtype(b.dtype)})")
         for s in (st for st in kernel.body if st.dst == b.name and st.op in SCRATCH):
             for suffix, (scope, shape, dt) in SCRATCH[s.op].items():
+                if shape is None:  # a vector over the block's last dim (a cumsum's running sums)
+                    shape = f"({r.tiles.get(b.shape[-1], b.shape[-1])},)"
                 alloc = "T.alloc_shared" if scope == "shared" else "T.alloc_fragment"
                 out.append(f"        {s.dst}_{suffix} = {alloc}({shape}, {_dtype(dt)})")
     for s in kernel.body:

@@ -1,36 +1,50 @@
 """Which chunk programs the sm90 kernels can run: the ops and block shapes partition, schedule and
 the TileLang lowering have rules for.
 
-A per-key gate (GLA, KDA) brings what they have none for yet: the C×C×K block of per-key decays,
-per-key vectors (K) and the decayed product `contract` (passes/chunk_per_key.py). Such a program
-runs on the CPU backend (the ChunkIR interpreter); the pipeline stops before `partition`, saying
-why, and the op refuses the inputs that would need kernels (qla_compiler/op.py), rather than
-build a kernel that computes something else or fail deep inside TileLang.
+A per-key gate (GLA, KDA) brings the decayed product X ⋆ Z = Σ_k X_ik Z_jk R_ijk over the C×C×K
+block of per-key decays (passes/chunk_per_key.py). subchunk_decay (passes/rewrite_subchunk.py)
+leaves of it matmuls and the product on the diagonal sub-blocks, which the lowering computes
+element by element without storing R (lower_tilelang's `decayed_product`): that form runs. The
+VJP's products (d X = d P ⋆ Z, ...: other subscripts) have no such form yet, so a per-key gate's
+backward program stops here, saying why, and the op refuses to train on kernels (qla_compiler/op.py),
+rather than build a kernel that computes something else or fail deep inside TileLang.
 
     >>> from qla_compiler import compile_spec
-    >>> print(unsupported(compile_spec("gdn").chunk))
-    None
+    >>> print(unsupported(compile_spec("gdn").chunk), unsupported(compile_spec("kda").chunk))
+    None None
 """
 from __future__ import annotations
 
 from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
-NO_RULE = {"contract": "the decayed product Σ_k X_ik Z_jk R_ijk"}
-NO_LAYOUT = {("C", "C", "K"): "C×C×K", ("K",): "per-key vector (K)"}
+SUB_BLOCK_PRODUCT = "ik,jk,ijk->ij"  # X ⋆ Z, the one decayed product with a lowering rule
+
+
+def on_sub_blocks(ir: ChunkIR, n) -> bool:
+    """X ⋆ Z restricted to the diagonal sub-blocks, its R = exp(masked_diff[block] γ) inlined."""
+    if n.op != "contract" or n.attr["eq"] != SUB_BLOCK_PRODUCT:
+        return False
+    R = ir.node(n.args[2])
+    return R.op in EXPONENTIALS and ir.node(R.args[0]).op == "masked_diff" and bool(ir.node(R.args[0]).attr.get("block"))
 
 
 def unsupported(ir: ChunkIR) -> str | None:
     """Why the sm90 lowering cannot take `ir` (naming the nodes), or None when it can."""
-    ops, blocks = {}, {}
+    inside = set()  # R of a sub-block product and its exponent: never stored
     for n in ir.order():
-        if n.op in NO_RULE:
-            ops.setdefault(n.op, []).append(n.name)
-        elif n.shape in NO_LAYOUT:
-            blocks.setdefault(n.shape, []).append(n.name)
-    if not ops and not blocks:
+        if on_sub_blocks(ir, n):
+            inside |= {n.args[2], ir.node(n.args[2]).args[0]}
+    products, blocks = [], []
+    for n in ir.order():
+        if n.op == "contract" and not on_sub_blocks(ir, n):
+            products.append(f"{n.name} = contract[{n.attr['eq']}]")
+        elif n.shape == ("C", "C", "K") and n.name not in inside:
+            blocks.append(n.name)
+    if not products and not blocks:
         return None
-    found = [f"the op {op} ({NO_RULE[op]}: {', '.join(names)})" for op, names in ops.items()]
-    found += [f"{NO_LAYOUT[shape]} blocks ({', '.join(names)})" for shape, names in blocks.items()]
-    return (f"the sm90 lowering has no rule yet for per-key gates (a diagonal decay Diag(exp(g))): "
-            f"{'; '.join(found)}. The op runs on CPU tensors (and float32/float64 CUDA tensors) through "
-            "the ChunkIR interpreter; `--target cpu` compiles for that alone")
+    found = [f"decayed products with no sub-chunk form ({', '.join(products)})"] if products else []
+    found += [f"C×C×K blocks outside a sub-block product ({', '.join(blocks)})"] if blocks else []
+    return (f"the sm90 lowering has no rule yet for {'; '.join(found)}: it runs X ⋆ Z on the diagonal "
+            "sub-blocks (passes/rewrite_subchunk.py) alone. The op runs on CPU tensors (and float32/float64 CUDA "
+            "tensors) through the ChunkIR interpreter; `--target cpu` compiles for that alone")

@@ -87,6 +87,8 @@ def _combined(ir: ChunkIR, free, prepared: set) -> set:
         blocks = [a for a in n.args if len(ir.node(a).shape) == 2]
         if n.op not in ELEMENTWISE or len(n.shape) != 2 or not blocks:
             continue
+        if len(blocks) == 1 and [u.name for u in ir.users(blocks[0])] != [x]:
+            continue  # its block crosses anyway (a per-key γ_C − γ): it would only add a crossing
         if all(a in out for a in blocks):
             out.add(x)
     return out

@@ -9,8 +9,10 @@
 
 The lowering to TileLang (passes/lower_tilelang.py) needs a shape class, so it runs when an op is
 first called with concrete shapes (or for `qla-compile --emit tilelang` with a default class). A
-chunk program the lowering has no rules for (passes/lowerable.py: a per-key gate's) stops the
-pipeline before `partition`; `Program.no_kernels` says why, and the CPU backend still runs it.
+chunk program the lowering has no rules for (passes/lowerable.py) stops the pipeline before
+`partition`; `Program.no_kernels` says why, and the CPU backend still runs it. A backward program
+without rules (a per-key gate's, for now) is refused where its kernels are asked for
+(`Program.backward_unsupported`).
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
@@ -252,6 +254,8 @@ class Program:
         what the training forward stored (self.stored()) its kernels load instead."""
         if "backward_program" not in self._derived:
             self._need_kernels("backward program: ")
+            if (why := self.backward_unsupported()) is not None:
+                raise PassError("partition", f"backward program: {why}")
             back = self.backward
             carried = self.training_program.stage("partition").carried
             # a state-free product (W = T·diag(βΓ)K) the backward recomputes from what it loads
@@ -291,6 +295,21 @@ class Program:
                                             f"at head-dim tiles K = {K}, V = {self.head_dims[1]} ({why})")
             self._derived["backward_columns"] = (width, prog)
         return self._derived["backward_columns"]
+
+    def backward_unsupported(self) -> str | None:
+        """Why the backward program has no kernels (passes/lowerable.py; a per-key gate's VJP), or
+        None when it has (or the forward has none either: `no_kernels` says why).
+
+            >>> import qla_compiler
+            >>> qla_compiler.compile_spec("gdn").backward_unsupported() is None
+            True
+            >>> "contract[ij,jk,ijk->ik]" in qla_compiler.compile_spec("gla").backward_unsupported()
+            True
+        """
+        if self.no_kernels is not None or self.target != "sm90":
+            return None
+        why = unsupported(self.backward)
+        return None if why is None else f"{self.recurrence.path}: {why}"
 
     def _need_kernels(self, where: str) -> None:
         """Refuse to schedule a program the pipeline found no kernels for (passes/lowerable.py)."""

@@ -13,6 +13,8 @@
                          rounded operand (shapes kernels; only the backward has such products)
                          (the fused forward runs it again after fold_wy, on the chain's products
                          too: scale_after_product_on_chain)
+    subchunk_decay       a per-key gate's X ⋆ Z as matmuls between sub-chunks of 16 tokens, the
+                         decay kept inside the sum on the diagonal sub-blocks alone (shapes kernels)
     verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
 """
 from .rewrite import Rewrite
@@ -23,11 +25,12 @@ from .rewrite_exp2 import EXP2
 from .rewrite_factor_scalar import FACTOR_SCALAR
 from .rewrite_gate_inverse import GATE_OUT_OF_INVERSE
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT
+from .rewrite_subchunk import SUBCHUNK_DECAY
 from .rewrite_wy import FOLD_WY
 from .verify_exponents import verify_exponents
 
 REWRITES: list[Rewrite] = [FOLD_CONSTANT_GATES, GATE_OUT_OF_INVERSE, FOLD_WY, FACTOR_SCALAR, EXP2, CSE, DECAY_VALUE_SIDE,
-                         SCALE_AFTER_PRODUCT]
+                         SCALE_AFTER_PRODUCT, SUBCHUNK_DECAY]
 
 
 class _Verify:

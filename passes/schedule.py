@@ -35,7 +35,8 @@ from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, Tensor
 
 from .partition import Partition
-from .schedule_build import Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params
+from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params,
+                             log_space)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes, live_fragments, live_shared,
                               place_loads, reads, smem_bytes, threads_for, zero_pad)
@@ -185,12 +186,12 @@ def _rows_block(b: Builder, x: str, free: list, own: bool) -> str | None:
     out from registers as 2-byte stores, 32 a thread (the solve-only prep, session 15's ncu: with
     the mask pass, ~30 % of its time); written to shared memory, the chunk leaves as a bulk copy
     of 128-byte rows (session 16, H200: that prep 1.07 → 0.85 ms at 16/64, with the padding)."""
-    shape = b.ir.node(x).shape
-    block = next((n for n in free if b.buffers[n].shape == shape), None)
+    shape, dtype = b.ir.node(x).shape, "float32" if log_space(b.ir, x) else "io"
+    block = next((n for n in free if b.buffers[n].shape == shape and b.buffers[n].dtype == dtype), None)
     if block is not None:
         free.remove(block)
         return block
-    return b.buf(f"{x}_rows_s", shape, "io", "shared") if own else None
+    return b.buf(f"{x}_rows_s", shape, dtype, "shared") if own else None
 
 
 def _store_early(b: Builder, crossing) -> set:

@@ -14,10 +14,12 @@ from qla_compiler.ir.kernel import Buffer, Stmt, Tensor
 from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE, INPUT_ROW_PAD as INVERSE_ROW_PAD
 from qla_compiler.kernels.tri_inverse_scratch import TF32_FROM as INVERSE_TF32_FROM
 
-BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
+from .lowerable import on_sub_blocks
+
+BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "key_gate": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
 RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "N", "NP1", "CH",
-            "Tok", "i", "j", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
+            "Tok", "i", "j", "i_k", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
 
 
 def _dims(shape, tiled: bool) -> tuple:
@@ -56,7 +58,7 @@ class Builder:
 
         def sub(arg):
             s = self.ir.node(arg).shape
-            return () if s == () else idx
+            return () if s == () else idx[-len(s):]  # (a per-key vector against a C×K block: its column)
 
         if op in ("add", "sub", "mul"):
             return (op, self.ex(a[0], sub(a[0])), self.ex(a[1], sub(a[1])))
@@ -68,6 +70,8 @@ class Builder:
                 sel = "select_lower" if inner.attr["mask"] == "lower" else "select_strict"
                 diff = self._diff(inner, idx)
                 return (sel, idx[0], idx[1], (op, diff), ("lit", 0.0))
+            if op != "neg" and inner.op == "ref_diff" and a[0] not in self.place:  # 0 off its rows
+                return self._ref_rows(inner, idx, (op, self._ref_diff(inner, idx)), 0.0)
             return (op, self.ex(a[0], idx))
         if op == "scale_rows":
             return ("mul", self.ex(a[0], (idx[0],)), self.ex(a[1], idx))
@@ -76,6 +80,8 @@ class Builder:
         if op == "masked_diff":
             sel = "select_lower" if n.attr["mask"] == "lower" else "select_strict"
             return (sel, idx[0], idx[1], self._diff(n, idx), ("lit", -1e30))
+        if op == "ref_diff":
+            return self._ref_rows(n, idx, self._ref_diff(n, idx), -1e30)
         if op == "causal_mask":
             sel = "select_lower" if n.attr["mask"] == "lower" else "select_strict"
             return (sel, idx[0], idx[1], ("lit", 1.0), ("lit", 0.0))
@@ -88,8 +94,8 @@ class Builder:
             return ("param", n.attr["name"])
         if op == "head_log":
             return ("head", n.attr["name"])
-        if op == "last":
-            return self.ex(a[0], ("n_valid - 1",))
+        if op == "last":  # (of a C×K block: its row, at this column)
+            return self.ex(a[0], ("n_valid - 1", *idx[-1:]) if n.shape else ("n_valid - 1",))
         if op == "positions":
             return ("min_pos", idx[0])
         if op == "at_last":  # the scalar at the chunk's last token, zero elsewhere
@@ -101,6 +107,16 @@ class Builder:
     def _diff(self, n, idx):
         x = n.args[0]
         return ("sub", self.ex(x, (idx[0],)), self.ex(x, (idx[1],)))
+
+    def _ref_diff(self, n, idx):
+        """x_i − x_ref (later), or x_ref − x_i, at (i, column)."""
+        x, ref = n.args[0], (str(n.attr["ref"]), *idx[1:])
+        here, there = self.ex(x, idx), self.ex(x, ref)
+        return ("sub", here, there) if n.attr["later"] else ("sub", there, here)
+
+    @staticmethod
+    def _ref_rows(n, idx, then, other: float):
+        return ("select_rows", idx[0], n.attr["lo"], n.attr["hi"], then, ("lit", other))
 
     # ---- statements -------------------------------------------------------------------------
     def ewise(self, dst: str, name: str):
@@ -301,8 +317,11 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
                     b.place[n.name] = own
             else:
                 shape = BLOCK_INPUT_SHAPE.get(kind, n.shape)
-                b.place[n.name] = b.buf(f"{n.name}_s", shape, "io", "shared")
-                b.loads.append(Stmt("load", b.place[n.name], (src,)))
+                b.place[n.name] = b.buf(f"{n.name}_s", shape, "float32" if log_space(ir, n.name) else "io", "shared")
+                # a prefix sum's rows past the chunk hold its last (what zero-padded gates give; a zero
+                # row would be a rise, and e^{γ_i − γ_ref} past the end could overflow)
+                hold = n.op != "input" and log_space(ir, n.name)
+                b.loads.append(Stmt("load", b.place[n.name], (src,), (("pad", "hold"),) if hold else ()))
         elif n.op == "state_in":
             b.place[n.name] = b.buf("state", n.shape, "float32", "fragment")
 
@@ -319,12 +338,26 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
         elif op in ("cumsum", "rev_cumsum"):  # prefix sums, or suffix sums (a cumsum's VJP)
             src = n.args[0]
             if src not in b.place or b.buffers[b.place[src]].scope != "shared":
-                dst = b.buf(f"{src}_s", ("C",), "float32", "shared")
+                dst = b.buf(f"{src}_s", n.shape, "float32", "shared")
                 b.ewise(dst, src)
                 b.place[src] = dst
-            b.place[name] = b.buf(f"{name}_s", ("C",), "float32", "shared")
+            b.place[name] = b.buf(f"{name}_s", n.shape, "float32", "shared")
             b.body.append(Stmt("cumsum", b.place[name], (b.place[src],),
                                (("reverse", True),) if op == "rev_cumsum" else ()))
+        elif op == "contract":  # on the diagonal sub-blocks (passes/lowerable.py), R never stored
+            if not on_sub_blocks(ir, n):
+                raise PassError("schedule", f"{name} = contract[{n.attr['eq']}]: only X ⋆ Z on the diagonal "
+                                            "sub-blocks has a lowering (passes/lowerable.py)")
+            X, Z, R = n.args
+            diff = ir.node(ir.node(R).args[0])
+            g = diff.args[0]
+            if g not in b.place or b.buffers[b.place[g]].scope != "shared":
+                staged = b.buf(f"{g}_s", ir.node(g).shape, "float32", "shared")
+                b.ewise(staged, g)
+                b.place[g] = staged
+            b.place[name] = b.buf(name, n.shape, "float32", "fragment")
+            b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), b.place[g]),
+                               (("block", diff.attr["block"]), ("exp", ir.node(R).op))))
         elif op == "inv_unit_lower":
             if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
                 raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")
@@ -393,12 +426,26 @@ def global_name(ir: ChunkIR, name: str) -> str:
 
 
 # ---- the kernels' parameters ---------------------------------------------------------------------
+def log_space(ir: ChunkIR, name: str) -> bool:
+    """A block of the gates alone (a per-key cumulative gate γ, a difference of it): it is
+    exponentiated later, so it stays float32 wherever it is stored (in bf16 a γ of −300 would
+    be off by 1 before its exponential)."""
+    n = ir.node(name)
+    if len(n.shape) != 2:
+        return False
+    inputs = [ir.node(a) for a in nx.ancestors(ir.graph, name) | {name} if ir.node(a).op == "input"]
+    return bool(inputs) and all(i.attr["kind"] in ("gate", "key_gate") for i in inputs)
+
+
 def crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
     n, g = ir.node(name), global_name(ir, name)
     if n.op == "state_in":
         return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk", padded=True)
     if n.shape == ("C",):
         return Tensor(g, ("1", "T", "HV"), "float32", role, "per token")
+    if log_space(ir, name):
+        return Tensor(g, ("1", "T", "HV", n.shape[1]), "float32", role, "rows of the chunk's log-space block, per token",
+                      padded=True)
     return Tensor(g, ("1", "T", "HV", n.shape[1]), "io", role, "rows of the chunk's block, per token", padded=True)
 
 
@@ -411,9 +458,9 @@ def input_params(ir: ChunkIR, nodes, loaded) -> list:
                              "the forward's state entering every chunk", padded=True))
         elif n.op == "input":
             kind = n.attr["kind"]
-            shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V"),
+            shape = {"key": ("1", "T", "H", "K"), "value": ("1", "T", "HV", "V"), "key_gate": ("1", "T", "HV", "K"),
                      "cotangent_value": ("1", "T", "HV", "V")}.get(kind, ("1", "T", "HV"))
-            blocks = kind in ("key", "value", "cotangent_value")
+            blocks = kind in ("key", "value", "cotangent_value")  # (a key gate: float32, as given)
             ps.append(Tensor(name, shape, "io" if blocks else "float32", "in"))
         elif name in loaded:
             ps.append(crossing_tensor(ir, name, "in"))

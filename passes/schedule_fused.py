@@ -99,6 +99,11 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     loaded_out = set(part.crossing) | set(part.carried) | set(part.provided)
     needed = ir.closure([ir.outputs[result]], stop=loaded_out, within=set(part.out))
     out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
+    products = [x for x in out_nodes if ir.node(x).op == "contract"]
+    if products:  # (a per-key gate's X ⋆ Z on its diagonal sub-blocks: passes/rewrite_subchunk.py)
+        raise NotFusable("schedule", f"{', '.join(products)}: element-wise work a chunk and V-block, which the "
+                                     "sequential walk would repeat per V-block (GLA fused: 17.4 ms at 16/16:1x32768 "
+                                     "where FLA takes 2.1, H200, session 24); it stays in the parallel out kernel")
     vectors = _vectors_for_loads(ir, set(part.scan) | set(out_nodes), set(part.crossing) | set(part.provided))
     chain = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims, vectors=vectors)
     if chain.place.get(ir.next_state) != "state":

@@ -58,10 +58,16 @@ def smem_bytes(buffers, dims: dict) -> int:
 
 
 def zero_pad(loads: list, only_partial: bool) -> list:
-    """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact).
-    For the pipelined scan, whose TMA loads cannot mask; `only_partial` skips full chunks."""
-    return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"), ("only_partial", only_partial)))
+    """A partial last chunk reads the next sequence's tokens: zero those rows (padding is exact),
+    or, for a loaded prefix sum (pad=hold), repeat its last row. For the pipelined scan, whose TMA
+    loads cannot mask; `only_partial` skips full chunks."""
+    return [Stmt("zero_pad", s.dst, (), (("rows", "n_valid"), ("only_partial", only_partial)) + _pad(s))
             for s in loads if s.op == "load"]
+
+
+def _pad(load: Stmt) -> tuple:
+    """A load's padding rule, for the statement that pads its rows (zeros, or the last row held)."""
+    return (("pad", load.attr["pad"]),) if load.attr.get("pad") else ()
 
 
 def place_loads(b: Builder, body: list, split_phase: bool) -> list:
@@ -91,7 +97,7 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
                 issues.append(Stmt(ld.op, ld.dst, ld.srcs, ld.attrs + (("async", True),)))
                 out.append(Stmt("wait_load", ld.dst))
                 if ld.op == "load":
-                    out.append(Stmt("zero_pad", ld.dst, (), (("rows", "n_valid"), ("only_partial", True))))
+                    out.append(Stmt("zero_pad", ld.dst, (), (("rows", "n_valid"), ("only_partial", True)) + _pad(ld)))
             else:
                 out.append(rows(ld))
         out.append(st)

@@ -7,7 +7,8 @@ so this pass does, by abstract interpretation over two small lattices:
     sign:  '≤0', '≥0' or '?'          (gates are ≤ 0 by declaration; head constants γ ≤ 1)
     order: 'dec', 'inc', 'flat', '?'  (along the chunk: a cumsum of ≤ 0 values never increases)
 
-masked_diff of a non-increasing vector is ≤ 0; last(x) − x of a non-increasing x is ≤ 0. A C×K
+masked_diff of a non-increasing vector is ≤ 0; last(x) − x of a non-increasing x is ≤ 0; so is
+ref_diff's x_i − x_ref on rows after ref and x_ref − x_i on rows up to it. A C×K
 block (a per-key gate's) is ordered along the chunk in each of its columns, and its masked_diff
 (C×C×K) and last (K) are taken per column, so the same rules prove e^{γ_ik − γ_jk} ≤ 1.
 A program with an exponential of anything else is refused, naming the node.
@@ -57,6 +58,13 @@ def analyse(ir: ChunkIR) -> dict:
             sign = a[0][0]
         elif n.op == "masked_diff":
             sign = {DEC: NEG, FLAT: NEG, INC: POS}.get(a[0][1], ANY)
+        elif n.op == "ref_diff":  # x_i − x_ref on rows after ref, or x_ref − x_i on rows up to it
+            at = n.attr
+            after, upto = at["lo"] >= at["ref"], at["hi"] <= at["ref"] + 1
+            if a[0][1] in (DEC, FLAT) and (after if at["later"] else upto):
+                sign = NEG
+            elif a[0][1] in (INC, FLAT) and (after if at["later"] else upto):
+                sign = POS
         elif n.op == "clamp_min":  # max(x, m) is ≤ 0 when both are; it keeps x's order
             m = n.attr["min"]
             sign = NEG if a[0][0] == NEG and m <= 0 else (POS if a[0][0] == POS or m >= 0 else ANY)

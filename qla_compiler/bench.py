@@ -1,4 +1,4 @@
-"""qla-bench: GDN forward beside FLA and FlashQLA, in one process on one GPU.
+"""qla-bench: GDN (or GLA, KDA) forward beside FLA and FlashQLA, in one process on one GPU.
 
     qla-bench                        # the rows of the baseline table (shared/gpu/README.md)
     qla-bench --rows 2/8:1x32768 --plot bench.png
@@ -7,6 +7,8 @@
     qla-bench --fused                # also the fused, warp-specialised forward (qla-fused)
     qla-bench --decode               # the token step (op.recurrent) beside FLA's fused_recurrent, one token
                                      # per sequence; each row also prints the time to move the states once
+    qla-bench --spec kda --rows 16/16:1x32768 16/16:8x4096   # a per-key gate beside FLA's chunk_kda
+                                     # (gla: chunk_gla; FlashQLA has neither); h_qk = h_v there
     python benchmarks/bench_gdn.py   # the same
 
 Two times per call, as the baseline table reports them:
@@ -50,7 +52,10 @@ def parse_dims(row: str) -> tuple:
     return int(K), int(V or K)
 
 
-def make_inputs(H, HV, lens, K=128, V=128, seed=0):
+SPECS = ("gdn", "gla", "kda")  # the benched ops: FLA's chunk_gated_delta_rule, chunk_gla, chunk_kda
+
+
+def make_inputs(H, HV, lens, K=128, V=128, seed=0, spec="gdn"):
     import torch
     import torch.nn.functional as F
 
@@ -59,11 +64,13 @@ def make_inputs(H, HV, lens, K=128, V=128, seed=0):
     q = torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16)
     k = F.normalize(torch.randn(1, T, H, K, device="cuda", generator=gen), dim=-1).to(torch.bfloat16)
     v = torch.randn(1, T, HV, V, device="cuda", generator=gen).to(torch.bfloat16)
-    g = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=gen) + 3.0)
+    per_key = (K,) if spec in ("gla", "kda") else ()  # a gate per key dimension
+    g = F.logsigmoid(torch.randn(1, T, HV, *per_key, device="cuda", generator=gen) + 3.0)
     beta = torch.rand(1, T, HV, device="cuda", generator=gen)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.long)
     h0 = torch.randn(len(lens), HV, K, V, device="cuda", generator=gen) * 0.1
-    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    return dict(q=q, k=k, v=v, g=g, **({} if spec == "gla" else {"beta": beta}), initial_state=h0,
+                output_final_state=True, cu_seqlens=cu)
 
 
 def with_backward(fn):
@@ -128,33 +135,38 @@ def decode_libraries(only=None):
     return {k: v for k, v in libs.items() if not only or k in only}
 
 
-def libraries(cp=None, only=None, backward=False, fused=False):
+def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
     import functools
+    import importlib
 
     import qla_compiler.ops as qla_ops
     from qla_compiler.kernels import forward
 
+    name = {"gdn": "chunk_gated_delta_rule", "gla": "chunk_gla", "kda": "chunk_kda"}[spec]
+    ours = getattr(qla_ops, name)
+
     def with_policy(on):
         def call(**a):
             with forward.launch_policy(fused=on):
-                return qla_ops.chunk_gated_delta_rule(**a)
+                return ours(**a)
         return call
 
-    libs = {"qla": with_policy(False) if fused else qla_ops.chunk_gated_delta_rule}
+    libs = {"qla": with_policy(False) if fused else ours}
     if fused:
         libs["qla-fused"] = with_policy(True)
     if cp:
-        libs[f"qla-cp{cp}"] = functools.partial(qla_ops.chunk_gated_delta_rule, context_parallel=cp)
+        libs[f"qla-cp{cp}"] = functools.partial(ours, context_parallel=cp)
+    module = {"gdn": "fla.ops.gated_delta_rule", "gla": "fla.ops.gla", "kda": "fla.ops.kda"}[spec]
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
-        libs["FLA"] = fla_gdn
+        libs["FLA"] = getattr(importlib.import_module(module), name)
     except ImportError as e:
         print(f"FLA not importable: {e}", file=sys.stderr)
-    try:
-        from flash_qla import chunk_gated_delta_rule as fq_gdn
-        libs["FlashQLA"] = fq_gdn
-    except ImportError as e:
-        print(f"FlashQLA not importable: {e}", file=sys.stderr)
+    if spec == "gdn":  # (FlashQLA has no per-key gate)
+        try:
+            from flash_qla import chunk_gated_delta_rule as fq_gdn
+            libs["FlashQLA"] = fq_gdn
+        except ImportError as e:
+            print(f"FlashQLA not importable: {e}", file=sys.stderr)
     if backward:
         libs = {k: with_backward(f) for k, f in libs.items()}
     if only:  # e.g. while tuning: the baselines' times do not change between runs
@@ -162,17 +174,17 @@ def libraries(cp=None, only=None, backward=False, fused=False):
     return libs
 
 
-def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused=False):
+def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused=False, spec="gdn"):
     import torch
 
-    libs = decode_libraries(only) if decode else libraries(cp, only, backward, fused)
+    libs = decode_libraries(only) if decode else libraries(cp, only, backward, fused, spec)
     results = []
     what = "token step (decode)" if decode else "forward + backward" if backward else "forward"
-    print(f"# GDN {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, ms per call")
+    print(f"# {spec.upper()} {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, ms per call")
     for row in rows:
         H, HV, lens = parse_row(row)
         K, V = parse_dims(row)
-        args = make_inputs(H, HV, lens, K, V)
+        args = make_inputs(H, HV, lens, K, V, spec=spec)
         res = {"row": row}
         for name, fn in libs.items():
             def call(f=fn, a=args):
@@ -259,12 +271,16 @@ def main(argv=None) -> int:
                          "rows default to batches of 1, 32 and 256 one-token sequences")
     ap.add_argument("--block-v", type=int, choices=(16, 32, 64),
                     help="the scan's V-block, for every row (default: kernels/forward.py's block_v choice)")
+    ap.add_argument("--spec", choices=SPECS, default="gdn",
+                    help="the op to time beside FLA's: gdn (default), gla or kda (per-key gates)")
     args = ap.parse_args(argv)
+    if args.spec != "gdn" and args.decode:
+        ap.error("--decode times GDN's token step only")
     from qla_compiler.kernels import forward
 
     rows = args.rows or (DECODE_ROWS if args.decode else ROWS)
     with forward.launch_policy(scan_stages=args.scan_stages, block_v=args.block_v):
-        run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused)
+        run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused, args.spec)
     return 0
 
 

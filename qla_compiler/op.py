@@ -142,9 +142,13 @@ class CompiledOp:
             if self._decodes(inputs, dims, initial_state, context_parallel):
                 return self.recurrent(**inputs, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                       output_final_state=output_final_state)
-            if self.program.kernels is None:  # (a per-key gate: passes/lowerable.py)
+            if self.program.kernels is None:  # (passes/lowerable.py)
                 raise PassError("partition", f"{self.program.no_kernels or 'the program has no kernels'} "
                                 f"(got {v.dtype} CUDA tensors, which run the kernels)")
+            if _wants_grad(initial_state, *inputs.values()) and (why := self.program.backward_unsupported()):
+                raise PassError("partition", f"backward program: {why}. Got {v.dtype} CUDA tensors that need "
+                                "gradients: the forward alone runs on the kernels (under torch.no_grad(), or on "
+                                "detached inputs); training runs on the CPU backend")
             o, final = self._run_kernels(inputs, scale, initial_state, cu_seqlens, context_parallel)
         elif context_parallel not in (None, "auto"):  # ("auto" is the GPU's planner: kernels/cp_plan.py)
             o, final = self._interpret_segments(inputs, dims, scale, initial_state, cu_seqlens, work,

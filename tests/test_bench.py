@@ -1,4 +1,8 @@
 """qla-bench's bookkeeping (the timing itself needs a GPU)."""
+import pytest
+
+import qla_compiler.ops as qla_ops
+from qla_compiler import bench
 from qla_compiler.bench import ROWS, _table, parse_row
 
 
@@ -90,3 +94,15 @@ def test_decode_tokens_bound_switches_the_dispatch():
     with decode_tokens(0):
         assert not decode_shaped(dims)
     assert decode_shaped(dims)
+
+
+def test_spec_option_times_a_per_key_op_beside_flas(capsys):
+    """--spec gla|kda: qla's chunk_gla / chunk_kda (FLA's names, FLA's matching op beside them);
+    FlashQLA has no per-key gate, and GDN's token step is the only decode bench."""
+    for spec, name in (("gla", "chunk_gla"), ("kda", "chunk_kda")):
+        libs = bench.libraries(only=["qla"], spec=spec)
+        assert libs == {"qla": getattr(qla_ops, name)}
+        assert "FlashQLA" not in bench.libraries(spec=spec)
+    with pytest.raises(SystemExit):
+        bench.main(["--spec", "kda", "--decode"])
+    assert "--decode times GDN's token step only" in capsys.readouterr().err

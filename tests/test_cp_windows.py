@@ -227,10 +227,10 @@ def test_segment_layout_is_kept_with_cu_seqlens():
 @pytest.mark.parametrize("spec", ["gdn", "retnet"])
 def test_window_search_kernel_lowers_to_cuda(spec):
     """The GPU's window search (kernels/window_search.py) through TileLang to CUDA for sm_90a, no
-    GPU needed: GDN's (a gate and the delta factor: the keys' norms) and RetNet's (a head constant,
-    no keys read), both walk directions; each chunk's λ are summed between two barriers, and only
-    while no window has been found. (On the GPU, tests/test_gpu_window_search.py holds its skips to
-    window_skips'.)"""
+    GPU needed: GDN's (a gate and the delta factor: the keys' norms, the keys read in 16-byte loads)
+    and RetNet's (a head constant, no keys read), both walk directions; each chunk's λ are summed
+    between two barriers, and only while no window has been found. (On the GPU,
+    tests/test_gpu_window_search.py holds its skips to window_skips'.)"""
     import qla_compiler
     from qla_compiler.kernels import window_search
 
@@ -238,7 +238,7 @@ def test_window_search_kernel_lowers_to_cuda(spec):
     for reverse in (False, True):
         src = window_search.compiled(window_search.kind(rec), 2, 8, 128, "bfloat16", 64, reverse).get_kernel_source()
         assert src.count("__syncthreads()") == 2 and "if_condition = (found[0] < 0)" in src.replace("bool ", "")
-        assert ("keys[" in src) == (spec == "gdn")
+        assert ("*(uint4*)(keys + " in src) == ("keys" in src) == (spec == "gdn")
 
 
 def test_a_context_parallel_call_dispatches_few_torch_ops(monkeypatch):

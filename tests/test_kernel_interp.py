@@ -77,7 +77,7 @@ def _set_expr(s, f):
 
 
 def test_the_compiled_kernels_meet_the_reference(ops, monkeypatch):
-    for spec in ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn"):
+    for spec in ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn", "gla", "kda"):
         err_o, err_s = _forward(ops[spec], monkeypatch)
         assert err_o <= TOL and err_s <= TOL, (spec, err_o, err_s)
 

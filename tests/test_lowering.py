@@ -20,6 +20,7 @@ from qla_compiler.passes.lower_tilelang import ShapeClass, lower, lower_kernel
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import schedule
 from qla_compiler.passes.schedule_memory import reads
+from qla_compiler.specs import WITH_BACKWARD_KERNELS
 from qla_compiler.specs import WITH_KERNELS as NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
@@ -110,7 +111,7 @@ def test_emit_cuda_uses_wgmma(cuda_sources, name):
                               src, re.S))
     assert kernels, "no kernel found in the CUDA source"
     with_inverse = {k for k, body in kernels.items() if "mma_sync" in body}
-    expected = {f"{name}_prep_kernel"} if name in ("gdn", "delta_net") else set()
+    expected = {f"{name}_prep_kernel"} if name in ("gdn", "delta_net", "kda") else set()
     assert with_inverse == expected  # no fallback to the sm80 tensor-core path anywhere else
     for k in with_inverse:
         calls = re.findall(r"tl::mma_sync<([^>]*)>", kernels[k])
@@ -351,7 +352,7 @@ def test_out_kernels_split_by_live_shared_memory(monkeypatch):
         assert len(k.body) < len(whole.body)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WITH_BACKWARD_KERNELS)
 def test_backward_tilelang_is_valid_python(name, capsys):
     assert main([name, "--emit", "tilelang", "--backward", "--shape", SHAPE]) == 0
     src = capsys.readouterr().out
@@ -368,9 +369,10 @@ def test_backward_lowers_to_cuda_with_reductions(tmp_path):
 
 
 def _scheduled(prog, split_phase: bool):
-    """The kernels of the program and of its backward, with or without split-phase loads (the
-    default is schedule.SPLIT_PHASE_LOADS)."""
-    return [schedule(p.stage("partition"), split_phase_loads=split_phase) for p in (prog, prog.backward_program)]
+    """The kernels of the program and of its backward (where it has them: not yet a per-key
+    gate's), with or without split-phase loads (the default is schedule.SPLIT_PHASE_LOADS)."""
+    progs = (prog,) if prog.backward_unsupported() else (prog, prog.backward_program)
+    return [schedule(p.stage("partition"), split_phase_loads=split_phase) for p in progs]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -379,7 +381,7 @@ def test_parallel_kernels_load_each_block_right_before_its_first_reader(name):
     alive in the whole kernel and none could share memory, and loading early would hide nothing."""
     prog = qla_compiler.compile_spec(name)
     kirs = _scheduled(prog, split_phase=False)
-    for k in kirs[0].kernels + kirs[1].kernels:
+    for k in (k for kir in kirs for k in kir.kernels):
         if k.loop:
             continue
         body = k.body
@@ -450,7 +452,7 @@ def test_scan_waits_for_its_stores_only_before_reusing_their_blocks():
     assert "T.tma_store_wait()" in scan[scan.rindex("T.tma_copy("):scan.index("final_state[i_n")]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WITH_BACKWARD_KERNELS)
 def test_only_the_backward_chain_splits_its_products(name):
     """The hi/lo split (two wgmmas) is for the backward's state chain, where it set d_S0's error;
     the forward scans keep one product per term."""

@@ -14,11 +14,14 @@ import torch
 import qla_compiler
 from qla_compiler import SpecError, UnsupportedStructure
 from qla_compiler.cli import main
+from qla_compiler.emulate import emulated_kernels
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk_interp import run_all_chunks, run_chunks
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
+from qla_compiler.kernels import forward as fwd
 from qla_compiler.layout import gather, sequence_bounds, to_chunks
 from qla_compiler.ops import chunk_gla, chunk_kda
+from qla_compiler.passes.rewrite_subchunk import SUBCHUNK
 from qla_compiler.passes.verify_exponents import NEG, analyse, verify_exponents
 from qla_compiler.spec import K, DiagExp
 from qla_compiler.testing import input_grads, random_inputs, rel_err
@@ -118,20 +121,39 @@ def test_malformed_per_key_specs_name_file_and_line(tmp_path, decls, step, patte
 @pytest.mark.parametrize("name", PER_KEY)
 def test_only_differences_of_cumulative_gates_are_exponentiated(ops, name):
     """Forward and backward: every exponential's argument is proved ≤ 0, and is γ (a cumsum of
-    gates), a masked per-key difference γ_ik − γ_jk (j ≤ i), or γ_C − γ: never −γ."""
+    gates), a masked per-key difference γ_ik − γ_jk (j ≤ i), a difference from a sub-chunk's
+    reference row on the rows on its side (ref_diff), or γ_C − γ: never −γ."""
     prog = ops[name].program
     for ir in (prog.chunk, prog.backward):
         info = analyse(ir)
         exps = [n for n in ir.order() if n.op in EXPONENTIALS]
-        assert len(exps) == 4  # Γ, Γ_C, R (C×C×K) and the decay to the chunk's end
         for n in exps:
             assert info[n.args[0]][0] == NEG, n.name
             arg = ir.node(n.args[0])
-            assert arg.op in ("mul", "masked_diff", "last", "sub"), n.name
+            assert arg.op in ("mul", "masked_diff", "last", "sub", "ref_diff"), n.name
         verify_exponents(ir)
-    R = prog.chunk.node("R")
-    assert R.shape == ("C", "C", "K") and prog.chunk.node(R.args[0]).op == "masked_diff"
-    assert [n.attr["eq"] for n in prog.chunk.of_op("contract")] == ["ik,jk,ijk->ij"] * (2 if name == "kda" else 1)
+    # Γ, Γ_C, the decay to the chunk's end, R on the diagonal sub-blocks (C×C×K), and the two
+    # factors of each of the C/B − 1 references (passes/rewrite_subchunk.py)
+    C, B = prog.chunk.chunk_size, SUBCHUNK
+    assert len([n for n in prog.chunk.order() if n.op in EXPONENTIALS]) == 4 + 2 * (C // B - 1)
+    R = prog.chunk.node("R_diag")
+    assert R.shape == ("C", "C", "K") and prog.chunk.node(R.args[0]).attr == {"mask": "lower", "block": B}
+    products = prog.chunk.of_op("contract")
+    assert [n.attr["eq"] for n in products] == ["ik,jk,ijk->ij"] * (2 if name == "kda" else 1)
+    assert all(n.args[2] == "R_diag" for n in products)
+
+
+@pytest.mark.parametrize("later", [True, False])
+def test_a_reference_row_on_the_wrong_side_is_refused(ops, later):
+    """ref_diff proves x_i − x_ref ≤ 0 only on rows after ref, x_ref − x_i only on rows up to it."""
+    ir = ops["gla"].program.chunk.copy()
+    g = ir.node("decay_after_15").args[0]
+    g = ir.node(g).args[0]
+    lo, hi = (0, 16) if later else (16, 32)  # the other side of row 15
+    bad = ir.add("bad", "exp2", ir.add("wrong_side", "ref_diff", g, ref=15, lo=lo, hi=hi, later=later))
+    ir.outputs["o"] = ir.add("o_bad", "add", ir.outputs["o"], ir.add("x", "matmul", ir.add("kb", "mul", "k", bad), "S0"))
+    with pytest.raises(PassError, match="'bad'"):
+        verify_exponents(ir)
 
 
 def test_the_naive_factorisation_is_refused(ops):
@@ -174,7 +196,7 @@ def test_every_intermediate_stays_bounded_in_float32(ops, name, how):
     values = _all_values(op, args, torch.float32)
     for n, x in values.items():  # −inf: only the masked differences' masked entries (and a reset's g)
         assert not torch.isnan(x).any() and not (x == float("inf")).any(), n
-        if op.program.chunk.node(n).op not in ("input", "masked_diff"):
+        if op.program.chunk.node(n).op not in ("input", "masked_diff", "ref_diff"):
             assert _finite(x), n
     for n in op.program.chunk.order():
         if n.op in EXPONENTIALS:
@@ -331,38 +353,86 @@ def test_bad_inputs_name_the_argument(change, pattern):
             chunk_gla(**args)
 
 
-# ---- sm90: no kernels yet, said plainly --------------------------------------------------------
+# ---- sm90: the forward on kernels, the backward refused saying why ----------------------------
 
 @pytest.mark.parametrize("name", PER_KEY)
-def test_sm90_has_no_kernels_and_says_why(name, capsys):
+def test_sm90_runs_the_forward_and_refuses_the_backward_saying_why(name, capsys):
+    """The forward's kernels hold no C×C×K block (the diagonal sub-blocks' product is one
+    statement that never stores R); the backward's products have no sub-chunk form yet, and
+    everything that would build its kernels says so, naming them."""
     prog = qla_compiler.compile_spec(name, target="sm90")
-    assert prog.kernels is None and prog.chunk is not None
-    assert prog.no_kernels.startswith(f"{prog.recurrence.path}: the sm90 lowering has no rule yet for per-key gates")
-    assert "contract" in prog.no_kernels and "C×C×K" in prog.no_kernels
-    for emit in ("kernel", "tilelang", "cuda"):
-        assert main([name, "--emit", emit]) == 1
-        err = capsys.readouterr().err
-        assert f"--emit {emit}: no kernels: " in err and \
-            f"{name}.py: the sm90 lowering has no rule yet for per-key gates" in err, err
-    with pytest.raises(PassError, match="backward program: .*no rule yet for per-key gates"):
+    assert prog.no_kernels is None
+    kernels = prog.kernels.kernels
+    assert [k.name for k in kernels] == [f"{name}_prep", f"{name}_scan", f"{name}_out"]
+    assert not any(b.shape == ("C", "C", "K") for k in kernels for b in k.buffers)
+    out = next(k for k in kernels if k.name == f"{name}_out")
+    assert [st.attr["block"] for st in out.body if st.op == "decayed_product"] == [SUBCHUNK]
+    crossing = [p for k in kernels for p in k.params if p.name == "g_cum_log2_rows"]
+    assert crossing and all(p.dtype == "float32" for p in crossing)  # γ never rounds to bf16
+    why = prog.backward_unsupported()
+    assert why.startswith(f"{prog.recurrence.path}: the sm90 lowering has no rule yet for decayed products")
+    assert "contract[ij,jk,ijk->ik]" in why  # d Q = d P ⋆ K
+    with pytest.raises(PassError, match="backward program: .*no sub-chunk form"):
         prog.backward_program
-    if name == "kda":  # (GLA has no inverse to keep: its training forward is the program itself)
-        with pytest.raises(PassError, match="training program: .*no rule yet for per-key gates"):
-            prog.training_program
-    with pytest.raises(PassError, match="partition"):
-        qla_compiler.compile_spec(name, stop_after="partition")
-    for spec in ("gdn", "simple_gla"):  # the scalar gates keep their kernels
-        assert qla_compiler.compile_spec(spec).no_kernels is None
+    assert main([name, "--emit", "kernel"]) == 0
+    capsys.readouterr()
+    assert main([name, "--emit", "kernel", "--backward"]) == 1
+    assert "no sub-chunk form" in capsys.readouterr().err
+    for spec in ("gdn", "simple_gla"):  # the scalar gates keep their backward kernels
+        assert qla_compiler.compile_spec(spec).backward_unsupported() is None
 
 
-def test_bf16_cuda_inputs_are_refused_not_run_wrong(monkeypatch):
-    """Inputs that would run the kernels (bf16/fp16 CUDA tensors) are refused with the reason; the
-    check runs before any kernel is looked up (faked here: no GPU on CPU CI)."""
+def test_bf16_cuda_inputs_that_need_gradients_are_refused_not_run_wrong(monkeypatch):
+    """Inputs that would run the kernels (bf16/fp16 CUDA tensors) and need gradients are refused
+    with the reason before any kernel is looked up (faked here: no GPU on CPU CI)."""
     op = qla_compiler.compile("gla")
-    args = {n: x.to(torch.bfloat16) for n, x in _fla_inputs().items() if n != "beta"}
+    args = {n: x.to(torch.bfloat16).requires_grad_() for n, x in _fla_inputs().items() if n != "beta"}
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    with pytest.raises(PassError, match=r"gla\.py: the sm90 lowering has no rule yet for per-key gates.*bfloat16"):
+    with pytest.raises(PassError, match=r"backward program: .*gla\.py: .*no sub-chunk form.*bfloat16"):
         op(**args)
+
+
+@pytest.mark.parametrize("how", ["random", "strong", "zero", "mixed", "reset", "same keys"])
+@pytest.mark.parametrize("name", PER_KEY)
+def test_the_forward_kernels_meet_the_reference(ops, name, how):
+    """The sm90 forward's KernelIR, every statement interpreted with the GPU's roundings (bf16
+    blocks, float32 γ: ir/kernel_interp.py) through the GPU path's host code, against the float64
+    reference: 1-token sequences, partial chunks (their γ rows held past the end), the worst gates,
+    identical keys. Neither fuses its scan and out kernel (schedule_fused: the diagonal sub-blocks'
+    product stays in the parallel out kernel)."""
+    op = ops[name]
+    # partial chunks of 40 and 36 tokens: rows past the end after a sub-chunk's reference row
+    args = _args(op, "random" if how == "same keys" else how, dtype=torch.bfloat16, K=64, V=32, T=200,
+                 cu_seqlens=[0, 1, 41, 141, 200])
+    if how == "same keys":
+        args["k"] = args["k"][:, :1].expand_as(args["k"]).clone()
+    inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                                      args["cu_seqlens"], False)
+    o_ref, s_ref = op.reference(**{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
+                                   for k, v in args.items()})
+    for fused in (True, False):  # (asked to fuse, it runs the separate kernels)
+        with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=torch.bfloat16) as emu:
+            o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
+                                   args["cu_seqlens"], op._head_logs(dims.HV), fused=fused)
+        assert [n for n, _ in emu.calls][-1] == f"{name}_out"
+        assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2, (fused, rel_err(o, o_ref), rel_err(final, s_ref))
+
+
+@pytest.mark.parametrize("name", PER_KEY)
+def test_the_forward_kernels_with_context_parallelism_meet_the_reference(ops, name):
+    """Each sequence cut in two segments: the windows scan's kernels, the start states chained on
+    the host (the per-key gate's search runs in torch: kernels/window_search.py)."""
+    op = ops[name]
+    args = _args(op, "strong", dtype=torch.bfloat16, K=64, V=64, T=400, cu_seqlens=[0, 1, 130, 400])
+    inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                                      args["cu_seqlens"], False)
+    o_ref, s_ref = op.reference(**{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
+                                   for k, v in args.items()})
+    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=torch.bfloat16) as emu:
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
+                               op._head_logs(dims.HV), context_parallel=2)
+    assert f"{name}_scan_windows" in [n for n, _ in emu.calls]
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-2, (rel_err(o, o_ref), rel_err(final, s_ref))
 
 
 # ---- the CLI ----------------------------------------------------------------------------------
@@ -371,10 +441,10 @@ def test_bf16_cuda_inputs_are_refused_not_run_wrong(monkeypatch):
 def test_cli_prints_the_summary_chunk_and_backward(name, capsys):
     assert main([f"specs/{name}.py"]) == 0
     out = capsys.readouterr().out
-    assert f"recurrence {name}" in out and "per-key gated" in out and "kernels: none — specs/" in out
+    assert f"recurrence {name}" in out and "per-key gated" in out and f"kernels: {name}_prep, {name}_scan" in out
     assert main([f"specs/{name}.py", "--emit", "chunk"]) == 0
     out = capsys.readouterr().out
-    assert "g:C×K" in out and "R:C×C×K" in out and "contract[eq=ik,jk,ijk->ij] q k R" in out
+    assert "g:C×K" in out and "R_diag:C×C×K" in out and "contract[eq=ik,jk,ijk->ij] q k R_diag" in out
     assert "S_decayed:K×V     = scale_rows Gamma_C S0" in out or "scale_rows Gamma_C S0" in out
     assert main([f"specs/{name}.py", "--emit", "backward"]) == 0
     out = capsys.readouterr().out
