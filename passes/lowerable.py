@@ -5,9 +5,11 @@ A per-key gate (GLA, KDA) brings the decayed product X ⋆ Z = Σ_k X_ik Z_jk R_
 block of per-key decays (passes/chunk_per_key.py). subchunk_decay (passes/rewrite_subchunk.py)
 leaves of it matmuls and the product on the diagonal sub-blocks, which the lowering computes
 element by element without storing R (lower_tilelang's `decayed_product`): that form runs. The
-VJP's products (d X = d P ⋆ Z, ...: other subscripts) have no such form yet, so a per-key gate's
-backward program stops here, saying why, and the op refuses to train on kernels (qla_compiler/op.py),
-rather than build a kernel that computes something else or fail deep inside TileLang.
+VJP's products (d X = d P ⋆ Z and d Z = d Pᵀ ⋆ X, other subscripts; d γ through them:
+passes/rewrite_decay_grad.py) reach the same sub-chunk form, but their diagonal sub-blocks have no
+lowering rule yet, so a per-key gate's backward program stops here, saying why, and the op refuses
+to train on kernels (qla_compiler/op.py), rather than build a kernel that computes something else
+or fail deep inside TileLang.
 
     >>> from qla_compiler import compile_spec
     >>> print(unsupported(compile_spec("gdn").chunk), unsupported(compile_spec("kda").chunk))
@@ -43,7 +45,7 @@ def unsupported(ir: ChunkIR) -> str | None:
             blocks.append(n.name)
     if not products and not blocks:
         return None
-    found = [f"decayed products with no sub-chunk form ({', '.join(products)})"] if products else []
+    found = [f"decayed products other than X ⋆ Z on the diagonal sub-blocks ({', '.join(products)})"] if products else []
     found += [f"C×C×K blocks outside a sub-block product ({', '.join(blocks)})"] if blocks else []
     return (f"the sm90 lowering has no rule yet for {'; '.join(found)}: it runs X ⋆ Z on the diagonal "
             "sub-blocks (passes/rewrite_subchunk.py) alone. The op runs on CPU tensors (and float32/float64 CUDA "

@@ -74,3 +74,15 @@ def lower_tri(C: int, f) -> sp.Matrix:
 
 def strict_lower(M: sp.Matrix) -> sp.Matrix:
     return sp.Matrix(M.rows, M.cols, lambda i, j: M[i, j] if j < i else 0)
+
+
+def add_once(ir: ChunkIR, created: list, name: str, op: str, *args, **attrs) -> str:
+    """A node, or the one already computing the same (op, args, attrs): a rewrite that builds the
+    same factor for several products shares it (`created` collects the new ones, for take_place)."""
+    key = (op, args, tuple(sorted(attrs.items())))
+    same = next((m.name for m in ir.order() if m.key() == key), None)
+    if same is None:
+        same = ir.add(name, op, *args, **attrs)
+        created.append(same)
+    return same
+

@@ -13,13 +13,17 @@
                          rounded operand (shapes kernels; only the backward has such products)
                          (the fused forward runs it again after fold_wy, on the chain's products
                          too: scale_after_product_on_chain)
-    subchunk_decay       a per-key gate's X ⋆ Z as matmuls between sub-chunks of 16 tokens, the
-                         decay kept inside the sum on the diagonal sub-blocks alone (shapes kernels)
+    decay_grad_by_products  a per-key gate's d γ through X ⋆ Z from the VJP's own products,
+                         X ⊙ (d P ⋆ Z) − Z ⊙ (d Pᵀ ⋆ X): no C×C×K d R (shapes kernels)
+    subchunk_decay       a per-key gate's X ⋆ Z (and those VJP products) as matmuls between
+                         sub-chunks of 16 tokens, the decay kept inside the sum on the diagonal
+                         sub-blocks alone (shapes kernels)
     verify_exponents     refuse any exponential not provably ≤ 0 (also run after every pass)
 """
 from .rewrite import Rewrite
 from .rewrite_const_gates import FOLD_CONSTANT_GATES
 from .rewrite_cse import CSE
+from .rewrite_decay_grad import DECAY_GRAD_BY_PRODUCTS
 from .rewrite_decay_side import DECAY_VALUE_SIDE
 from .rewrite_exp2 import EXP2
 from .rewrite_factor_scalar import FACTOR_SCALAR
@@ -30,7 +34,7 @@ from .rewrite_wy import FOLD_WY
 from .verify_exponents import verify_exponents
 
 REWRITES: list[Rewrite] = [FOLD_CONSTANT_GATES, GATE_OUT_OF_INVERSE, FOLD_WY, FACTOR_SCALAR, EXP2, CSE, DECAY_VALUE_SIDE,
-                         SCALE_AFTER_PRODUCT, SUBCHUNK_DECAY]
+                         SCALE_AFTER_PRODUCT, DECAY_GRAD_BY_PRODUCTS, SUBCHUNK_DECAY]
 
 
 class _Verify:

@@ -358,8 +358,9 @@ def test_bad_inputs_name_the_argument(change, pattern):
 @pytest.mark.parametrize("name", PER_KEY)
 def test_sm90_runs_the_forward_and_refuses_the_backward_saying_why(name, capsys):
     """The forward's kernels hold no C×C×K block (the diagonal sub-blocks' product is one
-    statement that never stores R); the backward's products have no sub-chunk form yet, and
-    everything that would build its kernels says so, naming them."""
+    statement that never stores R). The backward reaches the same form (no whole-chunk C×C×K
+    block left: decay_grad_by_products, subchunk_decay), but its products' diagonal sub-blocks have
+    no lowering rule yet, and everything that would build its kernels says so, naming them."""
     prog = qla_compiler.compile_spec(name, target="sm90")
     assert prog.no_kernels is None
     kernels = prog.kernels.kernels
@@ -372,12 +373,13 @@ def test_sm90_runs_the_forward_and_refuses_the_backward_saying_why(name, capsys)
     why = prog.backward_unsupported()
     assert why.startswith(f"{prog.recurrence.path}: the sm90 lowering has no rule yet for decayed products")
     assert "contract[ij,jk,ijk->ik]" in why  # d Q = d P ⋆ K
-    with pytest.raises(PassError, match="backward program: .*no sub-chunk form"):
+    assert [n.name for n in prog.backward.order() if n.shape == ("C", "C", "K")] == ["g_cum_log2_diff_diag", "R_diag"]
+    with pytest.raises(PassError, match="backward program: .*other than X ⋆ Z on the diagonal sub-blocks"):
         prog.backward_program
     assert main([name, "--emit", "kernel"]) == 0
     capsys.readouterr()
     assert main([name, "--emit", "kernel", "--backward"]) == 1
-    assert "no sub-chunk form" in capsys.readouterr().err
+    assert "other than X ⋆ Z on the diagonal sub-blocks" in capsys.readouterr().err
     for spec in ("gdn", "simple_gla"):  # the scalar gates keep their backward kernels
         assert qla_compiler.compile_spec(spec).backward_unsupported() is None
 
@@ -388,7 +390,7 @@ def test_bf16_cuda_inputs_that_need_gradients_are_refused_not_run_wrong(monkeypa
     op = qla_compiler.compile("gla")
     args = {n: x.to(torch.bfloat16).requires_grad_() for n, x in _fla_inputs().items() if n != "beta"}
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    with pytest.raises(PassError, match=r"backward program: .*gla\.py: .*no sub-chunk form.*bfloat16"):
+    with pytest.raises(PassError, match=r"backward program: .*gla\.py: .*other than X ⋆ Z.*bfloat16"):
         op(**args)
 
 
@@ -448,7 +450,7 @@ def test_cli_prints_the_summary_chunk_and_backward(name, capsys):
     assert "S_decayed:K×V     = scale_rows Gamma_C S0" in out or "scale_rows Gamma_C S0" in out
     assert main([f"specs/{name}.py", "--emit", "backward"]) == 0
     out = capsys.readouterr().out
-    assert "d_g:C×K" in out and "contract[eq=ij,ik,jk->ijk] d_P q k" in out
+    assert "d_g:C×K" in out and "contract[eq=ij,jk,ijk->ik] d_P k R_diag" in out
 
 
 @pytest.mark.parametrize("name", PER_KEY)
