@@ -252,14 +252,15 @@ class _Run:
         elif s.op == "cumsum":  # along the chunk (a C×K block's rows, per key)
             x = b[s.srcs[0]]
             b[s.dst] = x.flip(1).cumsum(1).flip(1) if a.get("reverse") else x.cumsum(1)
-        elif s.op == "decayed_product":  # Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i
+        elif s.op == "decayed_product":  # einsum(eq) with R_ijk = e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i
             x, z, g = (b[n] for n in s.srcs)
-            C, blk = x.shape[1], int(a["block"])
+            C, blk = g.shape[1], int(a["block"])
             sub = torch.arange(C, device=self.dev) // blk
             keep = (sub[:, None] == sub[None, :]) & torch.ones(C, C, dtype=torch.bool, device=self.dev).tril()
             exp = {"exp": torch.exp, "exp2": torch.exp2}[a["exp"]]
             d = torch.where(keep[None, :, :, None], g[:, :, None, :] - g[:, None, :, :], -math.inf)
-            b[s.dst] = torch.einsum("nik,njk,nijk->nij", x, z, exp(d))
+            ins, out = a["eq"].split("->")
+            b[s.dst] = torch.einsum(",".join(f"n{t}" for t in ins.split(",")) + f"->n{out}", x, z, exp(d))
         elif s.op == "reduce":
             src, *accs = s.srcs
             prev = b[src]

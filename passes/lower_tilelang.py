@@ -231,8 +231,10 @@ class _Render:
             # (j // 2) % 4, and one column k of 8 rows 256 bytes apart is an 8-way bank conflict.
             # (k outermost, a thread's sums in flight together, ran 2.5× slower: NOTES, session 24)
             x, z, g = s.srcs
-            width = self._buf_shape(x).split(", ")[1]
             exp = {"exp": "T.exp", "exp2": "T.exp2"}[a["exp"]]
+            if a["eq"] != "ik,jk,ijk->ij":
+                return self._decayed_product_vjp(s, exp)
+            width = self._buf_shape(x).split(", ")[1]
             kk = f"(i_k + 2 * (i % 8) + 16 * ((j // 2) % 4)) % {width}"
             return [f"for i, j in T.Parallel(C, C):",
                     f"    {s.dst}[i, j] = 0.0",
@@ -300,6 +302,25 @@ class _Render:
         if s.op == "store_state":
             return [f"T.copy({s.srcs[0]}, {s.dst}[i_n, i_hv, 0:K, v0:v0 + BV])"]
         raise PassError("lower", f"no template for statement {s.op}")
+
+    def _decayed_product_vjp(self, s: Stmt, exp: str) -> list[str]:
+        """The VJP's products on the diagonal sub-blocks, a C×K result: d P ⋆_rows Z (eq
+        ij,jk,ijk->ik: row i sums over the block's columns m ≤ i) and d P ⋆_cols X (ij,ik,ijk->jk:
+        row i of the result sums over the block's rows m ≥ i); R is never stored. B terms an
+        element: the block's, the ones past the diagonal selected away (their e^{...} may be inf)."""
+        w, y, g = s.srcs
+        B = s.attr["block"]
+        m = f"i // {B} * {B} + i_k"  # the block's row or column summed over
+        if s.attr["eq"] == "ij,jk,ijk->ik":
+            keep, term = f"{m} <= i", f"T.cast({w}[i, {m}], \"float32\") * T.cast({y}[{m}, j], \"float32\") * {exp}({g}[i, j] - {g}[{m}, j])"
+        elif s.attr["eq"] == "ij,ik,ijk->jk":
+            keep, term = f"{m} >= i", f"T.cast({w}[{m}, i], \"float32\") * T.cast({y}[{m}, j], \"float32\") * {exp}({g}[{m}, j] - {g}[i, j])"
+        else:
+            raise PassError("lower", f"{s}: no template for a decayed product {s.attr['eq']}")
+        return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
+                f"    {s.dst}[i, j] = 0.0",
+                f"    for i_k in T.serial({B}):",
+                f"        {s.dst}[i, j] += T.if_then_else({keep}, {term}, 0.0)"]
 
     def _bulk_store(self, scan: bool) -> str:
         # In the scan a TMA store's wait for its shared source to be read sat on the sequential path,

@@ -2,14 +2,12 @@
 the TileLang lowering have rules for.
 
 A per-key gate (GLA, KDA) brings the decayed product X ⋆ Z = Σ_k X_ik Z_jk R_ijk over the C×C×K
-block of per-key decays (passes/chunk_per_key.py). subchunk_decay (passes/rewrite_subchunk.py)
-leaves of it matmuls and the product on the diagonal sub-blocks, which the lowering computes
-element by element without storing R (lower_tilelang's `decayed_product`): that form runs. The
-VJP's products (d X = d P ⋆ Z and d Z = d Pᵀ ⋆ X, other subscripts; d γ through them:
-passes/rewrite_decay_grad.py) reach the same sub-chunk form, but their diagonal sub-blocks have no
-lowering rule yet, so a per-key gate's backward program stops here, saying why, and the op refuses
-to train on kernels (qla_compiler/op.py), rather than build a kernel that computes something else
-or fail deep inside TileLang.
+block of per-key decays (passes/chunk_per_key.py), and its VJP two more (d P ⋆_rows Z, d P ⋆_cols X;
+d γ through them: passes/rewrite_decay_grad.py). subchunk_decay (passes/rewrite_subchunk.py) leaves
+of each matmuls and the product on the diagonal sub-blocks, which the lowering computes element by
+element without storing R (lower_tilelang's `decayed_product`, by its eq): those forms run. Any
+other decayed product, or a C×C×K block outside one, stops the pipeline here, saying why, rather
+than build a kernel that computes something else or fail deep inside TileLang.
 
     >>> from qla_compiler import compile_spec
     >>> print(unsupported(compile_spec("gdn").chunk), unsupported(compile_spec("kda").chunk))
@@ -20,12 +18,14 @@ from __future__ import annotations
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
-SUB_BLOCK_PRODUCT = "ik,jk,ijk->ij"  # X ⋆ Z, the one decayed product with a lowering rule
+# the decayed products with a lowering rule on the diagonal sub-blocks: X ⋆ Z, and its VJP's
+# d P ⋆_rows Z and d P ⋆_cols X (lower_tilelang's decayed_product, by eq)
+SUB_BLOCK_PRODUCTS = ("ik,jk,ijk->ij", "ij,jk,ijk->ik", "ij,ik,ijk->jk")
 
 
 def on_sub_blocks(ir: ChunkIR, n) -> bool:
-    """X ⋆ Z restricted to the diagonal sub-blocks, its R = exp(masked_diff[block] γ) inlined."""
-    if n.op != "contract" or n.attr["eq"] != SUB_BLOCK_PRODUCT:
+    """A decayed product restricted to the diagonal sub-blocks, its R = exp(masked_diff[block] γ) inlined."""
+    if n.op != "contract" or n.attr["eq"] not in SUB_BLOCK_PRODUCTS:
         return False
     R = ir.node(n.args[2])
     return R.op in EXPONENTIALS and ir.node(R.args[0]).op == "masked_diff" and bool(ir.node(R.args[0]).attr.get("block"))

@@ -11,8 +11,7 @@ The lowering to TileLang (passes/lower_tilelang.py) needs a shape class, so it r
 first called with concrete shapes (or for `qla-compile --emit tilelang` with a default class). A
 chunk program the lowering has no rules for (passes/lowerable.py) stops the pipeline before
 `partition`; `Program.no_kernels` says why, and the CPU backend still runs it. A backward program
-without rules (a per-key gate's, for now) is refused where its kernels are asked for
-(`Program.backward_unsupported`).
+without rules is refused where its kernels are asked for (`Program.backward_unsupported`).
 
 Every pass is named; the driver verifies the IR after each one, can print it (`print_after`),
 stop early (`stop_after`), and in check mode runs the interpreter against the reference after
@@ -297,13 +296,12 @@ class Program:
         return self._derived["backward_columns"]
 
     def backward_unsupported(self) -> str | None:
-        """Why the backward program has no kernels (passes/lowerable.py; a per-key gate's VJP), or
-        None when it has (or the forward has none either: `no_kernels` says why).
+        """Why the backward program has no lowering rules (passes/lowerable.py), or None when it
+        has (or the forward has none either: `no_kernels` says why). (Its kernels may still not
+        fit in shared memory: backward_columns says so.)
 
             >>> import qla_compiler
-            >>> qla_compiler.compile_spec("gdn").backward_unsupported() is None
-            True
-            >>> "contract[ij,jk,ijk->ik]" in qla_compiler.compile_spec("gla").backward_unsupported()
+            >>> qla_compiler.compile_spec("gla").backward_unsupported() is None
             True
         """
         if self.no_kernels is not None or self.target != "sm90":

@@ -98,8 +98,8 @@ class Builder:
             return self.ex(a[0], ("n_valid - 1", *idx[-1:]) if n.shape else ("n_valid - 1",))
         if op == "positions":
             return ("min_pos", idx[0])
-        if op == "at_last":  # the scalar at the chunk's last token, zero elsewhere
-            return ("select_last", idx[0], self.ex(a[0], ()), ("lit", 0.0))
+        if op == "at_last":  # the scalar (or a K-vector's entry) at the chunk's last token, zero elsewhere
+            return ("select_last", idx[0], self.ex(a[0], idx[1:]), ("lit", 0.0))
         if op == "valid":
             return ("select_valid", idx[0], ("lit", 1.0), ("lit", 0.0))
         raise PassError("schedule", f"node {name} ({op}) must be materialised before it is used")
@@ -344,10 +344,18 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
             b.place[name] = b.buf(f"{name}_s", n.shape, "float32", "shared")
             b.body.append(Stmt("cumsum", b.place[name], (b.place[src],),
                                (("reverse", True),) if op == "rev_cumsum" else ()))
+        elif op == "last" and len(ir.node(n.args[0]).shape) == 2 and \
+                (n.args[0] not in b.place or b.buffers[b.place[n.args[0]]].scope != "shared"):
+            # a C×K block's last row, for every column: read across threads, so from shared memory
+            # (a fragment's element lives in one thread)
+            x = n.args[0]
+            staged = b.buf(f"{x}_s", ir.node(x).shape, "float32", "shared")
+            b.ewise(staged, x)
+            b.place[x] = staged
         elif op == "contract":  # on the diagonal sub-blocks (passes/lowerable.py), R never stored
             if not on_sub_blocks(ir, n):
-                raise PassError("schedule", f"{name} = contract[{n.attr['eq']}]: only X ⋆ Z on the diagonal "
-                                            "sub-blocks has a lowering (passes/lowerable.py)")
+                raise PassError("schedule", f"{name} = contract[{n.attr['eq']}]: only the decayed products on the "
+                                            "diagonal sub-blocks have a lowering (passes/lowerable.py)")
             X, Z, R = n.args
             diff = ir.node(ir.node(R).args[0])
             g = diff.args[0]
@@ -357,7 +365,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
                 b.place[g] = staged
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), b.place[g]),
-                               (("block", diff.attr["block"]), ("exp", ir.node(R).op))))
+                               (("block", diff.attr["block"]), ("eq", n.attr["eq"]), ("exp", ir.node(R).op))))
         elif op == "inv_unit_lower":
             if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
                 raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")

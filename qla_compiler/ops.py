@@ -55,9 +55,9 @@ chunk_delta_rule = _make("delta_net", "chunk_delta_rule")
 chunk_simple_gla = _make("simple_gla", "chunk_simple_gla")
 chunk_retention = _make("retnet", "chunk_retention")
 chunk_linear_attn = _make("linear_attn", "chunk_linear_attn")
-# per-key gates, g [B, T, H, K]: the forward on the kernels (bf16/fp16 CUDA tensors), training on
-# the CPU backend (and float32/float64 CUDA tensors) for now: the VJP's decayed products have no
-# sm90 rule yet (passes/lowerable.py)
+# per-key gates, g [B, T, H, K]: on the kernels for bf16/fp16 CUDA tensors, GLA forward and
+# backward, KDA forward (its backward's d g kernel does not fit in shared memory yet: a call that
+# needs gradients is refused; the CPU backend trains it)
 chunk_gla = _make("gla", "chunk_gla")
 chunk_kda = _make("kda", "chunk_kda")
 

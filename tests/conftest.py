@@ -5,14 +5,13 @@ import pytest
 import torch
 
 import qla_compiler
-from qla_compiler.specs import NAMES, WITH_BACKWARD_KERNELS, WITH_KERNELS
+from qla_compiler.specs import NAMES, WITH_KERNELS
 
 # generated TileLang modules go to a scratch directory, not the user's cache
 os.environ.setdefault("QLA_CACHE_DIR", tempfile.mkdtemp(prefix="qla-test-cache-"))
 
 SPECS = NAMES
 KERNEL_SPECS = WITH_KERNELS  # the specs the sm90 lowering takes (all: forward kernels)
-BACKWARD_KERNEL_SPECS = WITH_BACKWARD_KERNELS  # and backward ones (not yet gla, kda: passes/lowerable.py)
 
 
 def svg_texts(svg: str) -> set:

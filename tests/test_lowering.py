@@ -452,10 +452,11 @@ def test_scan_waits_for_its_stores_only_before_reusing_their_blocks():
     assert "T.tma_store_wait()" in scan[scan.rindex("T.tma_copy("):scan.index("final_state[i_n")]
 
 
-@pytest.mark.parametrize("name", WITH_BACKWARD_KERNELS)
+@pytest.mark.parametrize("name", [n for n in WITH_BACKWARD_KERNELS if n != "gla"])
 def test_only_the_backward_chain_splits_its_products(name):
     """The hi/lo split (two wgmmas) is for the backward's state chain, where it set d_S0's error;
-    the forward scans keep one product per term."""
+    the forward scans keep one product per term. (GLA's chain product, (Q ⊙ Γ)ᵀ (scale · d O),
+    has no operand exact in bf16 to pair the split with: schedule_build.low_part.)"""
     prog = qla_compiler.compile_spec(name)
     fwd_scan = next(k for k in prog.kernels.kernels if k.loop)
     bwd_scan = next(k for k in prog.backward_program.kernels.kernels if k.loop)
