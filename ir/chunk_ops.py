@@ -141,6 +141,22 @@ def _ref_diff_shape(shapes, attrs):
     return s
 
 
+def _keep(ctx, args, attrs, shapes):
+    """x on the rows (dim 0) or columns (dim 1) lo ≤ · < hi of a C×C block, 0 elsewhere."""
+    (x,) = args
+    dim = x.dim() - 2 + attrs["dim"]
+    idx = torch.arange(x.shape[dim], device=x.device)
+    keep = (idx >= attrs["lo"]) & (idx < attrs["hi"])
+    return x * (keep.unsqueeze(-1) if attrs["dim"] == 0 else keep).to(x.dtype)
+
+
+def _keep_shape(shapes, attrs):
+    (s,) = shapes
+    if s != ("C", "C") or attrs["dim"] not in (0, 1):
+        raise ValueError(f"keep of a {s} block along dim {attrs['dim']}: it takes a C×C block's rows (0) or columns (1)")
+    return s
+
+
 def _masked_diff_shape(shapes, attrs):
     (s,) = shapes
     if s not in (("C",), ("C", "K")):
@@ -300,6 +316,7 @@ _op("last", 1, _last_shape, _last, "the value at the chunk's last token (of a C�
 _op("masked_diff", 1, _masked_diff_shape, _masked_diff,
     "x_i − x_j where j ≤ i (mask=lower) or j < i (mask=strict), −inf elsewhere (of C×K: C×C×K, per key); "
     "block=B: only where i and j share a sub-chunk of B tokens")
+_op("keep", 1, _keep_shape, _keep, "a C×C block on its rows (dim=0) or columns (dim=1) lo ≤ · < hi, 0 elsewhere")
 _op("ref_diff", 1, _ref_diff_shape, _ref_diff,
     "x_i − x_ref (later) or x_ref − x_i (not later) on the rows lo ≤ i < hi, −inf elsewhere "
     "(of C×K: per key; ref, lo, hi: rows of the chunk)")
@@ -342,6 +359,6 @@ _op("colsum", 1, _matrix_to(1), _block_sum(True), "Σ_i X_ij (of C×C×K: Σ_i X
 _op("sum_all", 1, _fixed(()), _sum_all, "the sum of every entry of a block (the transpose of broadcasting)")
 
 # ops through which a scaling of the input scales the output by the same factor
-LINEAR = {"cumsum", "last", "masked_diff", "ref_diff", "neg", "add", "sub", "rev_cumsum", "at_last", "rowsum", "colsum",
+LINEAR = {"cumsum", "last", "masked_diff", "ref_diff", "keep", "neg", "add", "sub", "rev_cumsum", "at_last", "rowsum", "colsum",
           "sum_all"}  # (contract is linear in each argument, not in all at once: not here)
 EXPONENTIALS = {"exp", "exp2"}

@@ -21,10 +21,13 @@ tokens at g = −5 a key, past float32's e^{88}; verify_exponents proves every f
 A factor that underflows to 0 does so only where the product it belongs to is below float32's
 range too (the other factor is ≤ 1).
 
-The VJP's two products of the same R take the same factors: d P ⋆_rows Z (Σ_{j≤i} d P_ij Z_jk R_ijk,
-d X) = Σ_a E_a ⊙ (d P (Z ⊙ F_a)) and d P ⋆_cols X (Σ_{i≥j} d P_ij X_ik R_ijk, d Z) =
-Σ_a F_a ⊙ (d Pᵀ (X ⊙ E_a)), each plus its diagonal sub-blocks (E_a's rows are a's alone, F_a's
-those before it, so every pair (i, j) below the blocks is counted once, at the a of row i).
+The VJP's two products of the same R take the same factors, each in one accumulator:
+d P ⋆_rows Z (Σ_{j≤i} d P_ij Z_jk R_ijk, d X) = E ⊙ Σ_a (d P on a's rows)(Z ⊙ F_a), since the E_a
+have disjoint rows (E = Σ_a E_a); d P ⋆_cols X (Σ_{i≥j} d P_ij X_ik R_ijk, d Z) takes each column
+block b's reference at its end, r = (b + 1)B − 1: G ⊙ Σ_b (d P on b's columns)ᵀ (X ⊙ E'_b), with
+G_b = e^{γ_r − γ} on b's rows (disjoint) and E'_b = e^{γ − γ_r} on every row after r. Each plus its
+diagonal sub-blocks. (Scaled per term instead, the backward's d g kernel kept six C×K fragments
+alive and spilled: benchmarks/NOTES.md, session 24.)
 
 B = 16: the diagonal blocks' element-wise work and the C/B − 1 matmuls balance there, and 16 rows
 is the tensor cores' smallest tile. The rewrite shapes kernels: the backward is the VJP of the
@@ -82,22 +85,37 @@ def _apply(ir: ChunkIR) -> None:
 
         diag_R = add(f"{n.args[2]}_diag", exp, add(f"{g}_diff_diag", "masked_diff", g, mask="lower", block=B))
         total = add(f"{n.name}_diag", "contract", X, Z, diag_R, eq=eq)
-        for a in range(1, C // B):
-            ref = a * B - 1
-            after = add(f"decay_after_{ref}", exp,
-                        add(f"{g}_after_{ref}", "ref_diff", g, ref=ref, lo=a * B, hi=(a + 1) * B, later=True))
-            upto = add(f"decay_upto_{ref}", exp,
-                       add(f"{g}_upto_{ref}", "ref_diff", g, ref=ref, lo=0, hi=a * B, later=False))
-            if eq == DECAYED_PRODUCT:  # (X ⊙ E_a)(Z ⊙ F_a)ᵀ
-                rows, cols = add(f"{X}_after_{ref}", "mul", X, after), add(f"{Z}_upto_{ref}", "mul", Z, upto)
-                term = add(f"{n.name}_{a}", "matmul", rows, cols, tb=True)
-            elif eq == ROWS_FORM:  # E_a ⊙ (d P (Z ⊙ F_a)): rows of a against the columns before it
-                cols = add(f"{Z}_upto_{ref}", "mul", Z, upto)
-                term = add(f"{n.name}_{a}", "mul", after, add(f"{n.name}_{a}_undecayed", "matmul", X, cols))
-            else:  # F_a ⊙ (d Pᵀ (X ⊙ E_a)): the columns before a against its rows
-                rows = add(f"{Z}_after_{ref}", "mul", Z, after)
-                term = add(f"{n.name}_{a}", "mul", upto, add(f"{n.name}_{a}_undecayed", "matmul", X, rows, ta=True))
-            total = add(f"{n.name}_sum", "add", term, total)
+
+        def factor(ref, lo, hi, later):
+            side = "after" if later else "upto"
+            return add(f"decay_{side}_{ref}", exp, add(f"{g}_{side}_{ref}", "ref_diff", g, ref=ref, lo=lo, hi=hi,
+                                                       later=later))
+
+        if eq == DECAYED_PRODUCT:  # Σ_a (X ⊙ E_a)(Z ⊙ F_a)ᵀ, one accumulator
+            for a in range(1, C // B):
+                ref = a * B - 1
+                rows = add(f"{X}_after_{ref}", "mul", X, factor(ref, a * B, (a + 1) * B, True))
+                cols = add(f"{Z}_upto_{ref}", "mul", Z, factor(ref, 0, a * B, False))
+                total = add(f"{n.name}_sum", "add", add(f"{n.name}_{a}", "matmul", rows, cols, tb=True), total)
+        else:
+            # d P ⋆_rows Z: rows i of sub-chunk a (r = aB − 1), E_a ⊙ ((d P on a's rows)(Z ⊙ F_a)); the
+            # E_a have disjoint rows, so Σ_a E_a ⊙ W_a = E ⊙ Σ_a W_a: one accumulator, scaled once.
+            # d P ⋆_cols X: columns j of sub-chunk b against every later row, with the reference
+            # at b's end (r = (b + 1)B − 1): G_b ⊙ ((d P on b's columns)ᵀ(X ⊙ E'_b)), G_b's rows disjoint
+            rows_form = eq == ROWS_FORM
+            scale, acc = None, None
+            for a in (range(1, C // B) if rows_form else range(C // B - 1)):
+                lo, hi = (a * B, (a + 1) * B)
+                ref = a * B - 1 if rows_form else hi - 1
+                own = factor(ref, lo, hi, True) if rows_form else factor(ref, lo, hi, False)  # a's own rows
+                other = factor(ref, 0, lo, False) if rows_form else factor(ref, hi, C, True)
+                blocked = add(f"{X}_{'rows' if rows_form else 'cols'}_{lo}", "keep", X, dim=0 if rows_form else 1,
+                              lo=lo, hi=hi)
+                product = add(f"{n.name}_{a}_undecayed", "matmul", blocked, add(f"{Z}_by_{ref}", "mul", Z, other),
+                              ta=not rows_form)
+                acc = product if acc is None else add(f"{n.name}_undecayed_sum", "add", product, acc)
+                scale = own if scale is None else add(f"{n.name}_decay", "add", scale, own)
+            total = add(f"{n.name}_sum", "add", add(f"{n.name}_off_diag", "mul", scale, acc), total)
         ir.replace_uses(n.name, total)
         ir.take_place(n.name, created)
 
@@ -127,7 +145,7 @@ def _factors(G, B, a):
 def _proof():
     """X ⋆ Z, d P ⋆ Z (rows' form) and d Pᵀ ⋆ X (columns'), each against its sub-chunk form, as
     three blocks of one block-diagonal matrix."""
-    C, K, B = 4, 2, 2
+    C, K, B = 6, 1, 2  # three sub-chunks: the disjoint rows summed, the nested ones not
     X, Z, G = (sp.Matrix(C, K, sp.symbols(f"{s}0:{C * K}")) for s in "xzg")
     W = sp.Matrix(C, C, sp.symbols(f"w0:{C * C}"))
     R = {(i, j, k): sp.exp(G[i, k] - G[j, k]) if j <= i else 0 for i in range(C) for j in range(C) for k in range(K)}
@@ -140,10 +158,22 @@ def _proof():
     lhs_c = sp.Matrix(C, K, lambda j, k: sum(W[i, j] * X[i, k] * R[i, j, k] for i in range(C)))
     rhs_r = sp.Matrix(C, K, lambda i, k: sum(W[i, j] * Z[j, k] * R[i, j, k] for j in range(C) if same_block(i, j)))
     rhs_c = sp.Matrix(C, K, lambda j, k: sum(W[i, j] * X[i, k] * R[i, j, k] for i in range(C) if same_block(i, j)))
+    scale_r, acc_r = sp.zeros(C, K), sp.zeros(C, K)
     for a in range(1, C // B):
         rows, cols = _factors(G, B, a)
-        rhs_r += rows.multiply_elementwise(W * Z.multiply_elementwise(cols))
-        rhs_c += cols.multiply_elementwise(W.T * X.multiply_elementwise(rows))
+        keep = sp.Matrix(C, C, lambda i, j: W[i, j] if a * B <= i < (a + 1) * B else 0)
+        acc_r += keep * Z.multiply_elementwise(cols)
+        scale_r += rows
+    rhs_r += scale_r.multiply_elementwise(acc_r)
+    scale_c, acc_c = sp.zeros(C, K), sp.zeros(C, K)
+    for b in range(C // B - 1):
+        r = (b + 1) * B - 1
+        own = sp.Matrix(C, K, lambda j, k: sp.exp(G[r, k] - G[j, k]) if b * B <= j < (b + 1) * B else 0)
+        later = sp.Matrix(C, K, lambda i, k: sp.exp(G[i, k] - G[r, k]) if i > r else 0)
+        keep = sp.Matrix(C, C, lambda i, j: W[i, j] if b * B <= j < (b + 1) * B else 0)
+        acc_c += keep.T * X.multiply_elementwise(later)
+        scale_c += own
+    rhs_c += scale_c.multiply_elementwise(acc_c)
     lhs = sp.diag(lhs_p, lhs_r, lhs_c)
     rhs = sp.diag(_split(X, Z, G, B), rhs_r, rhs_c)
     return lhs, rhs.applyfunc(sp.powsimp)

@@ -82,6 +82,9 @@ class Builder:
             return (sel, idx[0], idx[1], self._diff(n, idx), ("lit", -1e30))
         if op == "ref_diff":
             return self._ref_rows(n, idx, self._ref_diff(n, idx), -1e30)
+        if op == "keep":  # (select_rows on the row, or on the column index)
+            at = n.attr
+            return ("select_rows", idx[at["dim"]], at["lo"], at["hi"], self.ex(a[0], idx), ("lit", 0.0))
         if op == "causal_mask":
             sel = "select_lower" if n.attr["mask"] == "lower" else "select_strict"
             return (sel, idx[0], idx[1], ("lit", 1.0), ("lit", 0.0))

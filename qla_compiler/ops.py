@@ -55,9 +55,8 @@ chunk_delta_rule = _make("delta_net", "chunk_delta_rule")
 chunk_simple_gla = _make("simple_gla", "chunk_simple_gla")
 chunk_retention = _make("retnet", "chunk_retention")
 chunk_linear_attn = _make("linear_attn", "chunk_linear_attn")
-# per-key gates, g [B, T, H, K]: on the kernels for bf16/fp16 CUDA tensors, GLA forward and
-# backward, KDA forward (its backward's d g kernel does not fit in shared memory yet: a call that
-# needs gradients is refused; the CPU backend trains it)
+# per-key gates, g [B, T, H, K]: the kernels for bf16/fp16 CUDA tensors, forward and backward
+# (passes/rewrite_subchunk.py)
 chunk_gla = _make("gla", "chunk_gla")
 chunk_kda = _make("kda", "chunk_kda")
 

@@ -20,7 +20,6 @@ from qla_compiler.passes.lower_tilelang import ShapeClass, lower, lower_kernel
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import schedule
 from qla_compiler.passes.schedule_memory import reads
-from qla_compiler.specs import WITH_BACKWARD_KERNELS
 from qla_compiler.specs import WITH_KERNELS as NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
@@ -352,7 +351,7 @@ def test_out_kernels_split_by_live_shared_memory(monkeypatch):
         assert len(k.body) < len(whole.body)
 
 
-@pytest.mark.parametrize("name", WITH_BACKWARD_KERNELS)
+@pytest.mark.parametrize("name", NAMES)
 def test_backward_tilelang_is_valid_python(name, capsys):
     assert main([name, "--emit", "tilelang", "--backward", "--shape", SHAPE]) == 0
     src = capsys.readouterr().out
@@ -452,11 +451,12 @@ def test_scan_waits_for_its_stores_only_before_reusing_their_blocks():
     assert "T.tma_store_wait()" in scan[scan.rindex("T.tma_copy("):scan.index("final_state[i_n")]
 
 
-@pytest.mark.parametrize("name", [n for n in WITH_BACKWARD_KERNELS if n != "gla"])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("gla", "kda")])
 def test_only_the_backward_chain_splits_its_products(name):
     """The hi/lo split (two wgmmas) is for the backward's state chain, where it set d_S0's error;
-    the forward scans keep one product per term. (GLA's chain product, (Q ⊙ Γ)ᵀ (scale · d O),
-    has no operand exact in bf16 to pair the split with: schedule_build.low_part.)"""
+    the forward scans keep one product per term. (A per-key gate's chain products, e.g. GLA's
+    (Q ⊙ Γ)ᵀ (scale · d O), have no operand exact in bf16 to pair the split with:
+    schedule_build.low_part.)"""
     prog = qla_compiler.compile_spec(name)
     fwd_scan = next(k for k in prog.kernels.kernels if k.loop)
     bwd_scan = next(k for k in prog.backward_program.kernels.kernels if k.loop)
