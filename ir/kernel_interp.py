@@ -15,12 +15,11 @@ the global tensors, which keep their dtypes.
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, field
 
 import torch
 
+from .chunk_ops import OPS
 from .kernel import Kernel, Stmt
 
 F64 = torch.float64
@@ -254,11 +253,8 @@ class _Run:
             b[s.dst] = x.flip(1).cumsum(1).flip(1) if a.get("reverse") else x.cumsum(1)
         elif s.op == "decayed_product":  # einsum(eq) with R_ijk = e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i
             x, z, g = (b[n] for n in s.srcs)
-            C, blk = g.shape[1], int(a["block"])
-            sub = torch.arange(C, device=self.dev) // blk
-            keep = (sub[:, None] == sub[None, :]) & torch.ones(C, C, dtype=torch.bool, device=self.dev).tril()
+            d = OPS["masked_diff"].eval(None, (g,), {"mask": "lower", "block": int(a["block"])}, (("C", "K"),))
             exp = {"exp": torch.exp, "exp2": torch.exp2}[a["exp"]]
-            d = torch.where(keep[None, :, :, None], g[:, :, None, :] - g[:, None, :, :], -math.inf)
             ins, out = a["eq"].split("->")
             b[s.dst] = torch.einsum(",".join(f"n{t}" for t in ins.split(",")) + f"->n{out}", x, z, exp(d))
         elif s.op == "reduce":

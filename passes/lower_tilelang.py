@@ -15,6 +15,8 @@ from qla_compiler.errors import PassError
 from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, format_expr
 from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH, TF32_FROM as INVERSE_TF32_FROM
 
+from .chunk_per_key import COLS_PRODUCT, DECAYED_PRODUCT, ROWS_PRODUCT
+
 IO_DTYPES = ("bfloat16", "float16")
 HEAD_DIM_RANGE = (16, 256)  # K and V the kernels take, each on its own
 
@@ -232,7 +234,7 @@ class _Render:
             # (k outermost, a thread's sums in flight together, ran 2.5× slower: NOTES, session 24)
             x, z, g = s.srcs
             exp = {"exp": "T.exp", "exp2": "T.exp2"}[a["exp"]]
-            if a["eq"] != "ik,jk,ijk->ij":
+            if a["eq"] != DECAYED_PRODUCT:
                 return self._decayed_product_vjp(s, exp)
             width = self._buf_shape(x).split(", ")[1]
             kk = f"(i_k + 2 * (i % 8) + 16 * ((j // 2) % 4)) % {width}"
@@ -311,9 +313,9 @@ class _Render:
         w, y, g = s.srcs
         B = s.attr["block"]
         m = f"i // {B} * {B} + i_k"  # the block's row or column summed over
-        if s.attr["eq"] == "ij,jk,ijk->ik":
+        if s.attr["eq"] == ROWS_PRODUCT:
             keep, term = f"{m} <= i", f"T.cast({w}[i, {m}], \"float32\") * T.cast({y}[{m}, j], \"float32\") * {exp}({g}[i, j] - {g}[{m}, j])"
-        elif s.attr["eq"] == "ij,ik,ijk->jk":
+        elif s.attr["eq"] == COLS_PRODUCT:
             keep, term = f"{m} >= i", f"T.cast({w}[{m}, i], \"float32\") * T.cast({y}[{m}, j], \"float32\") * {exp}({g}[{m}, j] - {g}[i, j])"
         else:
             raise PassError("lower", f"{s}: no template for a decayed product {s.attr['eq']}")

@@ -18,9 +18,11 @@ from __future__ import annotations
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
+from .chunk_per_key import COLS_PRODUCT, DECAYED_PRODUCT, ROWS_PRODUCT
+
 # the decayed products with a lowering rule on the diagonal sub-blocks: X ⋆ Z, and its VJP's
 # d P ⋆_rows Z and d P ⋆_cols X (lower_tilelang's decayed_product, by eq)
-SUB_BLOCK_PRODUCTS = ("ik,jk,ijk->ij", "ij,jk,ijk->ik", "ij,ik,ijk->jk")
+SUB_BLOCK_PRODUCTS = (DECAYED_PRODUCT, ROWS_PRODUCT, COLS_PRODUCT)
 
 
 def on_sub_blocks(ir: ChunkIR, n) -> bool:
@@ -45,8 +47,9 @@ def unsupported(ir: ChunkIR) -> str | None:
             blocks.append(n.name)
     if not products and not blocks:
         return None
-    found = [f"decayed products other than X ⋆ Z on the diagonal sub-blocks ({', '.join(products)})"] if products else []
+    found = [f"decayed products not in a sub-block form ({', '.join(products)})"] if products else []
     found += [f"C×C×K blocks outside a sub-block product ({', '.join(blocks)})"] if blocks else []
-    return (f"the sm90 lowering has no rule yet for {'; '.join(found)}: it runs X ⋆ Z on the diagonal "
-            "sub-blocks (passes/rewrite_subchunk.py) alone. The op runs on CPU tensors (and float32/float64 CUDA "
-            "tensors) through the ChunkIR interpreter; `--target cpu` compiles for that alone")
+    return (f"the sm90 lowering has no rule yet for {'; '.join(found)}: it runs the decayed products "
+            f"{', '.join(SUB_BLOCK_PRODUCTS)} on the diagonal sub-blocks (passes/rewrite_subchunk.py) alone. The op "
+            "runs on CPU tensors (and float32/float64 CUDA tensors) through the ChunkIR interpreter; `--target cpu` "
+            "compiles for that alone")

@@ -31,10 +31,10 @@ import sympy as sp
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
+from .chunk_per_key import COLS_PRODUCT, ROWS_PRODUCT
 from .rewrite import Rewrite, add_once, arg, is_op
 
 D_R = "ij,ik,jk->ijk"  # d R_ijk = d P_ij X_ik Z_jk
-ROWS, COLS = "ij,jk,ijk->ik", "ij,ik,ijk->jk"
 
 
 def _terms(ir: ChunkIR, name: str):
@@ -88,8 +88,8 @@ def _apply(ir: ChunkIR) -> None:
         created, total = [], None
         for factors, t in terms:
             W, X, Z = ir.node(t).args
-            by_rows = add_once(ir, created, f"{t}_rows", "contract", W, Z, R, eq=ROWS)
-            by_cols = add_once(ir, created, f"{t}_cols", "contract", W, X, R, eq=COLS)
+            by_rows = add_once(ir, created, f"{t}_rows", "contract", W, Z, R, eq=ROWS_PRODUCT)
+            by_cols = add_once(ir, created, f"{t}_cols", "contract", W, X, R, eq=COLS_PRODUCT)
             term = add_once(ir, created, f"{n.name}.{t}", "sub", add_once(ir, created, f"{t}_x", "mul", X, by_rows),
                             add_once(ir, created, f"{t}_z", "mul", Z, by_cols))
             for c in factors:

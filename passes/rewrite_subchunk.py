@@ -44,16 +44,13 @@ import sympy as sp
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
 
-from .chunk_per_key import DECAYED_PRODUCT
+from .chunk_per_key import COLS_PRODUCT, DECAYED_PRODUCT, ROWS_PRODUCT
 from .rewrite import Rewrite, add_once, arg, is_op
 
 SUBCHUNK = 16  # tokens a sub-chunk (B)
 
 
-# the decayed products with a sub-chunk form: X ⋆ Z, and the two a VJP makes of it,
-# d X = d P ⋆ Z (the rows' form) and d Z = d Pᵀ ⋆ X (the columns')
-ROWS_FORM, COLS_FORM = "ij,jk,ijk->ik", "ij,ik,ijk->jk"
-FORMS = (DECAYED_PRODUCT, ROWS_FORM, COLS_FORM)
+FORMS = (DECAYED_PRODUCT, ROWS_PRODUCT, COLS_PRODUCT)  # the decayed products with a sub-chunk form
 
 
 def _decayed_product(ir: ChunkIR, n) -> tuple | None:
@@ -102,7 +99,7 @@ def _apply(ir: ChunkIR) -> None:
             # E_a have disjoint rows, so Σ_a E_a ⊙ W_a = E ⊙ Σ_a W_a: one accumulator, scaled once.
             # d P ⋆_cols X: columns j of sub-chunk b against every later row, with the reference
             # at b's end (r = (b + 1)B − 1): G_b ⊙ ((d P on b's columns)ᵀ(X ⊙ E'_b)), G_b's rows disjoint
-            rows_form = eq == ROWS_FORM
+            rows_form = eq == ROWS_PRODUCT
             scale, acc = None, None
             for a in (range(1, C // B) if rows_form else range(C // B - 1)):
                 lo, hi = (a * B, (a + 1) * B)

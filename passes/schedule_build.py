@@ -169,6 +169,16 @@ class Builder:
         self.body.append(Stmt("ewise", lo, (), (("expr", residual), ("index", idx))))
         return tuple(lo if o == hi else o for o in operands)
 
+    def shared(self, name: str) -> str:
+        """A float32 shared block holding `name`, for statements whose threads read other threads'
+        elements (a prefix sum's rows, a last row, the diagonal sub-blocks' product)."""
+        if name in self.place and self.buffers[self.place[name]].scope == "shared":
+            return self.place[name]
+        staged = self.buf(f"{name}_s", self.ir.node(name).shape, "float32", "shared")
+        self.ewise(staged, name)
+        self.place[name] = staged
+        return staged
+
     def fragment(self, name: str) -> str:
         """A float32 register fragment holding `name` (for a reduction)."""
         if name in self.place and self.buffers[self.place[name]].scope == "fragment":
@@ -339,35 +349,23 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             b.body.append(Stmt("gemm", b.place[name], (A, B), tuple(sorted(n.attrs))))
         elif op in ("cumsum", "rev_cumsum"):  # prefix sums, or suffix sums (a cumsum's VJP)
-            src = n.args[0]
-            if src not in b.place or b.buffers[b.place[src]].scope != "shared":
-                dst = b.buf(f"{src}_s", n.shape, "float32", "shared")
-                b.ewise(dst, src)
-                b.place[src] = dst
+            src = b.shared(n.args[0])
             b.place[name] = b.buf(f"{name}_s", n.shape, "float32", "shared")
-            b.body.append(Stmt("cumsum", b.place[name], (b.place[src],),
+            b.body.append(Stmt("cumsum", b.place[name], (src,),
                                (("reverse", True),) if op == "rev_cumsum" else ()))
-        elif op == "last" and len(ir.node(n.args[0]).shape) == 2 and \
-                (n.args[0] not in b.place or b.buffers[b.place[n.args[0]]].scope != "shared"):
+        elif op == "last" and len(ir.node(n.args[0]).shape) == 2:
             # a C×K block's last row, for every column: read across threads, so from shared memory
-            # (a fragment's element lives in one thread)
-            x = n.args[0]
-            staged = b.buf(f"{x}_s", ir.node(x).shape, "float32", "shared")
-            b.ewise(staged, x)
-            b.place[x] = staged
+            # (a fragment's element lives in one thread); the row itself stays inlined
+            b.shared(n.args[0])
         elif op == "contract":  # on the diagonal sub-blocks (passes/lowerable.py), R never stored
             if not on_sub_blocks(ir, n):
                 raise PassError("schedule", f"{name} = contract[{n.attr['eq']}]: only the decayed products on the "
                                             "diagonal sub-blocks have a lowering (passes/lowerable.py)")
             X, Z, R = n.args
             diff = ir.node(ir.node(R).args[0])
-            g = diff.args[0]
-            if g not in b.place or b.buffers[b.place[g]].scope != "shared":
-                staged = b.buf(f"{g}_s", ir.node(g).shape, "float32", "shared")
-                b.ewise(staged, g)
-                b.place[g] = staged
+            g = b.shared(diff.args[0])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
-            b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), b.place[g]),
+            b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), g),
                                (("block", diff.attr["block"]), ("eq", n.attr["eq"]), ("exp", ir.node(R).op))))
         elif op == "inv_unit_lower":
             if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block

@@ -52,7 +52,10 @@ def parse_dims(row: str) -> tuple:
     return int(K), int(V or K)
 
 
-SPECS = ("gdn", "gla", "kda")  # the benched ops: FLA's chunk_gated_delta_rule, chunk_gla, chunk_kda
+# the benched ops by spec: FLA's module and the name qla_compiler.ops and FLA both give the op
+FLA_OPS = {"gdn": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), "gla": ("fla.ops.gla", "chunk_gla"),
+           "kda": ("fla.ops.kda", "chunk_kda")}
+SPECS = tuple(FLA_OPS)
 
 
 def make_inputs(H, HV, lens, K=128, V=128, seed=0, spec="gdn"):
@@ -142,7 +145,7 @@ def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
     import qla_compiler.ops as qla_ops
     from qla_compiler.kernels import forward
 
-    name = {"gdn": "chunk_gated_delta_rule", "gla": "chunk_gla", "kda": "chunk_kda"}[spec]
+    module, name = FLA_OPS[spec]
     ours = getattr(qla_ops, name)
 
     def with_policy(on):
@@ -156,7 +159,6 @@ def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
         libs["qla-fused"] = with_policy(True)
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(ours, context_parallel=cp)
-    module = {"gdn": "fla.ops.gated_delta_rule", "gla": "fla.ops.gla", "kda": "fla.ops.kda"}[spec]
     try:
         libs["FLA"] = getattr(importlib.import_module(module), name)
     except ImportError as e:
