@@ -34,9 +34,12 @@ FUSED="$FUSED gdn:2/4:128:bfloat16:16 gdn:2/4:128:bfloat16:128"
 
 sharded() {  # NAME COMMAND...: the command in two shards, then a check of both logs
   local name=$1; shift
-  for i in 0 1; do "$@" --shard $i/2 > "$LOGS/${name}_$i.txt" 2>&1 & done
-  wait
-  if grep -l Traceback "$LOGS/${name}"_*.txt; then echo "$name: a shard failed (logs above)" >&2; exit 1; fi
+  local pids=() i failed=0
+  for i in 0 1; do "$@" --shard $i/2 > "$LOGS/${name}_$i.txt" 2>&1 & pids+=($!); done
+  for i in 0 1; do wait "${pids[$i]}" || failed=1; done  # a missing interpreter prints no Traceback
+  if [ $failed = 1 ] || grep -l Traceback "$LOGS/${name}"_*.txt; then
+    echo "$name: a shard failed (logs: $LOGS/${name}_*.txt)" >&2; exit 1
+  fi
   echo "$(date +%T) $name compiled"
 }
 
