@@ -175,14 +175,16 @@ class Role:
 @dataclass(frozen=True)
 class Stmt:
     """op: load | load_vec | load_chunk_state | wait_load | zero_pad | copy | gemm | ewise | cumsum |
-    reduce | inverse | store | store_vec | store_chunk_state | store_state | load_state, and in a
+    reduce | inverse | decayed_product | store | store_vec | store_chunk_state | store_state | load_state, and in a
     token step load_token | store_token (one token's row, or its scalar). A load with attribute
     async only starts the copy; wait_load (same dst) waits for it. A state load or store with
     attribute slot takes the state's slot in its pool from that tensor (the token step). In a
     warp-specialised kernel also: wait (dst: a barrier, at the chunk's stage and phase), arrive
     (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA before the
     arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
-    warp, landing on that barrier)."""
+    warp, landing on that barrier). A decayed_product (einsum `eq` of its sources with
+    e^{γ_ik − γ_jk} on the diagonal `block`-blocks) with attribute scratch ("buf", name) sums a
+    thread a row and stages the rows' sums in that shared block."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -239,6 +241,11 @@ class Stmt:
         if self.op == "inverse":
             return (f"{self.dst} = inverse {self.srcs[0]}   (16-blocks by substitution in float32, "
                     f"merges of {a['tf32_from']}-blocks in tf32; built in {self.srcs[0]}'s place, which it overwrites)")
+        if self.op == "decayed_product":
+            x, z, g = self.srcs
+            how = f"   (a thread a row, the rows' sums staged in {a['scratch'][1]})" if a.get("scratch") else ""
+            return (f"{self.dst} = decayed_product[{a['eq']}, {a['exp']}, diagonal {a['block']}-blocks] "
+                    f"{x} {z} {g}{how}")
         extra = " ".join(f"{k}={v}" for k, v in a.items())
         return f"{self.dst} = {self.op} {' '.join(self.srcs)} {extra}".rstrip()
 
@@ -290,7 +297,8 @@ class Kernel:
         """What the lowering relies on (ValueError naming what breaks it): only 2-D shared blocks
         pad their rows; a warp-specialised kernel's roles are whole warpgroups, in order, covering
         its threads; their register budgets are setmaxnreg's (multiples of 8 in [24, 256]) and fit
-        the SM; every wait and arrival names a barrier; every ring has an owner among the roles."""
+        the SM; every wait and arrival names a barrier; every ring has an owner among the roles; a
+        decayed product's scratch is a float32 shared block of the kernel."""
         axes = tuple(sorted(a for a, _ in self.grid))
         if axes not in GRID_AXES:
             raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "
@@ -312,6 +320,10 @@ class Kernel:
                              f"{' with a loop over chunks' if self.loop or self.warp_roles else ''}: only a parallel "
                              "kernel over chunk slots of a fixed thread count asks, for 1–32 CTAs and at most 2048 "
                              "threads an SM")
+        shared = {b.name for b in self.buffers if b.scope == "shared" and b.dtype == "float32"}
+        for st in (*self.prologue, *self.body, *self.epilogue):
+            if st.op == "decayed_product" and st.attr.get("scratch") and st.attr["scratch"][1] not in shared:
+                raise ValueError(f"{self.name}: `{st}` stages its sums in no float32 shared block of the kernel")
         for b in self.buffers:
             if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
                 raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")

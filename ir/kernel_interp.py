@@ -47,7 +47,9 @@ class Sizes:
     rounding: torch.dtype | None = None
 
     def of(self, dim: str) -> int:
-        return {"C": self.C, "K": self.K, "V": self.V, "BV": self.BV, "1": 1}[dim]
+        if dim.isdigit():  # a building block's literal size (a decayed product's sub-block: "16")
+            return int(dim)
+        return {"C": self.C, "K": self.K, "V": self.V, "BV": self.BV}[dim]
 
 
 class InterpretError(RuntimeError):

@@ -226,24 +226,10 @@ class _Render:
                     f"        {s.dst}_acc[j] += {s.srcs[0]}[{row}, j]",
                     f"        {s.dst}[{row}, j] = {s.dst}_acc[j]"]
         if s.op == "decayed_product":
-            # Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i, into the product's
-            # fragment (its layout is the wgmma accumulator's: a warp holds 16 rows, so every thread
-            # holds the same share of the diagonal blocks); e^{...} is never stored. Each element
-            # walks k from its own start: a warp's lanes hold rows i % 8 and column pairs
-            # (j // 2) % 4, and one column k of 8 rows 256 bytes apart is an 8-way bank conflict.
-            # (k outermost, a thread's sums in flight together, ran 2.5× slower: NOTES, session 24)
-            x, z, g = s.srcs
             exp = {"exp": "T.exp", "exp2": "T.exp2"}[a["exp"]]
             if a["eq"] != DECAYED_PRODUCT:
                 return self._decayed_product_vjp(s, exp)
-            width = self._buf_shape(x).split(", ")[1]
-            kk = f"(i_k + 2 * (i % 8) + 16 * ((j // 2) % 4)) % {width}"
-            return [f"for i, j in T.Parallel(C, C):",
-                    f"    {s.dst}[i, j] = 0.0",
-                    f"    if i // {a['block']} == j // {a['block']} and j <= i:  # a diagonal sub-block, on or below the diagonal",
-                    f"        for i_k in T.serial({width}):",
-                    f"            {s.dst}[i, j] += T.cast({x}[i, {kk}], \"float32\") * T.cast({z}[j, {kk}], \"float32\") * "
-                    f"{exp}({g}[i, {kk}] - {g}[j, {kk}])"]
+            return self._decayed_product_rows(s, exp, scan)
         if s.op == "cumsum":
             # every thread sums its own prefix: C steps, no barrier (T.cumsum runs on threads 0..31
             # only, and a row sum over a C×C fragment costs C cross-thread reductions)
@@ -305,23 +291,68 @@ class _Render:
             return [f"T.copy({s.srcs[0]}, {s.dst}[i_n, i_hv, 0:K, v0:v0 + BV])"]
         raise PassError("lower", f"no template for statement {s.op}")
 
+    def _decayed_product_rows(self, s: Stmt, exp: str, scan: bool) -> list[str]:
+        """Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i, e^{...} never stored.
+        A thread takes one row i and `cols` columns of i's block: per k it loads X_ik and γ_ik once
+        for all of them, then per column Z_jk, γ_jk, one exponential and one multiply-add (8
+        instructions an element and k, against ~22 where each element of the wgmma accumulator's
+        fragment walked k itself: at 16/16:8x4096 on the H200 KDA's prep 1.84 → 1.28 ms, GLA's out
+        1.11 → 1.00, NOTES session 25). The sums reach the product's fragment through the C×B
+        float32 block `scratch` in shared memory. k starts at 2·(i mod 32) in each row: one column
+        of 32 rows 256 bytes apart would be one bank."""
+        x, z, g = s.srcs
+        B, scratch = s.attr["block"], s.attr["scratch"][1]
+        threads = self.k.threads
+        if scan or not isinstance(threads, int) or threads % CHUNK_SIZE or B % (threads // CHUNK_SIZE):
+            raise PassError("lower", f"{s}: a thread a row takes a parallel kernel whose threads are a multiple of "
+                                     f"C = {CHUNK_SIZE} dividing the block's {B} columns, not {threads}"
+                                     + (" in a scan" if scan else ""))
+        per_row = threads // CHUNK_SIZE
+        cols = B // per_row
+        width = self._buf_shape(x).split(", ")[1]
+        row, col = f"i_t // {per_row}", f"i_t // {per_row} // {B} * {B} + i_t % {per_row} * {cols} + c"
+        k = f"(i_k + 2 * (i_t // {per_row} % 32)) % {width}"
+        return [f"i_t = T.get_thread_binding()",
+                f"{scratch}_acc = T.alloc_local(({cols},), \"float32\")",
+                f"{scratch}_row = T.alloc_local((2,), \"float32\")  # X_ik and γ_ik",
+                f"for c in T.serial({cols}):",
+                f"    {scratch}_acc[c] = 0.0",
+                f"for i_k in T.serial({width}):",
+                f"    {scratch}_row[0] = T.cast({x}[{row}, {k}], \"float32\")",
+                f"    {scratch}_row[1] = {g}[{row}, {k}]",
+                f"    for c in T.unroll({cols}):",
+                f"        {scratch}_acc[c] += {scratch}_row[0] * T.cast({z}[{col}, {k}], \"float32\") * "
+                f"{exp}({scratch}_row[1] - {g}[{col}, {k}])",
+                f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's",
+                f"    {scratch}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
+                f"i_t % {per_row} * {cols} + c <= {row} % {B}, {scratch}_acc[c], 0.0)",
+                "T.sync_threads()",
+                "for i, j in T.Parallel(C, C):",
+                f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, {scratch}[i, j % {B}], 0.0)"]
+
     def _decayed_product_vjp(self, s: Stmt, exp: str) -> list[str]:
         """The VJP's products on the diagonal sub-blocks, a C×K result: d P ⋆_rows Z (eq
         ij,jk,ijk->ik: row i sums over the block's columns m ≤ i) and d P ⋆_cols X (ij,ik,ijk->jk:
-        row i of the result sums over the block's rows m ≥ i); R is never stored. B terms an
-        element: the block's, the ones past the diagonal selected away (their e^{...} may be inf)."""
+        row i of the result sums over the block's rows m ≥ i); R is never stored. The block's m
+        outermost, the thread's elements of the result inside: its two rows share their d P loads,
+        its columns their Z and γ_m loads, and its sums are independent of each other. (Each element
+        walking m itself took 2.7× longer on the H200: dependent loads, 2 warps a scheduler, and
+        code that missed the instruction cache: NOTES, session 25.) The terms past the diagonal are
+        selected away (their e^{...} may be inf)."""
         w, y, g = s.srcs
         B = s.attr["block"]
-        m = f"i // {B} * {B} + i_k"  # the block's row or column summed over
+        m = f"i // {B} * {B} + i_m"  # the block's row or column summed over
         if s.attr["eq"] == ROWS_PRODUCT:
             keep, term = f"{m} <= i", f"T.cast({w}[i, {m}], \"float32\") * T.cast({y}[{m}, j], \"float32\") * {exp}({g}[i, j] - {g}[{m}, j])"
         elif s.attr["eq"] == COLS_PRODUCT:
             keep, term = f"{m} >= i", f"T.cast({w}[{m}, i], \"float32\") * T.cast({y}[{m}, j], \"float32\") * {exp}({g}[{m}, j] - {g}[i, j])"
         else:
             raise PassError("lower", f"{s}: no template for a decayed product {s.attr['eq']}")
-        return [f"for i, j in T.Parallel({self._buf_shape(s.dst)}):",
+        shape = self._buf_shape(s.dst)
+        return [f"for i, j in T.Parallel({shape}):",
                 f"    {s.dst}[i, j] = 0.0",
-                f"    for i_k in T.serial({B}):",
+                f"for i_m in T.serial({B}):",
+                f"    for i, j in T.Parallel({shape}):",
                 f"        {s.dst}[i, j] += T.if_then_else({keep}, {term}, 0.0)"]
 
     def _bulk_store(self, scan: bool) -> str:

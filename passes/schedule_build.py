@@ -14,6 +14,7 @@ from qla_compiler.ir.kernel import Buffer, Stmt, Tensor
 from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE, INPUT_ROW_PAD as INVERSE_ROW_PAD
 from qla_compiler.kernels.tri_inverse_scratch import TF32_FROM as INVERSE_TF32_FROM
 
+from .chunk_per_key import DECAYED_PRODUCT
 from .lowerable import on_sub_blocks
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "key_gate": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
@@ -365,8 +366,12 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
             diff = ir.node(ir.node(R).args[0])
             g = b.shared(diff.args[0])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
-            b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), g),
-                               (("block", diff.attr["block"]), ("eq", n.attr["eq"]), ("exp", ir.node(R).op))))
+            block = diff.attr["block"]
+            attrs = (("block", block), ("eq", n.attr["eq"]), ("exp", ir.node(R).op))
+            if n.attr["eq"] == DECAYED_PRODUCT:  # a C×C result, summed a thread a row: its rows'
+                # sums reach the fragment's layout through shared memory (C × the block's columns)
+                attrs += (("scratch", ("buf", b.buf(f"{name}_rows", ("C", str(block)), "float32", "shared"))),)
+            b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), g), attrs))
         elif op == "inv_unit_lower":
             if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
                 raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")

@@ -7,6 +7,8 @@ asks; in float32, 1e-5 and 1e-4 (measured: ≤ 3e-6 under the worst gates below)
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import sympy as sp
 import torch
@@ -18,6 +20,7 @@ from qla_compiler.emulate import emulated_kernels, emulated_step
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk_interp import run_all_chunks, run_chunks
 from qla_compiler.ir.chunk_ops import EXPONENTIALS
+from qla_compiler.ir.kernel import Buffer
 from qla_compiler.kernels import forward as fwd
 from qla_compiler.layout import gather, sequence_bounds, to_chunks
 from qla_compiler.ops import chunk_gla, chunk_kda
@@ -368,6 +371,11 @@ def test_sm90_kernels_hold_no_whole_chunk_decay_block(name, capsys):
     out = next(k for k in kernels if k.name == f"{name}_out")
     assert [(st.attr["block"], st.attr["eq"]) for st in out.body if st.op == "decayed_product"] == \
         [(SUBCHUNK, "ik,jk,ijk->ij")]
+    # summed a thread a row, the rows' sums staged in a C×16 float32 block the schedule budgets
+    scratch = next(st.attr["scratch"][1] for st in out.body if st.op == "decayed_product")
+    assert next(b for b in out.buffers if b.name == scratch) == Buffer(scratch, ("C", str(SUBCHUNK)), "float32", "shared")
+    with pytest.raises(ValueError, match="stages its sums in no float32 shared block"):
+        replace(out, buffers=[b for b in out.buffers if b.name != scratch]).verify()
     crossing = [p for k in kernels for p in k.params if p.name == "g_cum_log2_rows"]
     assert crossing and all(p.dtype == "float32" for p in crossing)  # γ never rounds to bf16
     assert [n.name for n in prog.backward.order() if n.shape == ("C", "C", "K")] == ["g_cum_log2_diff_diag", "R_diag"]
