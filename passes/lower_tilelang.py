@@ -231,15 +231,7 @@ class _Render:
                 return self._decayed_product_vjp(s, exp)
             return self._decayed_product_rows(s, exp, scan)
         if s.op == "cumsum":
-            # every thread sums its own prefix: C steps, no barrier (T.cumsum runs on threads 0..31
-            # only, and a row sum over a C×C fragment costs C cross-thread reductions)
-            keep = "j >= i" if a.get("reverse") else "j <= i"  # the suffix sum for a reverse cumsum
-            return ["for i in T.Parallel(C):",
-                    f"    {s.dst}_acc[i] = 0.0",
-                    "for j in T.unroll(C):  # unrolled: the C loads issue back to back, only the adds chain",
-                    "    for i in T.Parallel(C):",
-                    f"        {s.dst}_acc[i] += T.if_then_else({keep}, {s.srcs[0]}[j], 0.0)",
-                    f"T.copy({s.dst}_acc, {s.dst})"]
+            return self._vector_cumsum(s, scan)
         if s.op == "reduce":  # srcs: the fragment, then one accumulator per reduction, in order
             src, *accs = s.srcs
             out, prev = [], src
@@ -290,6 +282,30 @@ class _Render:
         if s.op == "store_state":
             return [f"T.copy({s.srcs[0]}, {s.dst}[i_n, i_hv, 0:K, v0:v0 + BV])"]
         raise PassError("lower", f"no template for statement {s.op}")
+
+    def _vector_cumsum(self, s: Stmt, scan: bool) -> list[str]:
+        """The C prefix sums of a vector (suffix sums with `reverse`) by a scan of warp shuffles:
+        five steps in each of the chunk's two warps, then the second adds the first's total. (Each
+        thread summing its own prefix read C values from shared memory: the GDN prep 0.598 →
+        0.573 ms at 16/64:8x4096 on the H200, prep_variants.py's cumsum_by_shuffles, session 24.)
+        A reverse sum scans the vector from its end: thread t holds element C − 1 − t."""
+        threads = self.k.threads
+        if scan or self.k.warp_roles or CHUNK_SIZE != 64 or not isinstance(threads, int) or threads < CHUNK_SIZE:
+            raise PassError("lower", f"{s}: the shuffle scan runs in a parallel kernel of at least C = 64 threads "
+                                     "(two warps of the chunk's rows), not in a scan or a role")
+        src, run = s.srcs[0], f"{s.dst}_run"
+        at = (lambda t: f"C - 1 - {t}") if s.attr.get("reverse") else (lambda t: t)
+        out = ["i_t = T.get_thread_binding()",
+               f"{run} = T.alloc_local((1,), \"float32\")",
+               f"{run}[0] = T.if_then_else(i_t < C, {src}[{at('i_t % C')}], 0.0)"]
+        for d in (1, 2, 4, 8, 16):  # (every lane shuffles: a lane of the full mask may not sit out)
+            out += [f"{run}_up = T.shfl_sync({run}[0], i_t % 32 - {d})",
+                    f"{run}[0] = T.if_then_else(i_t % 32 >= {d}, {run}[0] + {run}_up, {run}[0])"]
+        return out + ["if i_t < C:",
+                      f"    {s.dst}[{at('i_t')}] = {run}[0]",
+                      "T.sync_threads()",
+                      "if i_t >= 32 and i_t < C:  # the second warp: plus the first's total",
+                      f"    {s.dst}[{at('i_t')}] = {run}[0] + {s.dst}[{at('31')}]"]
 
     def _decayed_product_rows(self, s: Stmt, exp: str, scan: bool) -> list[str]:
         """Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i, e^{...} never stored.
@@ -402,7 +418,7 @@ class _Render:
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)
 SCRATCH = {
     "inverse": {k: (b.scope, _shape(b.alloc_shape()), b.dtype) for k, b in INVERSE_SCRATCH.items()},
-    # a vector's C running prefix sums (a thread a row), a C×K block's K (a thread a column)
+    # a C×K block's K running sums (a thread a column; a vector's sums are scanned in registers)
     "cumsum": {"acc": ("fragment", None, "float32")},
 }
 
@@ -540,7 +556,9 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
         out.append(f"        {b.name} = {alloc}({_shape(b.alloc_shape(), r.tiles)}, {_dtype(b.dtype)})")
         for s in (st for st in kernel.body if st.dst == b.name and st.op in SCRATCH):
             for suffix, (scope, shape, dt) in SCRATCH[s.op].items():
-                if shape is None:  # a vector over the block's last dim (a cumsum's running sums)
+                if shape is None:  # a vector over a 2-D block's last dim (a cumsum's running sums)
+                    if len(b.shape) < 2:
+                        continue
                     shape = f"({r.tiles.get(b.shape[-1], b.shape[-1])},)"
                 alloc = "T.alloc_shared" if scope == "shared" else "T.alloc_fragment"
                 out.append(f"        {s.dst}_{suffix} = {alloc}({shape}, {_dtype(dt)})")

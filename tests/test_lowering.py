@@ -367,6 +367,21 @@ def test_backward_lowers_to_cuda_with_reductions(tmp_path):
     assert "tl::wgmma_ss<" in src and "tl::AllReduce<tl::SumOp" in src
 
 
+def test_vector_cumsums_scan_by_warp_shuffles(capsys):
+    """GDN's chunk-local cumsum (its prep) and the backward's suffix sum of d g: five shuffle steps
+    in each of two warps, the second warp adding the first's total; a suffix sum scans from the
+    end (thread t holds element C − 1 − t). No fragment of running sums is declared for them."""
+    for backward, src, dst in ((False, "g_floored_s", "g_cum_s"), (True, "d_g_cum_s", "d_g_floored_s")):
+        assert main(["gdn", "--emit", "tilelang", "--shape", SHAPE] + (["--backward"] if backward else [])) == 0
+        out = capsys.readouterr().out
+        at = "C - 1 - " if backward else ""
+        assert f"{dst}_run[0] = T.if_then_else(i_t < C, {src}[{at}i_t % C], 0.0)" in out
+        assert [int(d) for d in re.findall(rf"{dst}_run_up = T.shfl_sync\({dst}_run\[0\], i_t % 32 - (\d+)\)", out)] \
+            == [1, 2, 4, 8, 16]
+        assert f"{dst}[{at}i_t] = {dst}_run[0] + {dst}[{at}31]" in out
+        assert f"{dst}_acc" not in out
+
+
 def _scheduled(prog, split_phase: bool):
     """The kernels of the program and of its backward (where it has them: not yet a per-key
     gate's), with or without split-phase loads (the default is schedule.SPLIT_PHASE_LOADS)."""
