@@ -23,37 +23,29 @@ import argparse
 import subprocess
 import sys
 
+from qla_compiler.passes import lower_tilelang
+
 ROW = "16/16:8x4096"
 VARIANTS = ("as generated", "element inner", "no vjp")
+GENERATED = lower_tilelang._Render._decayed_product_vjp
 
 
 def vjp_template(variant: str):
+    """The variant's lines, rearranged from the generated ones (zero the result; for each of the
+    block's rows m: for each element, add its term): "element inner" moves the loop over m inside
+    the elements' loop, "no vjp" keeps the zeroing alone."""
     def lines(render, s, exp):
-        from qla_compiler.passes.chunk_per_key import ROWS_PRODUCT
-
-        w, y, g = s.srcs
-        B = s.attr["block"]
-        shape = render._buf_shape(s.dst)
-        zero = [f"for i, j in T.Parallel({shape}):", f"    {s.dst}[i, j] = 0.0"]
+        out = GENERATED(render, s, exp)
+        zero, (over_m, _, add) = out[:2], out[2:]
         if variant == "no vjp":
             return zero
-        m = f"i // {B} * {B} + i_k"
-        if s.attr["eq"] == ROWS_PRODUCT:
-            keep, term = f"{m} <= i", (f"T.cast({w}[i, {m}], \"float32\") * T.cast({y}[{m}, j], \"float32\") * "
-                                        f"{exp}({g}[i, j] - {g}[{m}, j])")
-        else:
-            keep, term = f"{m} >= i", (f"T.cast({w}[{m}, i], \"float32\") * T.cast({y}[{m}, j], \"float32\") * "
-                                        f"{exp}({g}[{m}, j] - {g}[i, j])")
-        return zero + [f"    for i_k in T.serial({B}):",
-                       f"        {s.dst}[i, j] += T.if_then_else({keep}, {term}, 0.0)"]
+        return zero + ["    " + over_m, add]
     return lines
 
 
 def patch(variant: str) -> None:
     if variant == "as generated":
         return
-    from qla_compiler.passes import lower_tilelang
-
     lower_tilelang._Render._decayed_product_vjp = vjp_template(variant)
 
 
