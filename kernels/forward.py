@@ -15,12 +15,12 @@ from typing import Callable
 
 import torch
 
-from qla_compiler.context_parallel import contraction_logs, run_segments, segment_layout, window_skips
+from qla_compiler.context_parallel import chain_starts, contraction_logs, run_segments, segment_layout, window_skips
 from qla_compiler.layout import TensorMemo, chunk_offsets, packed_cu_seqlens
 from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, tile_width
 from qla_compiler.passes.walk_skip import widened
 
-from . import window_search
+from . import segment_chain, window_search
 from .runtime import load_kernels
 
 IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -441,7 +441,8 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
         # the windows kernel reads the values' zero columns itself (Tensor.zero_columns): no [0 | v]
         reads_zeros = any(p.zero_columns for p in windows.kernels.kernels[0].params)
         t, final = run_segments(scan, vals, cu, h0, segments, C, reverse=scan_kernel.reverse,
-                                skips=_window_search(program, tensors, dims.HV, C), layout=cut, widen=not reads_zeros)
+                                skips=_window_search(program, tensors, dims.HV, C), layout=cut, widen=not reads_zeros,
+                                chain=_segment_chain(h0))
     else:
         t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})
@@ -458,6 +459,15 @@ def _window_search(program, tensors: dict, HV: int, C: int):
         return window_search.searcher(program.recurrence, tensors, HV, C)
     lam = contraction_logs(program.recurrence, tensors, HV)
     return lambda layout, reverse: window_skips(lam, layout, reverse)
+
+
+def _segment_chain(h0: torch.Tensor):
+    """Step 2 of context parallelism, the chain of segment maps: on the GPU's compiled path one
+    kernel (kernels/segment_chain.py), else (the emulator, meta tensors, states wider than float32)
+    the torch definition it is held to (context_parallel.chain_starts)."""
+    if POLICY.kernels is None and h0.is_cuda and h0.dtype == torch.float32:
+        return segment_chain.chain
+    return chain_starts
 
 
 def tensor_sizes(dims, C: int, chunk_map_: torch.Tensor) -> dict:

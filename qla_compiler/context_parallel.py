@@ -203,7 +203,7 @@ def window_skips(contraction: torch.Tensor, layout: SegmentLayout, reverse: bool
 
 def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tensor, segments: int,
                  chunk_size: int, reverse: bool = False, skips: Callable | None = None,
-                 layout: SegmentLayout | None = None, widen: bool = True):
+                 layout: SegmentLayout | None = None, widen: bool = True, chain: Callable | None = None):
     """scan(values {name: [1, T, HV, W]}, cu_seqlens, h0 [N', HV, K, W]) -> (out, final [N', HV, K, W])
     runs the chunked scan over packed sequences for any value width W (`out` is whatever else the
     scan returns, e.g. o). `values` are the scan's per-token inputs of the state's width, each of
@@ -216,7 +216,8 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     contraction_logs, or the GPU's kernels/window_search.py), which the scan takes as a fourth
     argument. `layout`: segment_layout's for these arguments, where the caller keeps it. `widen`:
     step 1 gets the values widened to [0 | v]; False where its scan reads the K zero columns itself
-    (a kernel's Tensor.zero_columns: passes/walk_skip.py)."""
+    (a kernel's Tensor.zero_columns: passes/walk_skip.py). `chain`: step 2, chain_starts or what
+    computes the same (the GPU's kernels/segment_chain.py)."""
     check_segments(segments)
     N, HV, K, V = h0.shape
     if layout is None:
@@ -230,8 +231,22 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
     widened = {n: _widen(v, K) for n, v in values.items()} if widen else values
     windows = () if skips is None else (skips(layout, reverse),)
     _, maps = scan(widened, cu_seg, start, *windows)            # 1. [M | H] of every segment
-    # 2. the scan over segments, one batched S ↦ M S + H (baddbmm) a segment: a call's host time is
-    # mostly its small ops, and slices, a matmul and an add were ~10 of them a segment
+    starts = (chain or chain_starts)(maps, h0, segments, reverse)   # 2.
+    out, finals = scan(values, cu_seg, starts)  # 3.
+    return out, finals.view(N, segments, HV, K, V)[:, 0 if reverse else -1]
+
+
+def chain_starts(maps: torch.Tensor, h0: torch.Tensor, segments: int, reverse: bool = False) -> torch.Tensor:
+    """Step 2: every segment's start state [N·S, HV, K, V] from the segments' maps [M | H]
+    [N·S, HV, K, K + V] and the sequences' start states h0 [N, HV, K, V]: the scan S ↦ M S + H over
+    each sequence's segments, first to last (last to first where `reverse`), one batched matmul a
+    segment (a call's host time is mostly its small ops: slices, a matmul and an add were ~10 a segment).
+
+        >>> maps = torch.tensor([[[[2.0, 1.0]]], [[[3.0, 5.0]]]])   # one sequence, 2 segments, K = V = 1
+        >>> chain_starts(maps, torch.tensor([[[[1.0]]]]), 2).flatten().tolist()   # 1, then 2·1 + 1
+        [1.0, 3.0]
+    """
+    N, HV, K, V = h0.shape
     maps = maps.view(N, segments, HV, K, K + V).transpose(0, 1).reshape(segments, N * HV, K, K + V)
     starts, state = [None] * segments, h0.reshape(N * HV, K, V)
     order = list(reversed(range(segments)) if reverse else range(segments))
@@ -240,9 +255,7 @@ def run_segments(scan: Callable, values: dict, cu: torch.Tensor, h0: torch.Tenso
         starts[s] = state
         if after is not None:  # (the map of the sequence's last segment: its final state is scan 3's)
             state = torch.baddbmm(H[s], M[s], state)
-    starts = torch.stack(starts).view(segments, N, HV, K, V).transpose(0, 1).reshape(N * segments, HV, K, V)
-    out, finals = scan(values, cu_seg, starts)  # 3.
-    return out, finals.view(N, segments, HV, K, V)[:, 0 if reverse else -1]
+    return torch.stack(starts).view(segments, N, HV, K, V).transpose(0, 1).reshape(N * segments, HV, K, V)
 
 
 def _widen(v: torch.Tensor, K: int) -> torch.Tensor:

@@ -170,10 +170,10 @@ def parse_deployment(text: str) -> dict:
 def compile_classes(todo: list, log=print) -> list:
     """Compile every kernel of each Compile into the on-disk caches, printing a line per kernel
     (compiled, or found in TileLang's cache). Returns (kernel, Compile, seconds, compiled) per kernel."""
-    from .kernels import window_search
+    from .kernels import segment_chain, window_search
     from .kernels.runtime import load_kernels
 
-    done, total = [], sum(len(_kernel_names(c)) + (c.kernels == "windows") for c in todo)
+    done, total = [], sum(len(_kernel_names(c)) + 2 * (c.kernels == "windows") for c in todo)
     for c in todo:
         program = _program(c)
         if c.fused and not any(k.warp_roles for k in program.kernels.kernels):
@@ -190,15 +190,20 @@ def compile_classes(todo: list, log=print) -> list:
             s = c.shape
             log(f"[{len(done)}/{total}] {name:<{max(len(name), 24)}} {c.part} H={s.H} HV={s.HV} K={s.K} V={s.V} "
                 f"BV={s.BV} {s.io}: {'compiled' if compiled else 'cached'} in {done[-1][2]:.1f}s")
-        if c.kernels == "windows":  # and the search for the windows, which runs before that scan
-            s, before, t = c.shape, _tilelang_entries(), time.time()
-            reverse = program.kernels.kernels[0].reverse
-            window_search.compiled(window_search.kind(program.recurrence), s.H, s.HV, s.K, s.io,
-                                   program.chunk_size, reverse)
-            compiled = _tilelang_entries() != before
-            done.append(("window_search", c, time.time() - t, compiled))
-            log(f"[{len(done)}/{total}] {'window_search':<24} {c.part} H={s.H} HV={s.HV} K={s.K} "
-                f"{'reverse ' if reverse else ''}{s.io}: {'compiled' if compiled else 'cached'} in {done[-1][2]:.1f}s")
+        if c.kernels == "windows":  # and what runs beside that scan: the search before, the chain after
+            s, reverse = c.shape, program.kernels.kernels[0].reverse
+            rev, V = "reverse " if reverse else "", s.V - s.K  # (the windows scan's state is [M | H]: K + V wide)
+            for name, build, detail in (
+                    ("window_search", lambda: window_search.compiled(window_search.kind(program.recurrence), s.H, s.HV,
+                                                                     s.K, s.io, program.chunk_size, reverse),
+                     f"H={s.H} HV={s.HV} K={s.K} {rev}{s.io}"),
+                    ("segment_chain", lambda: segment_chain.compiled(s.K, V, reverse), f"K={s.K} V={V} {rev}".strip())):
+                before, t = _tilelang_entries(), time.time()
+                build()
+                compiled = _tilelang_entries() != before
+                done.append((name, c, time.time() - t, compiled))
+                log(f"[{len(done)}/{total}] {name:<24} {c.part} {detail}: {'compiled' if compiled else 'cached'} "
+                    f"in {done[-1][2]:.1f}s")
     return done
 
 

@@ -36,8 +36,10 @@ sequences, so K = V = 128 is one shape class per dtype; with the head-dim cases,
 (shape_classes(); `python3 benchmarks/fla_gdn_tests.py --precompile --real-data` compiles them,
 with those of FLA's tests, without a GPU). On the GPU node: `python3 -m pytest -q tests/test_gpu_real_data.py`.
 """
+import contextlib
 import functools
 import os
+import time
 import warnings
 
 import pytest
@@ -193,13 +195,19 @@ def _check(args, *, l2norm=False, fla_nan_expected=False, context_parallel=None)
     op = qla_compiler.compile("gdn", target="sm90")
     io = args["v"].dtype
     cot = _cotangents(args)
-    ref = _run(op.reference, args, cot, l2norm, dtype=torch.float64)
+    # (each part's wall time, printed with the table: the file ran past 300 s on the H200 in
+    # sessions 25 and 26, a single case past 150 s; FLA's Triton autotuning compiles are the suspect)
+    clock = _Clock()
+    with clock("reference"):
+        ref = _run(op.reference, args, cot, l2norm, dtype=torch.float64)
     ours_op = functools.partial(op, context_parallel=context_parallel)
-    with torch.no_grad():
-        o, final = ours_op(**args, use_qk_l2norm_in_kernel=l2norm)
-    ours = {"o (no grad)": o, "final_state (no grad)": final, **_run(ours_op, args, cot, l2norm)}
+    with clock("qla"):
+        with torch.no_grad():
+            o, final = ours_op(**args, use_qk_l2norm_in_kernel=l2norm)
+        ours = {"o (no grad)": o, "final_state (no grad)": final, **_run(ours_op, args, cot, l2norm)}
     fla_args = {n: (x.long() if n == "cu_seqlens" else x) for n, x in args.items()}
-    fla = _run(fla_op, fla_args, cot, l2norm)
+    with clock("FLA"):
+        fla = _run(fla_op, fla_args, cot, l2norm)
 
     assert o.dtype == io and final.dtype == torch.float32
     for n in GRADS:
@@ -210,9 +218,27 @@ def _check(args, *, l2norm=False, fla_nan_expected=False, context_parallel=None)
         err = rel_err(x, ref[q])
         fe = float("inf") if fla[q] is None else rel_err(fla[q], ref[q])
         _row(rows, failures, name, x, err, fe, _bound(q, fe, io, fla_nan_expected))
-    table = "\n".join(rows)
+    table = "\n".join(rows + [str(clock)])
     print(table)
     assert not failures, f"{', '.join(failures)} out of tolerance:\n{table}"
+
+
+class _Clock:
+    """Wall time of named parts, the GPU synchronised at each end."""
+
+    def __init__(self):
+        self.parts = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        yield
+        torch.cuda.synchronize()
+        self.parts[name] = time.perf_counter() - t
+
+    def __str__(self):
+        return "wall time: " + ", ".join(f"{n} {s:.2f} s" for n, s in self.parts.items())
 
 
 def _bound(q, fe, io, fla_nan_expected) -> float:
