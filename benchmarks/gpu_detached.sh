@@ -36,11 +36,18 @@ case "${1:-}" in
     # took the job with it; say so now rather than wait out SECONDS (session 16 lost 8 minutes so)
     [ -f $J/steps ] || { echo "no job on this machine: the lease lapsed since start; start again" >&2; exit 3; }
     end=$(( $(date +%s) + ${2:-300} ))
+    # job.tgz leaves out any file over 12 MB: the device tool brings back files up to 16 MiB, and
+    # one bigger job.tgz (session 26: a 41 MB Triton cache in it) brings back no log at all
+    pack() {
+      find $J -path $J/src -prune -o -type f -size +12M -printf './%P\n' > $J/.too-big
+      tar -C $J --exclude=./src --exclude-from=$J/.too-big -czf "$OUT/job.tgz" . 2>/dev/null
+    }
     while [ ! -f $J/done ] && [ "$(date +%s)" -lt $end ]; do
-      tar -C $J --exclude=./src -czf "$OUT/job.tgz" . 2>/dev/null
+      pack
       sleep 15
     done
-    tar -C $J --exclude=./src -czf "$OUT/job.tgz" . 2>/dev/null
+    pack
+    [ -s $J/.too-big ] && echo "left out of job.tgz (over 12 MB): $(tr '\n' ' ' < $J/.too-big)"
     cat $J/progress 2>/dev/null
     for f in $J/[0-9]*.log; do echo "== $f"; tail -n 15 "$f"; done ;;
   *) echo "usage: $0 start STEPS_FILE | poll SECONDS" >&2; exit 2 ;;

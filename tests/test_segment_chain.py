@@ -43,10 +43,12 @@ def test_chain_starts_is_the_segment_by_segment_scan(N, segments, reverse):
 def test_segment_chain_kernel_lowers_to_cuda(K, V, reverse):
     """The kernel at head dims up to 256 and ones no multiple of its blocks: plain float32 FMAs (no
     tensor cores, which would round the state to tf32), M's blocks between two barriers, and the
-    state's update after one more."""
+    state's update after one more. Up to K = 128 M comes in one block (a block's load is a whole
+    global latency before its products; four blocks a segment took ~6.7 µs on the H200)."""
     from qla_compiler.kernels import segment_chain
 
     src = segment_chain.compiled(K, V, reverse).get_kernel_source()
     assert "wgmma" not in src and "mma" not in src.replace("m_s", "")
     assert src.count("__syncthreads()") >= 4
     assert "(m[0] * ((float*)state_s)[" in src
+    assert ("for (int kb = 0; kb < 2; ++kb)" in src) == (K > 128) and ("for (int kb" in src) == (K > 128)
