@@ -4,7 +4,7 @@ of a steady-state call goes.
 
     python benchmarks/first_call.py            # cold, warmed, warm first calls; a host profile
     python benchmarks/first_call.py --profile  # the host profile alone (the first calls take minutes)
-    python benchmarks/first_call.py --profile --training   # ... of a training step (forward + backward)
+    python benchmarks/first_call.py --training # the host profile of a training step (forward + backward)
 
 Each first call runs in a fresh process (the kernels cached in memory would hide the disk cache):
   cold    empty caches: the spec's compile, the lowering and TileLang's compiles, then the launch;
