@@ -1,0 +1,145 @@
+"""Where the per-key gates' backward out kernels spend their time (issue 18): each kernel as
+generated against copies of it with one piece of work taken out, timed alone on the tensors of a
+real training step (qla-bench's inputs at 16/16:8x4096), as benchmarks/ablate.py does for GDN's
+forward. The copies' results are wrong on purpose: only their times mean something.
+
+    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/ablate_backward.py --compile-only   # on the CPU
+    python benchmarks/ablate_backward.py                                              # on the GPU
+
+Why: GLA's backward out kernel took 5.4 ms at 16/16:8x4096 on the H200 with its VJP products
+taken out (session 25), against FLA's whole intra + inter + dv + dA ≈ 3.8 ms; KDA's two out
+kernels 4.6 and 3.3 ms. ncu (GLA): one 256-thread CTA an SM (255 registers, 205 KB of shared
+memory), 42 % of the stalls on instruction fetch, 192 KB of code (readelf on the cubin, session 26).
+Each variant below takes out one kind of work, so the table says which is worth rewriting.
+
+A kernel's variants are the ones whose every edit matches its generated lines (which depend on the
+spec); an edit that matches nothing leaves the variant out of that kernel's table, said on stderr.
+"""
+import argparse
+import sys
+
+from ablate import edited, time_us
+
+ROW = "16/16:8x4096"
+KERNELS = {"gla": ["gla_backward_out"], "kda": ["kda_backward_out_d_g", "kda_backward_out_d_q_d_k_d_v"]}
+# label -> (regex, replacement) edits of the generated module's lines
+VARIANTS = {
+    "no VJP products (d P ⋆ Z, d P ⋆ X)": [(r"^for i_m in T\.serial\(16\):$", "for i_m in T.serial(0):")],
+    "no P recompute (diagonal rows, chains)": [(r"^for i_k in T\.serial\(K\):$", "for i_k in T.serial(0):"),
+                                               (r"^T\.gemm\(q_after_\d+_s, k_upto_\d+_s, .*\)$", "pass")],
+    "no backward sub-chunk chains (wgmma)": [(r"^T\.gemm\(\w+_(rows|cols)_\d+_s, .*\)$", "pass")],
+    "no masked operands (C×K, C×C passes)": [
+        (r"^(\w+_(after|upto|by)_\d+_s\[i, j\]) = .*$", r"\1 = T.cast(0, IO)"),
+        (r"^(\w+_(rows|cols)_\d+_s\[i, j\]) = .*$", r"\1 = T.cast(0, IO)")],
+    "no d g expression": [(r"^(d_g_cum_s\[i, j\]) = .*$", r"\1 = 0.0")],
+    "no d q, d k expressions": [(r"^(d_[qk]_s\[i, j\]) = T\.cast\(.*$", r"\1 = T.cast(0, IO)")],
+    "no reverse cumsum (d g)": [(r"^for i in T\.serial\(C\):$", "for i in T.serial(0):")],
+}
+
+
+def classes(spec: str):
+    """(program, shape class) of each backward kernel of KERNELS[spec] at ROW, as the runtime
+    launches them on an H200 (qla_compiler.precompile's classes, which the tests hold to the
+    runtime's)."""
+    from qla_compiler.bench import parse_row
+    from qla_compiler.kernels.forward import H200_SMS
+    from qla_compiler.precompile import _program, shape_classes
+
+    H, HV, lens = parse_row(ROW)
+    out = {}
+    for c in shape_classes(spec, H=H, HV=HV, K=128, V=128, n_seqs=[len(lens)], training=True, sms=H200_SMS):
+        if c.part != "backward":
+            continue
+        program = _program(c)
+        for k in program.kernels.kernels:
+            if k.name in KERNELS[spec]:
+                out[k.name] = (program, c.shape, k)
+    return out
+
+
+def edited_kernel(source: str, name: str, edits) -> str:
+    """The module with `edits` made in kernel `name`'s function alone (the module holds all of the
+    program's kernels, whose lines the same patterns may match)."""
+    lines = source.splitlines()
+    start = lines.index(f"def {name}(") - 1  # its @T.prim_func
+    end = next((i for i in range(start + 2, len(lines)) if lines[i].startswith("@")), len(lines))
+    body = edited("\n".join(lines[start:end]), edits).splitlines() if edits else lines[start:end]
+    return "\n".join(lines[:start] + body + lines[end:]) + "\n"
+
+
+def compile_variants(program, shape, kernel_name: str) -> dict:
+    """{label: compiled kernel}: the kernel as generated and each variant whose edits all match."""
+    import logging
+
+    import tilelang
+
+    from qla_compiler.kernels.runtime import BACKEND, TARGET, import_module, module_source, write_source
+
+    logging.getLogger("tilelang").setLevel(logging.ERROR)
+    source = module_source(program, shape)
+    out = {}
+    for label, edits in [("as generated", [])] + list(VARIANTS.items()):
+        try:
+            text = edited_kernel(source, kernel_name, edits)
+        except SystemExit:  # (ablate.edited: an edit matched no line of this kernel)
+            print(f"{kernel_name}: '{label}' does not apply (an edit matches no line)", file=sys.stderr)
+            continue
+        path = write_source(f"{kernel_name}_ablate", text)
+        out[label] = tilelang.compile(getattr(import_module(path), kernel_name), target=TARGET,
+                                      execution_backend=BACKEND)
+        print(f"compiled {kernel_name}: {label}", file=sys.stderr, flush=True)
+    return out
+
+
+def step_tensors(spec: str) -> dict:
+    """Every tensor of the backward kernels by name, after one training step at ROW (the backward's
+    kernels' own dictionary, caught where kernels/backward.py runs them)."""
+    import torch
+
+    import qla_compiler
+    from qla_compiler.bench import make_inputs, parse_row, with_backward
+    from qla_compiler.kernels import backward
+
+    caught = {}
+    run = backward.run_kernels
+
+    def catching(bprog, t, *args, **kw):
+        out = run(bprog, t, *args, **kw)
+        caught.update(t)
+        return out
+
+    backward.run_kernels = catching
+    try:
+        op = qla_compiler.compile(spec, target="sm90")
+        with_backward(op)(**make_inputs(*parse_row(ROW), spec=spec))
+        torch.cuda.synchronize()
+    finally:
+        backward.run_kernels = run
+    return caught
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", nargs="*", default=list(KERNELS), choices=list(KERNELS))
+    ap.add_argument("--compile-only", action="store_true", help="compile every variant (no GPU needed)")
+    args = ap.parse_args(argv)
+    for spec in args.spec:
+        todo = {name: (program, shape, k, compile_variants(program, shape, name))
+                for name, (program, shape, k) in classes(spec).items()}
+        if args.compile_only:
+            continue
+        t = step_tensors(spec)
+        print(f"# {spec} at {ROW}: each backward out kernel alone, µs per launch (CUDA events, 20 launches)")
+        for name, (_, _, k, variants) in todo.items():
+            params = [t[p.name] for p in k.params]
+            base = time_us(variants["as generated"], params)
+            print(f"{name:>30}  as generated {base:9.1f}")
+            for label, kernel in variants.items():
+                if label != "as generated":
+                    us = time_us(kernel, params)
+                    print(f"{'':>30}  {label:<38} {us:9.1f}  ({us - base:+.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
