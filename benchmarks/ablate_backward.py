@@ -129,15 +129,16 @@ def main(argv=None) -> int:
         if args.compile_only:
             continue
         t = step_tensors(spec)
-        print(f"# {spec} at {ROW}: each backward out kernel alone, µs per launch (CUDA events, 20 launches)")
+        print(f"# {spec} at {ROW}: each backward out kernel alone, µs per launch (CUDA events, 20 launches)",
+              flush=True)
         for name, (_, _, k, variants) in todo.items():
             params = [t[p.name] for p in k.params]
             base = time_us(variants["as generated"], params)
-            print(f"{name:>30}  as generated {base:9.1f}")
+            print(f"{name:>30}  as generated {base:9.1f}", flush=True)
             for label, kernel in variants.items():
                 if label != "as generated":
                     us = time_us(kernel, params)
-                    print(f"{'':>30}  {label:<38} {us:9.1f}  ({us - base:+.1f})")
+                    print(f"{'':>30}  {label:<38} {us:9.1f}  ({us - base:+.1f})", flush=True)
     return 0
 
 

@@ -41,6 +41,11 @@ case "${1:-}" in
     pack() {
       find $J -path $J/src -prune -o -type f -size +12M -printf './%P\n' > $J/.too-big
       tar -C $J --exclude=./src --exclude-from=$J/.too-big -czf "$OUT/job.tgz" . 2>/dev/null
+      # (smaller files can still add up past the limit: then the logs alone)
+      if [ "$(stat -c %s "$OUT/job.tgz")" -gt 15000000 ]; then
+        echo "./* (job.tgz over 15 MB: the logs alone)" >> $J/.too-big
+        tar -C $J -czf "$OUT/job.tgz" progress steps .too-big $(cd $J && ls [0-9]*.log 2>/dev/null) 2>/dev/null
+      fi
     }
     while [ ! -f $J/done ] && [ "$(date +%s)" -lt $end ]; do
       pack

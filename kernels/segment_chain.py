@@ -10,8 +10,10 @@ scan). It writes each segment's start state, then, but for the last segment, for
 thread owns rows of M (row tx, tx + THREADS, ...) and accumulates its rows of the product in
 registers in float32, as a plain fp32 matmul would (tensor cores would round M and S to tf32: 2⁻¹¹
 of the state, where the scans keep it in float32). M's columns come through shared memory in blocks
-of up to 128 (one block up to K = 128), read from global memory coalesced; its rows are padded by
-one word so that the threads' reads of one column fall in different banks. The state's reads are
+of up to 128 (one block up to K = 128), thread tx loading elements tx, tx + THREADS, ... of the
+block in row-major order, so that a warp reads 32 consecutive words (TileLang's T.Parallel gave a
+thread 4 consecutive words: a warp's load spanned 512 bytes at a 16-byte stride). Its rows are
+padded by one word so that the threads' reads of one column fall in different banks. The state's reads are
 the same address in every thread (a broadcast).
 
 The torch chain stays the definition (context_parallel.chain_starts: the CPU path and the emulated
@@ -55,6 +57,7 @@ def source(K: int, V: int, reverse: bool) -> str:
         f"ROWS = {rows}  # M's rows a thread owns",
         f"KBS = {kbs}  # M's column blocks",
         f"KP = {kbs * KB}  # the state's rows, padded to whole column blocks (zero past K)",
+        f"LOADS = {-(-K * KB // THREADS)}  # a block of M's elements a thread loads",
         'HV = T.dynamic("HV")',
         'N = T.dynamic("N")  # sequences',
         'NS = T.dynamic("NS")  # segments of all sequences: N · S',
@@ -90,8 +93,11 @@ def source(K: int, V: int, reverse: bool) -> str:
         "                                                   maps[s, i_hv, tx + j * THREADS, K + v0 + c], T.float32(0))",
         "                for kb in T.serial(KBS):",
         "                    T.sync_threads()  # every thread done with the last block of M",
-        "                    for r, x in T.Parallel(K, KB):",
-        "                        m_s[r, x] = T.if_then_else(kb * KB + x < K, maps[s, i_hv, r, kb * KB + x], T.float32(0))",
+        "                    for e in T.unroll(LOADS):  # elements tx, tx + THREADS, ...: a warp reads 32 consecutive words (unrolled: all in flight)",
+        "                        if (e * THREADS + tx) // KB < K:",
+        "                            m_s[(e * THREADS + tx) // KB, (e * THREADS + tx) % KB] = T.if_then_else(",
+        "                                kb * KB + (e * THREADS + tx) % KB < K,",
+        "                                maps[s, i_hv, (e * THREADS + tx) // KB, kb * KB + (e * THREADS + tx) % KB], T.float32(0))",
         "                    T.sync_threads()",
         "                    for j in T.serial(ROWS):",
         "                        if tx + j * THREADS < K:",
