@@ -33,10 +33,13 @@ def main():
     ap.add_argument("--segments", nargs="*", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--fit", metavar="JSON", help="fit the constants to measurements stored by --json, and stop")
+    ap.add_argument("--fix", nargs="*", default=[], metavar="NAME=MS",
+                    help="hold these constants (cp_plan.Costs' fields) at a value measured otherwise")
     args = ap.parse_args()
+    fixed = {k: float(v) for k, v in (f.split("=") for f in args.fix)}
     if args.fit:
         with open(args.fit) as f:
-            return fit(json.load(f), 132)
+            return fit(json.load(f), 132, fixed)
     sms = sm_count(torch.device("cuda"))
     data = []
     for row in args.rows:
@@ -54,16 +57,21 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
-    fit(data, sms)
+    fit(data, sms, fixed)
 
 
-def fit(data: list, sms: int) -> None:
-    """Least squares for the model's Costs in t(S) − t(1) = Σ Δterms · cost (see the docstring)."""
+def fit(data: list, sms: int, fixed: dict | None = None) -> None:
+    """Least squares for the model's Costs in t(S) − t(1) = Σ Δterms · cost (see the docstring),
+    non-negative (every constant is a time: a negative one fits noise, and session 27's free fit
+    made the segment's cost −0.6 µs), the constants in `fixed` held at their values."""
+    import itertools
+
     import torch
 
     from qla_compiler.bench import parse_row
     from qla_compiler.kernels import cp_plan
 
+    fixed = fixed or {}
     names = [f.name for f in dataclasses.fields(cp_plan.Costs)]
     base = {d["row"]: d["ms"] for d in data if d["segments"] == 1}
     rows_a, rows_b, which = [], [], []
@@ -76,14 +84,24 @@ def fit(data: list, sms: int) -> None:
         rows_a.append([cut[n] - one[n] for n in names])
         rows_b.append(d["ms"] - base[d["row"]])
         which.append((d["row"], d["segments"]))
-    if len(rows_a) < len(names):
-        print(f"fit: {len(rows_a)} measurements do not determine {len(names)} constants")
+    free = [i for i, n in enumerate(names) if n not in fixed]
+    if len(rows_a) < len(free):
+        print(f"fit: {len(rows_a)} measurements do not determine {len(free)} constants")
         return
     a, b = torch.tensor(rows_a, dtype=torch.float64), torch.tensor(rows_b, dtype=torch.float64)
-    sol = torch.linalg.lstsq(a, b[:, None]).solution.flatten()
-    res = a @ sol - b
-    fitted = dict(zip(names, sol.tolist()))
-    print("fit: " + ", ".join(f"{n} = {v:.4g} (the model's {getattr(cp_plan.H200, n):.4g})" for n, v in fitted.items()))
+    b = b - sum(a[:, names.index(n)] * v for n, v in fixed.items())
+    # non-negative least squares by trying every subset of the free constants (five: 31 solves),
+    # the rest zero; the best fit whose constants are all ≥ 0
+    best = None
+    for k in range(1, len(free) + 1):
+        for idx in itertools.combinations(free, k):
+            sol = torch.linalg.lstsq(a[:, idx], b[:, None]).solution.flatten()
+            if (sol >= 0).all() and (best is None or (a[:, idx] @ sol - b).pow(2).sum() < best[0]):
+                best = ((a[:, idx] @ sol - b).pow(2).sum(), dict(zip(idx, sol.tolist())))
+    fitted = {n: fixed.get(n, best[1].get(i, 0.0)) for i, n in enumerate(names)}
+    res = a[:, free] @ torch.tensor([fitted[names[i]] for i in free], dtype=torch.float64) - b
+    print("fit: " + ", ".join(f"{n} = {v:.4g}{' (fixed)' if n in fixed else ''} (the model's "
+                              f"{getattr(cp_plan.H200, n):.4g})" for n, v in fitted.items()))
     print(f"fit: residuals rms {float(res.pow(2).mean().sqrt()):.3f} ms, max {float(res.abs().max()):.3f} ms "
           f"(at {which[int(res.abs().argmax())]})")
 

@@ -5,6 +5,7 @@ of a steady-state call goes.
     python benchmarks/first_call.py            # cold, warmed, warm first calls; a host profile
     python benchmarks/first_call.py --profile  # the host profile alone (the first calls take minutes)
     python benchmarks/first_call.py --training # the host profile of a training step (forward + backward)
+    python benchmarks/first_call.py --training --row 2/8:1x8192 --cp auto   # one row, context_parallel
 
 Each first call runs in a fresh process (the kernels cached in memory would hide the disk cache):
   cold    empty caches: the spec's compile, the lowering and TileLang's compiles, then the launch;
@@ -14,6 +15,7 @@ a one-token decode step at 16/64): Python's profile and torch.profiler's CPU vie
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -61,12 +63,12 @@ def first_calls() -> None:
           f"warmup('{DEPLOYMENT}') {warmup_s:.1f} s, then a first call {warmed:.2f} s")
 
 
-def host_profile(row: str = ROW, decode: bool = False, training: bool = False) -> None:
+def host_profile(row: str = ROW, decode: bool = False, training: bool = False, cp=None) -> None:
     """Where a steady-state call's host time goes: the wall time per call beside the GPU's, then
     Python's profile (cProfile, which sees TileLang's launch path and torch's dispatch as frames)
     and torch.profiler's CPU view of the ops it launches. `training`: a training step (qla-bench
     --backward's), whose eager time was 4.66 ms against 0.87 ms of GPU time at 16/64:1x2048 in
-    session 26 (session 8: 1.38)."""
+    session 26 (session 8: 1.38). `cp`: the call's context_parallel."""
     import cProfile
     import pstats
 
@@ -79,6 +81,8 @@ def host_profile(row: str = ROW, decode: bool = False, training: bool = False) -
     H, HV, lens = parse_row(row)
     args = make_inputs(H, HV, lens)
     fn = ops.fused_recurrent_gated_delta_rule if decode else ops.chunk_gated_delta_rule
+    if cp is not None:
+        fn = functools.partial(fn, context_parallel=cp)
     fn = with_backward(fn) if training else fn
     for _ in range(3):
         fn(**args)
@@ -106,8 +110,13 @@ def host_profile(row: str = ROW, decode: bool = False, training: bool = False) -
 
 if __name__ == "__main__":
     if "--training" in sys.argv[1:]:
-        host_profile(training=True)
-        host_profile("2/8:1x32768", training=True)
+        if "--row" in sys.argv:
+            cp = sys.argv[sys.argv.index("--cp") + 1] if "--cp" in sys.argv else None
+            host_profile(sys.argv[sys.argv.index("--row") + 1], training=True,
+                         cp=int(cp) if cp and cp.isdigit() else cp)
+        else:
+            host_profile(training=True)
+            host_profile("2/8:1x32768", training=True)
         sys.exit()
     if "--profile" not in sys.argv[1:]:
         first_calls()

@@ -289,6 +289,9 @@ class Kernel:
     # a parallel kernel: the CTAs an SM is to hold at once, asked of ptxas as launch bounds (each
     # thread's registers then fit 64K / (threads · ctas_per_sm)); 0 where ptxas chooses alone
     ctas_per_sm: int = 0
+    # a parallel kernel: the registers a thread's live fragments take at once, at their peak (what
+    # the schedule budgets; past ~224 of a thread's 255, ptxas spills to local memory)
+    fragment_peak: int = 0
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -365,6 +368,7 @@ class Kernel:
         grid = ", ".join(f"{a}:{e}" for a, e in self.grid)
         peak = f"  shared ≤ {self.shared_peak / 1024:.0f} KB" if self.shared_peak else ""
         peak += f"  {self.ctas_per_sm} CTAs an SM" if self.ctas_per_sm else ""
+        peak += f"  fragments ≤ {self.fragment_peak} registers a thread" if self.fragment_peak else ""
         lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}{peak}  # {self.doc}"]
         for p in self.params:
             lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"
@@ -417,6 +421,10 @@ class KernelIR:
     # blocks alone are too many): no launch can run them, so a caller takes V in narrower column
     # blocks where the program allows it (Program.backward_columns)
     over_budget: tuple = ()
+    # the kernels whose live fragments at their peak exceed a thread's registers (Kernel.fragment_peak
+    # over the schedule's budget, at the most threads it gives a parallel kernel): ptxas spills
+    # them to local memory, which the kernel's time shows (KDA's backward out kernels, session 27)
+    over_registers: tuple = ()
 
     def verify(self) -> None:
         """Every kernel's verify (ValueError naming the kernel and what breaks it)."""
@@ -428,6 +436,8 @@ class KernelIR:
                 f"V={self.head_dims[1]}  V-blocks up to {self.block_v_max}"]
         if self.over_budget:
             head.append(f"  over the shared-memory budget at these tiles: {', '.join(self.over_budget)}")
+        if self.over_registers:
+            head.append(f"  live fragments over the registers (spilled): {', '.join(self.over_registers)}")
         head += [f"  host: {h}" for h in self.host]
         return "\n".join(head + [""] + [str(k) + "\n" for k in self.kernels]).rstrip()
 

@@ -15,6 +15,7 @@ group of value heads that shares a query/key head).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -102,25 +103,32 @@ def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, s
     for name, kind in kinds.items():
         g = t[role[name]]
         if kind == "key" and dims.HV != dims.H:  # per value head: the query/key head's sums its group
-            g = group_sum(g, dims.HV // dims.H)
+            g = group_sum(g, dims.HV // dims.H, cache)
         grads[name] = g.reshape(dims.B, dims.T, *g.shape[2:])
     return grads, d_h0
 
 
-def group_sum(x: torch.Tensor, G: int) -> torch.Tensor:
+def group_sum(x: torch.Tensor, G: int, cache: bool = True) -> torch.Tensor:
     """x [1, T, H·G, K] summed over each group of G value heads -> [1, T, H, K], as one GEMM against
     G stacked identities (float32 accumulation). On the H200 (benchmarks/group_sum.py, session 20:
     16/64 heads, 32768 tokens, bf16) 0.170 ms against torch's sum over the group's 0.261, at the
-    same error: a training step sums dq and dk so.
+    same error: a training step sums dq and dk so. `cache`: as forward.run_kernels'.
 
         >>> group_sum(torch.ones(1, 3, 4, 2), 2)[0, 0]
         tensor([[2., 2.],
                 [2., 2.]])
     """
     _, T, HV, K = x.shape
-    # (made per call, not kept: a tensor outliving a call breaks CUDA-graph trees' recording)
-    stacked = torch.eye(K, dtype=x.dtype, device=x.device).repeat(G, 1)
+    # a compiled graph's call makes them (a tensor outliving it breaks CUDA-graph trees' recording);
+    # an eager call keeps them: eye and repeat were four launches a training step, ~0.2 ms of its
+    # host time under torch.profiler (H200, session 27)
+    stacked = (_stacked_identities if cache else _stacked_identities.__wrapped__)(K, G, x.dtype, x.device)
     return (x.reshape(T * HV // G, G * K) @ stacked).view(1, T, HV // G, K)
+
+
+@functools.lru_cache(maxsize=16)
+def _stacked_identities(K: int, G: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.eye(K, dtype=dtype, device=device).repeat(G, 1)
 
 
 def kept(program) -> list:

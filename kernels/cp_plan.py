@@ -3,8 +3,8 @@
 The scan is one CTA per (V-block, value head, sequence) walking its chunks one after another, so
 with few value heads and sequences most SMs idle while a long sequence is walked. Cut into S
 segments (qla_compiler/context_parallel.py) the walk is S times shorter and the grid S times
-larger, at the price of a first scan of each segment's window at width K + V and the torch glue
-around it (the windows' λ sums, the start states' chain). Modelled in GPU time:
+larger, at the price of a first scan of each segment's window at width K + V and the work around
+it (the window search, the chain of start states). Modelled in GPU time:
 
     t(S) = Σ over the launches  waves · (walk · chunk + wave)
          + [S > 1] · (glue + S · segment + tokens · H · token)
@@ -14,18 +14,21 @@ windows, waves((K+V)/BV' · HV · N·S) of min(WINDOW, ⌈NC / S⌉); NC is the 
 (the call's tokens over its sequences: no lengths are read from the device), BV the launch rule's
 V-block (forward.block_v), one CTA an SM (the fused kernel's registers and shared memory allow
 one). `wave` is what a CTA costs besides its chunks (its state's load and store, its start);
-`segment` the start states' chain (one batched product a segment); `token` the windows' λ, which
-reads every key (its norm). WINDOW assumes gates that decay (the bench's: a window of a chunk or
+`segment` the start states' chain (kernels/segment_chain.py: one product a segment); `token` the
+window search's reads of the keys (its norms; once every key, now the windows' alone). WINDOW assumes gates that decay (the bench's: a window of a chunk or
 two); where they do not, the window is the whole segment: the call stays exact and costs up to a
 second walk of every segment at width K + V more than the model says.
 
-The constants are least squares over the H200's segment sweep (session 22: six rows × 2, 4, 8,
-16 segments against none, `benchmarks/cp_sweep_h200.json`; `python benchmarks/cp_sweep.py --fit
-benchmarks/cp_sweep_h200.json` fits them again): residuals ≤ 0.063 ms, rms 0.025, where one
-chunk term and one glue constant left 0.6 ms. On every row of the sweep the plan is the fastest
-count measured. The sweep predates the window search as a kernel (kernels/window_search.py reads
-only the windows' keys): `token` and `glue` are the torch search's, an upper bound until the next
-sweep refits them.
+The constants are non-negative least squares over the H200's segment sweep (session 27: eight
+rows × 2, 4, 8, 16 segments against none, with the window search and the chain of segment maps as
+kernels; `benchmarks/cp_sweep_h200.json`, fitted again by `python benchmarks/cp_sweep.py --fit
+benchmarks/cp_sweep_h200.json --fix segment=0.002`). `segment` is held at the chain kernel's
+measured cost a segment (0.014, 0.019, 0.025 ms at 2, 4, 8 segments): fitted freely it went to
+zero, the sweep not telling a segment from a wave. The glue fits to zero: the kernels left none a
+cut pays beyond its launches' waves. Residuals rms 0.032 ms, ≤ 0.06 ms but where the segments are
+no longer than a window (16/64 × 2048 at 16 segments: 0.14 ms). On every row of the sweep the
+plan is the fastest count measured; session 22's constants (fitted to the torch search and chain)
+kept 2/8 × 8192 whole at 0.215 ms, against 0.116 at 4 segments.
 
     >>> plan_segments(N=1, H=2, HV=8, K=128, V=128, tokens=32768, sms=132)
     8
@@ -44,12 +47,12 @@ class Costs:
     """The model's constants (ms): each multiplies one of cost_terms' counts."""
     chunk: float  # one chunk of a walk, per wave of CTAs
     wave: float  # a wave of CTAs besides its chunks
-    glue: float  # a cut call's fixed torch glue
+    glue: float  # a cut call's fixed cost besides its launches (the torch glue, when there was some)
     segment: float  # each segment (the start states' chain)
     token: float  # each token × key head (the windows' λ)
 
 
-H200 = Costs(chunk=0.00126, wave=0.0122, glue=0.0464, segment=0.0101, token=0.451 / 2 ** 20)
+H200 = Costs(chunk=0.001345, wave=0.01462, glue=0.0, segment=0.002, token=5.1e-9)
 WINDOW = 2  # chunks a segment's window walks where the gates decay
 SEGMENTS = (1, 2, 4, 8, 16, 32)
 GAIN = 0.9  # cut only where the model says at least 10 % faster: its error is about that

@@ -38,7 +38,7 @@ from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params,
                              log_space)
 from .schedule_fused import fused_kernel
-from .schedule_memory import (HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes, live_fragments, live_shared,
+from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes, live_fragments, live_shared,
                               place_loads, reads, smem_bytes, threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
@@ -81,13 +81,16 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     if fused:
         kernel, kir.block_v_max = fused_kernel(part, dims, wide)
         kir.kernels.append(kernel)
-        return _verified(kir)
-    kir.kernels.append(_scan_kernel(part, dims))
-    kir.kernels += _out_kernels(part, split_phase_loads, dims, partial_keys)
+    else:
+        kir.kernels.append(_scan_kernel(part, dims))
+        kir.kernels += _out_kernels(part, split_phase_loads, dims, partial_keys)
     for k in kir.kernels:
-        if not k.loop:  # the parallel kernels: the scan's rings are budgeted by its stages instead
-            k.shared_peak = max(live_shared({b.name: b for b in k.buffers}, k.body, dims), default=0)
+        if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
+            buffers = {b.name: b for b in k.buffers}
+            k.shared_peak = max(live_shared(buffers, k.body, dims), default=0)
+            k.fragment_peak = -(-live_fragments(buffers, k.body, dims) // (4 * k.threads))
     kir.over_budget = tuple(k.name for k in kir.kernels if k.shared_peak > SMEM_BUDGET)
+    kir.over_registers = tuple(k.name for k in kir.kernels if k.fragment_peak > FRAGMENT_REGISTERS)
     return _verified(kir)
 
 

@@ -641,3 +641,28 @@ def test_the_launch_follows_the_kernels_grid():
         "\n".join(lower_kernel(seq_first, shape))
     with pytest.raises(ValueError, match="grid over chunk_slot, key_head"):
         dataclasses.replace(prep, grid=(("chunk_slot", "CH"), ("key_head", "H"))).verify()
+
+
+def test_each_parallel_kernel_states_its_live_fragment_registers(ops):
+    """Kernel.fragment_peak: the registers a thread's live fragments take at their peak (the
+    schedule's liveness over the kernel's statements), printed with the kernel; the KernelIR
+    lists the kernels where that exceeds the budget (over_registers). GDN's kernels all fit. KDA's
+    two backward out kernels hold ten and nine C×K float32 partial sums at once (320 and 289
+    registers a thread at 256 threads): ptxas spilled 1680 and 804 bytes of them, and they took
+    10.1 and 10.4 ms at 16/16 × 8 × 4096 on the H200 (session 27), 3× FLA's backward."""
+    from qla_compiler.passes.schedule_memory import FRAGMENT_REGISTERS, dim_sizes, live_fragments
+
+    for spec, over in (("gdn", ()), ("kda", ("kda_backward_out_d_q_d_k_d_v", "kda_backward_out_d_g"))):
+        prog = ops[spec].program
+        for kir in (prog.kernels, prog.backward_program.kernels):
+            for k in kir.kernels:
+                if k.loop:
+                    assert k.fragment_peak == 0, k.name
+                    continue
+                live = live_fragments({b.name: b for b in k.buffers}, k.body, dim_sizes(kir.head_dims))
+                assert k.fragment_peak == -(-live // (4 * k.threads)) > 0, k.name
+                assert f"fragments ≤ {k.fragment_peak} registers a thread" in str(k)
+            assert kir.over_registers == tuple(k.name for k in kir.kernels if k.fragment_peak > FRAGMENT_REGISTERS)
+        assert prog.backward_program.kernels.over_registers == over
+        if over:
+            assert "live fragments over the registers (spilled): " + ", ".join(over) in str(prog.backward_program.kernels)
