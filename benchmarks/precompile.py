@@ -54,7 +54,17 @@ def for_gpu_tests():
         out += [Compile(spec, "forward", wide, None), Compile(spec, "training", wide, None)]
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
         out += classes("gdn", 2, 8, 128, 3, cp=s, training=True)
+    for spec in ("gla", "kda"):  # test_gpu_per_key's: 1, 2 and 5 sequences; grouped heads at K = V = 64
+        for n in (1, 2, 5):
+            out += classes(spec, 2, 2, 128, n, training=True)
+        out += classes(spec, 1, 4, 64, 3, training=True)
     return out
+
+
+def for_per_key_bench(rows=("16/16:8x4096", "16/16:1x32768")):
+    """qla-bench --spec gla|kda --backward's classes (issue 18's rows)."""
+    return [c for spec in ("gla", "kda") for row in rows
+            for c in classes(spec, *parse_row(row)[:2], 128, len(parse_row(row)[2]), training=True)]
 
 
 def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):
@@ -115,6 +125,8 @@ def main(argv):
     ap.add_argument("items", nargs="*", help="spec:H/HV:K:io:BV")
     ap.add_argument("--tests", action="store_true", help="the classes of the GPU tests")
     ap.add_argument("--bench", action="store_true", help="the classes of qla-bench's rows")
+    ap.add_argument("--per-key-bench", action="store_true",
+                    help="the classes of qla-bench --spec gla|kda --backward on issue 18's rows")
     ap.add_argument("--cp", type=lambda x: x if x == "auto" else int(x), metavar="SEGMENTS",
                     help="with --bench: also the context-parallel classes (a segment count, or auto: the plan's)")
     ap.add_argument("--rows", nargs="*", default=ROWS, help="with --bench: only these rows")
@@ -129,7 +141,8 @@ def main(argv):
     if args.tar:
         forget_reads(cache)
     todo = [c for i in args.items for c in parse(i)] + (for_gpu_tests() if args.tests else []) \
-        + (for_bench(args.cp, args.rows, args.scan_stages, args.backward, args.block_v) if args.bench else [])
+        + (for_bench(args.cp, args.rows, args.scan_stages, args.backward, args.block_v) if args.bench else []) \
+        + (for_per_key_bench() if args.per_key_bench else [])
     todo = list(dict.fromkeys(todo))
     if args.shard:
         i, n = map(int, args.shard.split("/"))

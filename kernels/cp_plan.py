@@ -56,6 +56,16 @@ H200 = Costs(chunk=0.001345, wave=0.01462, glue=0.0, segment=0.002, token=5.1e-9
 WINDOW = 2  # chunks a segment's window walks where the gates decay
 SEGMENTS = (1, 2, 4, 8, 16, 32)
 GAIN = 0.9  # cut only where the model says at least 10 % faster: its error is about that
+# An eager call (not captured in a CUDA graph, not compiled) takes at least its host time, and a
+# cut adds host work: the search, the chain, the segment layout, two scans' launches. On the H200
+# node (session 27, qla-bench's eager time against GPU time) a cut inference call took 0.28 ms of
+# host time and a cut training step 2.1 ms; 2/8 × 8192 tokens ran 0.28-0.30 ms eager cut against
+# 0.22 whole, its training step 2.13 against 1.76. So an eager call is cut only where its whole
+# walk's GPU time passes that: the call's GPU time, modelled as the scan model's whole walk times
+# CALL_PER_SCAN (the bench's 2/8 rows at 8192 and 32768 tokens: 1.16-1.20 for inference,
+# 3.9-4.0 for a training step).
+HOST_CUT_MS = {"inference": 0.28, "training": 2.1}
+CALL_PER_SCAN = {"inference": 1.15, "training": 3.9}
 
 
 def cost_terms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
@@ -85,29 +95,39 @@ def predicted_ms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens:
     return sum(n * getattr(costs, f) for f, n in terms.items())
 
 
-def plan_segments(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int, chunk_size: int = 64) -> int:
+def plan_segments(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int, chunk_size: int = 64,
+                  eager: str | None = None) -> int:
     """The segment count the model finds fastest (1: no cut), among SEGMENTS, cutting only where it
-    predicts at least 1 − GAIN less time than the whole walk."""
+    predicts at least 1 − GAIN less time than the whole walk. `eager`: "inference" or "training"
+    for a call its host paces (see HOST_CUT_MS), None for one captured or compiled (GPU time alone).
+
+        >>> plan_segments(1, 2, 8, 128, 128, 8192, 132), plan_segments(1, 2, 8, 128, 128, 8192, 132, eager="inference")
+        (4, 1)
+    """
     whole = predicted_ms(1, N, H, HV, K, V, tokens, sms, chunk_size)
     best = min(SEGMENTS, key=lambda s: predicted_ms(s, N, H, HV, K, V, tokens, sms, chunk_size))
-    return best if predicted_ms(best, N, H, HV, K, V, tokens, sms, chunk_size) < GAIN * whole else 1
+    if predicted_ms(best, N, H, HV, K, V, tokens, sms, chunk_size) >= GAIN * whole:
+        return 1
+    return 1 if eager and whole * CALL_PER_SCAN[eager] < HOST_CUT_MS[eager] else best
 
 
-def planned_segments(dims, device) -> int | None:
+def planned_segments(dims, device, eager: str | None = None) -> int | None:
     """What `context_parallel="auto"` runs for a call of these Dims on `device`: None (no cut) or
-    plan_segments' count. None where the kernels cannot cut (forward.cuts)."""
+    plan_segments' count (`eager`: as plan_segments'). None where the kernels cannot cut
+    (forward.cuts)."""
     from .forward import sm_count
 
     # (ints: under torch.compile's dynamic shapes the plan specialises the graph, as the V-block does)
-    return planned(*(int(x) for x in (dims.N, dims.H, dims.HV, dims.K, dims.V, dims.B * dims.T)), sm_count(device))
+    return planned(*(int(x) for x in (dims.N, dims.H, dims.HV, dims.K, dims.V, dims.B * dims.T)), sm_count(device),
+                   eager)
 
 
 @functools.lru_cache(maxsize=256)
-def planned(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int) -> int | None:
+def planned(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int, eager: str | None = None) -> int | None:
     """planned_segments from the call's sizes (what precompile.shape_classes asks for cp=auto)."""
     from .forward import cuts
 
     if not cuts(K, V):
         return None
-    s = plan_segments(N, H, HV, K, V, tokens, sms)
+    s = plan_segments(N, H, HV, K, V, tokens, sms, eager=eager)
     return None if s == 1 else s

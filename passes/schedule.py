@@ -339,7 +339,31 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
     loaded = set(part.crossing) | set(part.carried) | set(part.provided)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
-    b = build(ir, nodes, loaded, tiled=False, dims=dims)
+    b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, running_sums=False)
+    two = FRAGMENT_REGISTERS * 4 * 2 * THREADS  # two warpgroups' registers for fragments
+    running = live_fragments(b.buffers, b.body + stores, dims) > two
+    if running:  # over even two warpgroups' registers: sums of block terms accumulate as they go,
+        # where that fits them (GLA's backward out kernel: 256 → 240 registers a thread, and
+        # ptxas spilled 168 bytes against 136: kept as it was)
+        built = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, running_sums=True)
+        running = live_fragments(built[0].buffers, built[0].body + built[1], dims) <= two
+        b, stores, outs = built if running else (b, stores, outs)
+    params = input_params(ir, nodes, loaded) + [CHUNK_MAP] + head_params(ir, nodes) + outs
+    what = "the gradients " + ", ".join(roles) if any(r in ir.gradient_of for r in roles) else "the output"
+    body = b.body + stores
+    # (with running sums it keeps two warpgroups: KDA's d q, d k, d v kernel, 224 fragment registers
+    # a thread on one, spilled 472 bytes at 255; on two, 112)
+    threads = 2 * THREADS if running else threads_for(b, body)
+    return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
+                  list(b.buffers.values()), [], place_loads(b, body, split_phase), [],
+                  roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own tokens",),
+                  doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
+
+
+def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: dict, partial_keys: bool,
+                    running_sums: bool) -> tuple:
+    """An out kernel's builder, its outputs' stores and their tensors."""
+    b = build(ir, nodes, loaded, tiled=False, dims=dims, running_sums=running_sums)
     stores, outs = [], []
     io_kinds = ("value",) if partial_keys else ("value", "key")
     for role in roles:
@@ -367,12 +391,5 @@ def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, d
         else:  # a gradient block of another kind of input, per token and value head, float32
             stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
-    params = input_params(ir, nodes, loaded) + [CHUNK_MAP] + head_params(ir, nodes) + outs
-    what = "the gradients " + ", ".join(roles) if any(r in ir.gradient_of for r in roles) else "the output"
-    body = b.body + stores
-    threads = threads_for(b, body)
-    return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
-                  list(b.buffers.values()), [], place_loads(b, body, split_phase), [],
-                  roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own tokens",),
-                  doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
+    return b, stores, outs
 

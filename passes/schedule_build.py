@@ -294,11 +294,61 @@ def columns_mixed(ir: ChunkIR) -> str | None:
     return None
 
 
-def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
+def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
+    """{root: [(leaf, factors, negated)]} for each linear combination of block terms (through adds,
+    subtractions, negations and factors free of products, each node used once and none of them a
+    wgmma accumulation) of which two or more leaves hold products: those would each hold a
+    fragment until the whole expression. A term is `leaf` times its factors, negated or not. None
+    reads a wgmma accumulation's operands (`acc`): those are one fragment, summed in place at the
+    accumulation, not at a term's turn."""
+    kept = set(acc) | {x for x, _ in acc.values()}
+    summed_in_place = {x for pair in acc.values() for x in pair}
+
+    def product(x) -> bool:  # a fragment of its own: a product (or one inlined into x)
+        n = ir.node(x)
+        return x not in b.place and (n.op in ("matmul", "contract") or any(product(a) for a in n.args))
+
+    def linear(x, parent) -> bool:  # x's terms are the parent's (the parent a linear op over x)
+        n, p = ir.node(x), ir.node(parent)
+        return all(m.op in ("add", "sub", "neg", "mul") and (m.op != "mul" or sum(map(product, m.args)) == 1)
+                   for m in (n, p)) and x not in kept and x not in b.place and b.users[x] == [parent] \
+            and n.shape == p.shape and (p.op != "mul" or product(x))
+
+    def terms(x, factors=(), negated=False):
+        n = ir.node(x)
+        if n.op == "mul":
+            leaf, factor = n.args if product(n.args[0]) else n.args[::-1]
+            parts = [(leaf, factors + (factor,), negated)]
+        else:
+            parts = [(a, factors, negated != (n.op == "neg" or (n.op == "sub" and k == 1)))
+                     for k, a in enumerate(n.args)]
+        return [t for a, f, neg in parts for t in (terms(a, f, neg) if linear(a, x) else [(a, f, neg)])]
+
+    def in_place(x) -> bool:  # x reads (inlines) an accumulation's operand, or what this kernel lacks
+        if x in b.place or x in acc or (ir.node(x).op in ("matmul", "contract") and x not in summed_in_place):
+            return False  # (placed by its own statement, at its turn)
+        return x in summed_in_place or x not in b.nodes or any(in_place(a) for a in ir.node(x).args)
+
+    out = {}
+    for n in order:
+        if len(n.shape) != 2 or n.op not in ("add", "sub", "neg", "mul") or n.name in kept or n.name in b.place \
+                or (n.op == "mul" and sum(map(product, n.args)) != 1) or any(linear(n.name, u) for u in b.users[n.name]):
+            continue  # (not a linear op, or a part of its user's)
+        ts = terms(n.name)
+        if sum(product(leaf) for leaf, _, _ in ts) >= 2 and not any(in_place(x) for t in ts for x in (t[0], *t[1])):
+            out[n.name] = ts
+    return out
+
+
+def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), running_sums: bool = False):
     """Statements for the node set; returns the builder (buffers, loads, body). The V-blocked
     kernel is also the pipelined one (its loads run on a producer warpgroup). `vectors`: per-token
     vectors another role writes into shared memory each chunk (the fused kernel's loads role):
-    read from `<name>_s`, not inlined."""
+    read from `<name>_s`, not inlined. `running_sums`: a block summed from several products is a
+    float32 fragment each term is added into once its own operands are ready (_running_sums),
+    rather than one expression of every term at the end, which holds each term's fragment until
+    then (KDA's backward out kernels: ten C×K partial sums live at once, 320 registers a thread,
+    spilled)."""
     b = Builder(ir, nodes, loaded, tiled, dims)
     pipelined = tiled
     order = [n for n in ir.order() if n.name in b.nodes]
@@ -339,7 +389,35 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
         elif n.op == "state_in":
             b.place[n.name] = b.buf("state", n.shape, "float32", "fragment")
 
-    for n in order:
+    linear_sums = _running_sums(ir, b, order, acc) if running_sums else {}
+    at = {n.name: i for i, n in enumerate(order)}
+    # each term is added once the loop has passed its leaf and its factors (all placed by then)
+    due: dict = {}
+    for root, ts in linear_sums.items():
+        for t in ts:
+            due.setdefault(max(at.get(x, -1) for x in (t[0], *t[1])), []).append((root, t))
+    added: dict = {}
+
+    def add_term(root, term):
+        """Add `term` into its sum's float32 fragment; the last one places the sum there."""
+        leaf, factors, negated = term
+        total = b.buf(f"{root}_sum", ir.node(root).shape, "float32", "fragment")
+        expr = b.ex(leaf, ("i", "j"))
+        for f in factors:  # (a scalar, a per-column vector or a block: indexed as its mul indexes it)
+            dims_ = len(ir.node(f).shape)
+            expr = ("mul", b.ex(f, ("i", "j")[2 - dims_:] if dims_ else ()), expr)
+        if added.get(root):
+            expr = ("sub" if negated else "add", ("buf", total, "i", "j"), expr)
+        elif negated:
+            expr = ("neg", expr)
+        b.body.append(Stmt("ewise", total, (), (("expr", expr), ("index", ("i", "j")))))
+        added[root] = added.get(root, 0) + 1
+        if added[root] == len(linear_sums[root]):
+            b.place[root] = total
+
+    for k, n in enumerate(order):
+        for root, term in due.pop(k - 1, []):  # (the node before: its statements are all emitted)
+            add_term(root, term)
         name, op = n.name, n.op
         if name in b.place:
             continue
@@ -421,6 +499,8 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=()):
             dst = b.buf(f"{name}_s", ("C",), "float32", "shared")
             b.ewise(dst, name)
             b.place[name] = dst
+    for root, term in due.pop(len(order) - 1, []):
+        add_term(root, term)
     return b
 
 

@@ -246,7 +246,9 @@ def print_cp_plan(deployment: str) -> int:
               f"(kernels/cp_plan.py; the scan's modelled GPU time):")
         for s in cp_plan.SEGMENTS:
             print(f"  {s:>3} segments  {cp_plan.predicted_ms(s, N, H, HV, K, V, T, sms):7.3f} ms")
-        print(f"  chosen: {cp_plan.planned(N, H, HV, K, V, T, sms) or 'none (the whole walk)'}")
+        for eager, who in ((None, "a captured or compiled call"), ("inference", "an eager call"),
+                           ("training", "an eager training step")):
+            print(f"  chosen for {who}: {cp_plan.planned(N, H, HV, K, V, T, sms, eager) or 'none (the whole walk)'}")
     return 0
 
 

@@ -89,14 +89,17 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
-    def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments)
-        return planned(n, H, HV, K, V, tokens, sms) if context_parallel == "auto" else context_parallel
+    def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
+        # compiled call's plan, an eager one's, an eager training step's)
+        if context_parallel != "auto":
+            return [context_parallel]
+        return list(dict.fromkeys(planned(n, H, HV, K, V, tokens, sms, eager) for eager in
+                                  (None, "inference", *(("training",) if training else ()))))
 
     classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each
     # class's (sequences of the call, sequences its launches run: N·segments for a segment scan,
     # the call's segments)
-    for n in counts:
-        cp = segments(n)
+    for n, cp in ((n, cp) for n in counts for cp in segments(n)):
         plain = launch(V, n)
         runs_as = dataclasses.replace(plain, scale=None)
         classes.append(Compile(str(spec), "forward", plain, runs_as, "parallel" if cp else "all"))

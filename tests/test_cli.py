@@ -87,8 +87,13 @@ def test_windows_flag_shows_the_scan_that_walks_from_a_given_chunk(capsys):
 def test_cp_plan_prints_the_planners_choice(capsys):
     assert main(["gdn", "--cp-plan", "H=2,HV=8,K=128,T=32768,sms=132"]) == 0
     out = capsys.readouterr().out
-    assert "1 sequence(s), 32768 tokens, 132 SMs" in out and "chosen: 8" in out and "32 segments" in out
+    assert "1 sequence(s), 32768 tokens, 132 SMs" in out and "chosen for an eager call: 8" in out
+    assert "chosen for a captured or compiled call: 8" in out and "32 segments" in out
     assert main(["gdn", "--cp-plan", "H=16,HV=64,K=128,N=8,T=32768,sms=132"]) == 0
-    assert "chosen: none (the whole walk)" in capsys.readouterr().out
+    assert "chosen for a captured or compiled call: none (the whole walk)" in capsys.readouterr().out
+    # 8192 tokens: cut where the GPU sets the pace, whole where the host does (kernels/cp_plan.py)
+    assert main(["gdn", "--cp-plan", "H=2,HV=8,K=128,T=8192,sms=132"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen for a captured or compiled call: 4" in out and "chosen for an eager call: none" in out
     assert main(["gdn", "--cp-plan", "H=2,HV=8,K=128"]) == 1
     assert "--cp-plan: give H, HV, K, T" in capsys.readouterr().err

@@ -28,6 +28,25 @@ def test_a_cut_is_predicted_faster_than_none_by_the_margin():
         assert s == 1 or cp_plan.predicted_ms(s, n, H, HV, 128, 128, n * L, fwd.H200_SMS) < cp_plan.GAIN * whole
 
 
+def test_an_eager_call_is_cut_only_where_its_gpu_time_passes_the_cut_host_time():
+    """An eager call takes at least its host time, and a cut adds some (HOST_CUT_MS, measured on
+    the H200 node): 2/8 × 8192 tokens is cut where the GPU sets the pace (a captured or compiled
+    call: 0.116 against 0.215 ms), kept whole where the host does (eager: 0.28-0.30 cut against
+    0.22 whole; its training step 2.13 against 1.76). The long rows are cut either way: there the
+    cut is faster eagerly too (2/8 × 32768: 0.285 against 0.849 ms; its training step 2.69
+    against 2.79)."""
+    def plan(row, eager):
+        H, HV, n, L = ROWS[row]
+        return cp_plan.plan_segments(n, H, HV, 128, 128, n * L, fwd.H200_SMS, eager=eager)
+
+    assert plan("2/8:1x8192", None) == 4
+    assert plan("2/8:1x8192", "inference") == plan("2/8:1x8192", "training") == 1
+    for row in ("2/8:1x32768", "4/16:1x32768", "8/32:1x32768"):
+        assert plan(row, None) == plan(row, "inference") == plan(row, "training") > 1, row
+    for row in ROWS:  # an eager call never cuts where a captured one keeps the whole walk
+        assert plan(row, None) > 1 or plan(row, "inference") == plan(row, "training") == 1, row
+
+
 def test_auto_gives_the_kernels_a_count_or_none(monkeypatch):
     monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)
     assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 128, 128, 1), "cuda") == 8
@@ -48,6 +67,10 @@ def test_precompile_covers_what_auto_runs():
     assert shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, context_parallel=8, sms=132) == long
     short = shape_classes("gdn", **parse_deployment("H=16,HV=64,K=128,N=8,cp=auto,T=32768,sms=132"))
     assert short == shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, sms=132)
+    # 8192 tokens: a captured call is cut in 4, an eager one not: both compiled
+    mid = shape_classes("gdn", **parse_deployment("H=2,HV=8,K=128,N=1,cp=auto,T=8192,sms=132"))
+    assert set(mid) == set(shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, context_parallel=4, sms=132)) | \
+        set(shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, sms=132))
     with pytest.raises(ValueError, match="cp=auto: the plan depends on a call's tokens"):
         shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, context_parallel="auto")
 
