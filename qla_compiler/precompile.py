@@ -30,6 +30,9 @@ from .passes.lower_tilelang import ShapeClass, tile_width
 
 PARTS = ("forward", "training", "backward")  # the program: as inference runs it; a training step's two
 FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "T", "sms")
+# the sequence lengths cp=auto is compiled for without T= (a call's tokens): 64 to 2^20 tokens, each
+# power of two, which give every segment count the planner chooses in between
+AUTO_LENGTHS = tuple(2 ** k for k in range(6, 21))
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     """What calls of `spec` with these heads and head dims launch, as a list of Compile: at each
     number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
     count), with `context_parallel` segments also the segment scans ("auto": as many as
-    kernels/cp_plan.py plans for calls of `tokens` tokens in all, which its plan depends on), with
+    kernels/cp_plan.py plans for calls of `tokens` tokens in all, which its plan depends on, or
+    without `tokens` for sequences of every length in AUTO_LENGTHS), with
     `training` also the training forward and the backward. `sms`: the GPU's SMs (None: this
     machine's GPU, else an H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`,
     `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules."""
@@ -74,8 +78,6 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
     forward.check_head_dims(K, V)
     check_segments(context_parallel, auto=True)
-    if context_parallel == "auto" and not tokens:
-        raise ValueError("cp=auto: the plan depends on a call's tokens: give them (T=, the tokens of a call in all)")
     if io not in forward.IO_DTYPES.values():
         raise ValueError(f"io: the kernels take {' or '.join(forward.IO_DTYPES.values())}, got {io!r}")
     sms = sms or _this_gpus_sms()
@@ -90,10 +92,12 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
     def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
-        # compiled call's plan, an eager one's, an eager training step's)
+        # compiled call's plan, an eager one's, an eager training step's; at `tokens`, else at every
+        # sequence length of AUTO_LENGTHS)
         if context_parallel != "auto":
             return [context_parallel]
-        return list(dict.fromkeys(planned(n, H, HV, K, V, tokens, sms, eager) for eager in
+        calls = [tokens] if tokens else [n * L for L in AUTO_LENGTHS]
+        return list(dict.fromkeys(planned(n, H, HV, K, V, t, sms, eager) for t in calls for eager in
                                   (None, "inference", *(("training",) if training else ()))))
 
     classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each
@@ -136,7 +140,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
 def parse_deployment(text: str) -> dict:
     """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=8 or auto][,T=32768][,sms=132]' ->
     shape_classes' keywords (N: a number of sequences per call or a range a-b; V defaults to K;
-    T: a call's tokens in all, which cp=auto's plan depends on).
+    T: a call's tokens in all, which cp=auto's plan depends on; without it, every length).
 
         >>> parse_deployment("H=2,HV=8,K=128,N=1-4,cp=8")
         {'H': 2, 'HV': 8, 'K': 128, 'n_seqs': [1, 2, 3, 4], 'context_parallel': 8}
