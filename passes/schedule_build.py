@@ -398,12 +398,20 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
             due.setdefault(max(at.get(x, -1) for x in (t[0], *t[1])), []).append((root, t))
     added: dict = {}
 
+    def fresh(name: str) -> str:  # (a name no buffer and no node has: b.buf would share one that exists)
+        while ident(name) in b.buffers or name in ir.graph:
+            name += "_"
+        return name
+
+    totals = {root: fresh(f"{root}_sum") for root in linear_sums}
+
     def add_term(root, term):
         """Add `term` into its sum's float32 fragment; the last one places the sum there."""
         leaf, factors, negated = term
-        total = b.buf(f"{root}_sum", ir.node(root).shape, "float32", "fragment")
-        expr = b.ex(leaf, ("i", "j"))
-        for f in factors:  # (a scalar, a per-column vector or a block: indexed as its mul indexes it)
+        total = b.buf(totals[root], ir.node(root).shape, "float32", "fragment")
+        # (each operand indexed as its add or mul indexes it: a scalar, a per-column vector, a block)
+        expr = b.ex(leaf, ("i", "j")[2 - len(ir.node(leaf).shape):])
+        for f in factors:
             dims_ = len(ir.node(f).shape)
             expr = ("mul", b.ex(f, ("i", "j")[2 - dims_:] if dims_ else ()), expr)
         if added.get(root):

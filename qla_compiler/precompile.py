@@ -30,9 +30,6 @@ from .passes.lower_tilelang import ShapeClass, tile_width
 
 PARTS = ("forward", "training", "backward")  # the program: as inference runs it; a training step's two
 FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "T", "sms")
-# the sequence lengths cp=auto is compiled for without T= (a call's tokens): 64 to 2^20 tokens, each
-# power of two, which give every segment count the planner chooses in between
-AUTO_LENGTHS = tuple(2 ** k for k in range(6, 21))
 
 
 @dataclass(frozen=True)
@@ -64,14 +61,14 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
     count), with `context_parallel` segments also the segment scans ("auto": as many as
     kernels/cp_plan.py plans for calls of `tokens` tokens in all, which its plan depends on, or
-    without `tokens` for sequences of every length in AUTO_LENGTHS), with
+    without `tokens` every count it may choose, cp_plan.SEGMENTS), with
     `training` also the training forward and the backward. `sms`: the GPU's SMs (None: this
     machine's GPU, else an H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`,
     `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules."""
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
-    from .kernels.cp_plan import planned
+    from .kernels.cp_plan import SEGMENTS, planned
 
     V = V or K
     if H < 1 or HV % H:
@@ -92,12 +89,13 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
     def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
-        # compiled call's plan, an eager one's, an eager training step's; at `tokens`, else at every
-        # sequence length of AUTO_LENGTHS)
+        # compiled call's plan, an eager one's, an eager training step's)
         if context_parallel != "auto":
             return [context_parallel]
-        calls = [tokens] if tokens else [n * L for L in AUTO_LENGTHS]
-        return list(dict.fromkeys(planned(n, H, HV, K, V, t, sms, eager) for t in calls for eager in
+        if not tokens:  # every count it may choose for some length: its choice is not monotone in
+            # the length (4/16 heads: 2 segments between 2816 and 3968 tokens, 1 at 2048, 4 at 4096)
+            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(K, V))]
+        return list(dict.fromkeys(planned(n, H, HV, K, V, tokens, sms, eager) for eager in
                                   (None, "inference", *(("training",) if training else ()))))
 
     classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each
@@ -140,7 +138,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
 def parse_deployment(text: str) -> dict:
     """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=8 or auto][,T=32768][,sms=132]' ->
     shape_classes' keywords (N: a number of sequences per call or a range a-b; V defaults to K;
-    T: a call's tokens in all, which cp=auto's plan depends on; without it, every length).
+    T: a call's tokens in all, which cp=auto's plan depends on; without it, every count it may choose).
 
         >>> parse_deployment("H=2,HV=8,K=128,N=1-4,cp=8")
         {'H': 2, 'HV': 8, 'K': 128, 'n_seqs': [1, 2, 3, 4], 'context_parallel': 8}
