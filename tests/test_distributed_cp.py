@@ -4,6 +4,7 @@ sequences cross rank boundaries (one spans three ranks), lie wholly inside one, 
 none; with an initial state and the final state. Its o and gradients are the slice of what one
 process computes for the whole batch, the final states and the initial state's gradient (summed
 over ranks) the whole batch's, to 1e-10."""
+import datetime
 import os
 
 import pytest
@@ -41,7 +42,9 @@ def _step(op, xs, h0, w_o, w_s, **call):
 
 
 def _worker(rank, world, init, out):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    # (a hang becomes a failure in minutes, not gloo's default half hour)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
     try:
         from qla_compiler.distributed import build_cp_context
 
@@ -53,6 +56,10 @@ def _worker(rank, world, init, out):
                                       w_s if rank == 0 else torch.zeros_like(w_s), cp_context=ctx)
         torch.save(dict(o=o, final=final, grads=grads, d_h0=d_h0, start=ctx.start, end=ctx.end),
                    os.path.join(out, f"{rank}.pt"))
+        # every rank done with its collectives before any tears gloo down: in one CI run (session
+        # 27, 4 ranks on 2 cores) a rank aborted in teardown, "terminate called without an active
+        # exception"
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
