@@ -68,7 +68,8 @@ def host_profile(row: str = ROW, decode: bool = False, training: bool = False, c
     Python's profile (cProfile, which sees TileLang's launch path and torch's dispatch as frames)
     and torch.profiler's CPU view of the ops it launches. `training`: a training step (qla-bench
     --backward's), whose eager time was 4.66 ms against 0.87 ms of GPU time at 16/64:1x2048 in
-    session 26 (session 8: 1.38). `cp`: the call's context_parallel."""
+    session 26 (session 8: 1.38); session 27 found most of it in a graph walk every call made and
+    took it to 1.39 ms. `cp`: the call's context_parallel."""
     import cProfile
     import pstats
 

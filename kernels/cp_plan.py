@@ -15,8 +15,8 @@ windows, waves((K+V)/BV' · HV · N·S) of min(WINDOW, ⌈NC / S⌉); NC is the 
 V-block (forward.block_v), one CTA an SM (the fused kernel's registers and shared memory allow
 one). `wave` is what a CTA costs besides its chunks (its state's load and store, its start);
 `segment` the start states' chain (kernels/segment_chain.py: one product a segment); `token` the
-window search's reads of the keys (its norms; once every key, now the windows' alone). WINDOW assumes gates that decay (the bench's: a window of a chunk or
-two); where they do not, the window is the whole segment: the call stays exact and costs up to a
+window search's reads of the keys (its norms; once every key, now the windows' alone). WINDOW
+assumes gates that decay (the bench's: a window of a chunk or two); where they do not, the window is the whole segment: the call stays exact and costs up to a
 second walk of every segment at width K + V more than the model says.
 
 The constants are non-negative least squares over the H200's segment sweep (session 27: eight

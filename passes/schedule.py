@@ -38,8 +38,8 @@ from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params,
                              log_space)
 from .schedule_fused import fused_kernel
-from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes, live_fragments, live_shared,
-                              place_loads, reads, smem_bytes, threads_for, zero_pad)
+from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes,
+                              live_fragments, live_shared, place_loads, reads, smem_bytes, threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
 

@@ -332,7 +332,8 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
     out = {}
     for n in order:
         if len(n.shape) != 2 or n.op not in ("add", "sub", "neg", "mul") or n.name in kept or n.name in b.place \
-                or (n.op == "mul" and sum(map(product, n.args)) != 1) or any(linear(n.name, u) for u in b.users[n.name]):
+                or (n.op == "mul" and sum(map(product, n.args)) != 1) \
+                or any(linear(n.name, u) for u in b.users[n.name]):
             continue  # (not a linear op, or a part of its user's)
         ts = terms(n.name)
         if sum(product(leaf) for leaf, _, _ in ts) >= 2 and not any(in_place(x) for t in ts for x in (t[0], *t[1])):

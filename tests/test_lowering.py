@@ -664,7 +664,8 @@ def test_each_parallel_kernel_states_its_live_fragment_registers(ops):
             assert kir.over_registers == tuple(k.name for k in kir.kernels if k.fragment_peak > FRAGMENT_REGISTERS)
         assert prog.backward_program.kernels.over_registers == over
         if over:
-            assert "live fragments over the registers (spilled): " + ", ".join(over) in str(prog.backward_program.kernels)
+            text = str(prog.backward_program.kernels)
+            assert "live fragments over the registers (spilled): " + ", ".join(over) in text
 
 
 def test_sums_of_many_products_accumulate_as_they_go_where_registers_run_out(ops):
