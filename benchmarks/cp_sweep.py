@@ -96,8 +96,9 @@ def fit(data: list, sms: int, fixed: dict | None = None) -> None:
     for k in range(1, len(free) + 1):
         for idx in itertools.combinations(free, k):
             sol = torch.linalg.lstsq(a[:, idx], b[:, None]).solution.flatten()
-            if (sol >= 0).all() and (best is None or (a[:, idx] @ sol - b).pow(2).sum() < best[0]):
-                best = ((a[:, idx] @ sol - b).pow(2).sum(), dict(zip(idx, sol.tolist())))
+            err = (a[:, idx] @ sol - b).pow(2).sum()
+            if (sol >= 0).all() and (best is None or err < best[0]):
+                best = (err, dict(zip(idx, sol.tolist())))
     fitted = {n: fixed.get(n, best[1].get(i, 0.0)) for i, n in enumerate(names)}
     res = a[:, free] @ torch.tensor([fitted[names[i]] for i in free], dtype=torch.float64) - b
     print("fit: " + ", ".join(f"{n} = {v:.4g}{' (fixed)' if n in fixed else ''} (the model's "

@@ -63,8 +63,8 @@ def for_gpu_tests():
 
 def for_per_key_bench(rows=("16/16:8x4096", "16/16:1x32768")):
     """qla-bench --spec gla|kda --backward's classes (issue 18's rows)."""
-    return [c for spec in ("gla", "kda") for row in rows
-            for c in classes(spec, *parse_row(row)[:2], 128, len(parse_row(row)[2]), training=True)]
+    return [c for spec in ("gla", "kda") for H, HV, lens in map(parse_row, rows)
+            for c in classes(spec, H, HV, 128, len(lens), training=True)]
 
 
 def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):

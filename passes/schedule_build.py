@@ -3,6 +3,7 @@ by the placement rules schedule.py's docstring lists (what lives where, what is 
 fragment a sum accumulates in)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import networkx as nx
@@ -304,6 +305,7 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
     kept = set(acc) | {x for x, _ in acc.values()}
     summed_in_place = {x for pair in acc.values() for x in pair}
 
+    @functools.cache  # (a DAG: without it, shared ancestors are walked once per path)
     def product(x) -> bool:  # a fragment of its own: a product (or one inlined into x)
         n = ir.node(x)
         return x not in b.place and (n.op in ("matmul", "contract") or any(product(a) for a in n.args))
@@ -324,6 +326,7 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
                      for k, a in enumerate(n.args)]
         return [t for a, f, neg in parts for t in (terms(a, f, neg) if linear(a, x) else [(a, f, neg)])]
 
+    @functools.cache
     def in_place(x) -> bool:  # x reads (inlines) an accumulation's operand, or what this kernel lacks
         if x in b.place or x in acc or (ir.node(x).op in ("matmul", "contract") and x not in summed_in_place):
             return False  # (placed by its own statement, at its turn)
