@@ -98,6 +98,11 @@ def register(op) -> str:
     return key
 
 
+def registered(key: str):
+    """The CompiledOp that `register` named `key`."""
+    return _OPS[key]
+
+
 def dims_of(op, xs, cu_seqlens) -> Dims:
     """The call's dims from its inputs' shapes (the op checked them: checks.check_inputs)."""
     named = dict(zip(op.input_names, xs))

@@ -147,7 +147,7 @@ class CompiledOp:
             if self.program.kernels is None:  # (passes/lowerable.py)
                 raise PassError("partition", f"{self.program.no_kernels or 'the program has no kernels'} "
                                 f"(got {v.dtype} CUDA tensors, which run the kernels)")
-            if _wants_grad(initial_state, *inputs.values()) and (why := self.program.backward_unsupported()):
+            if _wants_grad(initial_state, *inputs.values()) and (why := _backward_unsupported(self.key)):
                 raise PassError("partition", f"backward program: {why}. Got {v.dtype} CUDA tensors that need "
                                 "gradients: the forward alone runs on the kernels (under torch.no_grad(), or on "
                                 "detached inputs); training runs on the CPU backend")
@@ -253,6 +253,16 @@ class CompiledOp:
         o, final, _ = custom_ops.call("run_kernels", self.key, xs, initial_state, cu_seqlens, scale, segments,
                                       _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
         return o, final
+
+
+@torch._dynamo.assume_constant_result
+def _backward_unsupported(key: str) -> str | None:
+    """The program's backward_unsupported() of the op registered as `key`, which torch.compile takes
+    as a constant of the trace: its first call derives the backward program (sympy and networkx),
+    which dynamo cannot trace (fullgraph=True failed on a fresh op's first training call, H200
+    session 28). By key, not by program: torch 2.11's dynamo takes only constants as the arguments
+    of such a function."""
+    return custom_ops.registered(key).program.backward_unsupported()
 
 
 def _wants_grad(*tensors) -> bool:

@@ -6,6 +6,7 @@ its results are compared to float32 rounding. fullgraph=True makes any graph bre
 import pytest
 import torch
 
+import qla_compiler
 from qla_compiler import ops
 from qla_compiler.emulate import emulated_kernels
 from qla_compiler.testing import OpLog, random_inputs, rel_err
@@ -268,3 +269,20 @@ def test_an_eager_call_without_gradients_skips_the_dispatcher():
     with torch.no_grad(), OpLog() as log:
         op(**a)
     assert "qla.interpret.default" in log.ops
+
+
+def test_a_fresh_programs_backward_check_is_a_constant_of_the_trace():
+    """A training call asks whether the backward has kernels (op.py); on a fresh program that
+    derives the backward (sympy, networkx), which dynamo cannot trace: under torch.compile it is
+    taken as a constant, so a compiled training step's first call has no graph break (it failed
+    with fullgraph=True on the H200, session 28)."""
+    from qla_compiler.op import _backward_unsupported
+
+    torch._dynamo.reset()
+    op = qla_compiler.compile("gdn", target="sm90")
+    assert "backward_unsupported" not in op.program._derived  # (else nothing would be derived in the trace)
+
+    def fn(x):
+        return x + 1 if _backward_unsupported(op.key) is None else x - 1
+
+    assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(torch.zeros(2)), torch.ones(2))
