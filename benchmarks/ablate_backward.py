@@ -1,10 +1,13 @@
 """Where the per-key gates' backward out kernels spend their time (issue 18): each kernel as
 generated against copies of it with one piece of work taken out, timed alone on the tensors of a
 real training step (qla-bench's inputs at 16/16:8x4096), as benchmarks/ablate.py does for GDN's
-forward. The copies' results are wrong on purpose: only their times mean something.
+forward. The copies' results are wrong on purpose: only their times mean something. With
+--rewrites, the copies are rewrites that keep the results instead (REWRITES: candidates for the
+generator), each timed and checked bitwise against the kernel as generated.
 
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/ablate_backward.py --compile-only   # on the CPU
     python benchmarks/ablate_backward.py                                              # on the GPU
+    python benchmarks/ablate_backward.py --rewrites                                   # the rewrites
 
 Why: GLA's backward out kernel took 5.4 ms at 16/16:8x4096 on the H200 with its VJP products
 taken out (session 25), against FLA's whole intra + inter + dv + dA ≈ 3.8 ms; KDA's two out
@@ -16,6 +19,7 @@ A kernel's variants are the ones whose every edit matches its generated lines (w
 spec); an edit that matches nothing leaves the variant out of that kernel's table, said on stderr.
 """
 import argparse
+import re
 import sys
 
 from ablate import edited, time_us
@@ -34,6 +38,56 @@ VARIANTS = {
     "no d g expression": [(r"^(d_g_cum_s\[i, j\]) = .*$", r"\1 = 0.0")],
     "no d q, d k expressions": [(r"^(d_[qk]_s\[i, j\]) = T\.cast\(.*$", r"\1 = T.cast(0, IO)")],
     "no reverse cumsum (d g)": [(r"^for i in T\.serial\(C\):$", "for i in T.serial(0):")],
+}
+
+
+def _diagonal_loops(lines):
+    """(index of `for i_m in T.serial(n):`, its T.Parallel line, its statement) of each of a kernel's
+    diagonal sub-block loops (the VJP products d P ⋆ Z, d P ⋆ X on the diagonal blocks)."""
+    return [(n, n + 1, n + 2) for n, line in enumerate(lines)
+            if re.match(r"\s*for i_m in T\.serial\(\d+\):$", line)
+            and lines[n + 1].lstrip().startswith("for i, j in T.Parallel(") and "+=" in lines[n + 2]]
+
+
+def swizzled(text: str) -> str:
+    """The shared blocks a diagonal loop reads at [i, …] (one column across the 8 rows a warp's
+    lanes hold in a fragment: with 128- or 512-byte rows one bank, an 8-way conflict; ncu, session
+    28: 54 % of KDA d g's shared wavefronts were conflicts) laid out with the 128-byte swizzle,
+    which puts each row's 16-byte chunk c at c XOR (row mod 8). Same arithmetic: bitwise the same."""
+    lines = text.splitlines()
+    names = sorted({m for _, _, s in _diagonal_loops(lines) for m in re.findall(r"(\w+_s)\[i, ", lines[s])})
+    two_d = {m.group(1) for m in (re.match(r"\s*(\w+) = T\.alloc_shared\(\([^,()]+, [^,()]+\),", line)
+                                 for line in lines) if m}
+    names = [n for n in names if n in two_d]
+    if not names:
+        raise SystemExit("no diagonal loop reads a 2-D shared block at [i, ...]")
+    last = max(n for n, line in enumerate(lines) if re.match(r"\s*\w+ = T\.alloc_(shared|fragment)\(", line))
+    indent = lines[last][:len(lines[last]) - len(lines[last].lstrip())]
+    layouts = ", ".join(f"{n}: tilelang.layout.make_full_bank_swizzled_layout({n})" for n in names)
+    return "\n".join(lines[:last + 1] + [f"{indent}T.annotate_layout({{{layouts}}})"] + lines[last + 1:])
+
+
+def interchanged(text: str) -> str:
+    """Each diagonal loop with its sub-block row loop inside the element loop: an element's own
+    row of the gates, g[i, j], is read once instead of once a row of the block. Each element sums
+    its terms in the same order: bitwise the same."""
+    lines = text.splitlines()
+    loops = _diagonal_loops(lines)
+    if not loops:
+        raise SystemExit("no diagonal loop")
+    for m, p, s in loops:
+        outer, inner = lines[m], lines[p]
+        pad = outer[:len(outer) - len(outer.lstrip())]
+        lines[m] = pad + inner.lstrip()
+        lines[p] = pad + "    " + outer.lstrip()
+    return "\n".join(lines)
+
+
+# label -> a rewrite of the kernel's text that keeps its results (timed and checked bitwise)
+REWRITES = {
+    "swizzled diagonal operands": swizzled,
+    "element loop outside the block's rows": interchanged,
+    "both": lambda text: interchanged(swizzled(text)),
 }
 
 
@@ -63,12 +117,15 @@ def edited_kernel(source: str, name: str, edits) -> str:
     lines = source.splitlines()
     start = lines.index(f"def {name}(") - 1  # its @T.prim_func
     end = next((i for i in range(start + 2, len(lines)) if lines[i].startswith("@")), len(lines))
-    body = edited("\n".join(lines[start:end]), edits).splitlines() if edits else lines[start:end]
-    return "\n".join(lines[:start] + body + lines[end:]) + "\n"
+    text = "\n".join(lines[start:end])
+    body = (edits(text) if callable(edits) else edited(text, edits) if edits else text).splitlines()
+    head = ["import tilelang.layout"] if callable(edits) else []  # (swizzled's layouts)
+    return "\n".join(head + lines[:start] + body + lines[end:]) + "\n"
 
 
-def compile_variants(program, shape, kernel_name: str) -> dict:
-    """{label: compiled kernel}: the kernel as generated and each variant whose edits all match."""
+def compile_variants(program, shape, kernel_name: str, table: dict) -> dict:
+    """{label: compiled kernel}: the kernel as generated and each variant of `table` (VARIANTS or
+    REWRITES) whose edits all match."""
     import logging
 
     import tilelang
@@ -78,7 +135,7 @@ def compile_variants(program, shape, kernel_name: str) -> dict:
     logging.getLogger("tilelang").setLevel(logging.ERROR)
     source = module_source(program, shape)
     out = {}
-    for label, edits in [("as generated", [])] + list(VARIANTS.items()):
+    for label, edits in [("as generated", [])] + list(table.items()):
         try:
             text = edited_kernel(source, kernel_name, edits)
         except SystemExit:  # (ablate.edited: an edit matched no line of this kernel)
@@ -122,9 +179,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", nargs="*", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--compile-only", action="store_true", help="compile every variant (no GPU needed)")
+    ap.add_argument("--rewrites", action="store_true",
+                    help="the rewrites that keep the results (REWRITES), each checked bitwise, not the ablations")
     args = ap.parse_args(argv)
+    table = REWRITES if args.rewrites else VARIANTS
     for spec in args.spec:
-        todo = {name: (program, shape, k, compile_variants(program, shape, name))
+        todo = {name: (program, shape, k, compile_variants(program, shape, name, table))
                 for name, (program, shape, k) in classes(spec).items()}
         if args.compile_only:
             continue
@@ -133,12 +193,16 @@ def main(argv=None) -> int:
               flush=True)
         for name, (_, _, k, variants) in todo.items():
             params = [t[p.name] for p in k.params]
+            outs = [t[p.name] for p in k.params if p.role == "out"]
             base = time_us(variants["as generated"], params)
+            expected = [o.clone() for o in outs]
             print(f"{name:>30}  as generated {base:9.1f}", flush=True)
             for label, kernel in variants.items():
                 if label != "as generated":
                     us = time_us(kernel, params)
-                    print(f"{'':>30}  {label:<38} {us:9.1f}  ({us - base:+.1f})", flush=True)
+                    same = "" if not args.rewrites else \
+                        "  bitwise the same" if all(o.equal(e) for o, e in zip(outs, expected)) else "  RESULTS DIFFER"
+                    print(f"{'':>30}  {label:<38} {us:9.1f}  ({us - base:+.1f}){same}", flush=True)
     return 0
 
 

@@ -36,12 +36,16 @@ class LaunchPolicy:
     rule), `fused` whether inference calls run the fused, warp-specialised forward
     (passes/schedule_fused.py; None: where it pays, fused_pays; QLA_FUSED_FORWARD=1 or 0 sets it
     for the process), `kernels` what loads a program's kernels for a shape class (None: the
-    compiled ones, runtime.load_kernels; the emulator stands in on the CPU)."""
+    compiled ones, runtime.load_kernels; the emulator stands in on the CPU), `poison` a value
+    every tensor a launch allocates is filled with before its kernel runs (None: left as
+    torch.empty leaves it). A kernel that leaves part of an output unwritten, read by a later one,
+    then gives results that depend on the value (tests/test_gpu_unwritten_memory.py)."""
     sms: int | None = None
     block_v: int | None = None
     scan_stages: int | None = None
     fused: bool | None = None
     kernels: Callable | None = None
+    poison: float | None = None
 
 
 POLICY = LaunchPolicy(fused={"1": True, "0": False}.get(os.environ.get("QLA_FUSED_FORWARD", "")))
@@ -500,7 +504,8 @@ def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n
     plan = _launch_plan(program, kernel, dims, scale, io, device, sizes, width, n_seqs)
     for name, shape, dtype in plan.outs:
         if name not in t:
-            t[name] = torch.empty(shape, device=device, dtype=dtype)
+            t[name] = torch.empty(shape, device=device, dtype=dtype) if POLICY.poison is None else \
+                torch.full(shape, POLICY.poison, device=device, dtype=dtype)
     plan.run(*[t[n] for n in plan.names])
 
 
