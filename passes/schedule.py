@@ -104,19 +104,68 @@ def _verified(kir: KernelIR) -> KernelIR:
 
 def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: bool) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
-    kernel per group of outputs, each recomputing what its outputs need. What must fit is the peak
+    kernel per group of outputs, each recomputing what its outputs need, except the diagonal
+    sub-block products an earlier group's kernel holds, which it stores for the later ones
+    (_handed_over). What must fit is the peak
     of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
     not overlap share memory (GDN's backward: one kernel for all five gradients, ~145 KB at its
     peak, where the sum is ~310 KB; split five ways, ~45% of its matmuls ran more than once)."""
     roles = tuple(part.chunk.outputs)
 
+    def suffix(group):
+        return "" if group == roles else "_" + "_".join(group)
+
     def split(group):
-        k = _out_kernel(part, group, "" if group == roles else "_" + "_".join(group), split_phase, dims, partial_keys)
+        k, held = _out_built(part, group, suffix(group), split_phase, dims, partial_keys)
         if max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) <= SMEM_BUDGET or len(group) == 1:
-            return [k]
+            return [(group, k, held)]
         half = (len(group) + 1) // 2
         return split(group[:half]) + split(group[half:])
-    return split(roles)
+    parts = split(roles)
+    handed = _handed_over(part, parts)
+    if not handed:
+        return [k for _, k, _ in parts]
+    out = []
+    for i, (group, _, _) in enumerate(parts):
+        hands = tuple(x for x, (owner, _) in handed.items() if owner == i)
+        takes = tuple(x for x, (_, users) in handed.items() if i in users)
+        k, _ = _out_built(part, group, suffix(group), split_phase, dims, partial_keys, hands, takes)
+        if max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) > SMEM_BUDGET:
+            return [k for _, k, _ in parts]  # (a loaded block in place of work that needed more: recompute)
+        out.append(k)
+    return out
+
+
+def _handed_over(part: Partition, parts: list) -> dict:
+    """{node: (the kernel that stores it, the later kernels that load it)}: where one out kernel
+    would not fit and the outputs are split, each later kernel loads what an earlier one computes
+    instead of computing it again, where that work is a decayed product on the diagonal sub-blocks
+    (CUDA-core loops over C × K × the block; a per-key gate's VJP) or is built on one. KDA's
+    d g kernel recomputed 90 of its 136 nodes from the d q, d k, d v kernel, the four diagonal
+    products among them: 5.9 of its 10.4 ms on the H200 (ablate_backward, session 27). A handed
+    block costs its float32 rows written once and read once; a product of matmuls alone stays
+    recomputed (a 64×64×128 wgmma is cheaper than 64 KB of traffic a chunk)."""
+    ir = part.chunk
+    loaded = set(part.crossing) | set(part.carried) | set(part.provided)
+    within = set(part.out)
+
+    def heavy(x):
+        n = ir.node(x)
+        return len(n.shape) == 2 and n.shape[0] == "C" and n.op not in ("input", "state_in") and any(
+            ir.node(y).op == "contract" for y in ir.closure([x], stop=loaded, within=within))
+
+    owner = {}  # node -> index of the first kernel that holds it in float32 (not inlined)
+    for i, (_, k, held) in enumerate(parts):
+        for x in k.nodes:
+            if x in held and x not in loaded and heavy(x):
+                owner.setdefault(x, i)
+    handed = {}
+    for j, (group, _, _) in enumerate(parts):
+        earlier = {x for x, i in owner.items() if i < j}
+        reached = ir.closure([ir.outputs[r] for r in group], stop=loaded | earlier, within=within)
+        for x in reached & earlier:
+            handed.setdefault(x, (owner[x], []))[1].append(j)
+    return handed
 
 
 def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
@@ -333,38 +382,53 @@ def _issue_stores_early(body: list, stores: list) -> list:
     return out
 
 
-def _out_kernel(part: Partition, roles: tuple, suffix: str, split_phase: bool, dims: dict,
-                partial_keys: bool = False) -> Kernel:
+def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, dims: dict,
+               partial_keys: bool = False, hands=(), takes=()) -> tuple:
+    """The out kernel of `roles`, and the nodes it holds in float32 blocks (which it could hand
+    on); `hands`: blocks it stores for a later out kernel, `takes`: blocks it loads from an
+    earlier one (_handed_over), both float32 rows."""
     ir = part.chunk
-    loaded = set(part.crossing) | set(part.carried) | set(part.provided)
+    loaded = set(part.crossing) | set(part.carried) | set(part.provided) | set(takes)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
-    b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, running_sums=False)
+    b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, False, hands, takes)
     two = FRAGMENT_REGISTERS * 4 * 2 * THREADS  # two warpgroups' registers for fragments
-    running = live_fragments(b.buffers, b.body + stores, dims) > two
+    # (a kernel that loads handed blocks sums as it goes too: with one expression at the end,
+    # KDA's d g kernel held all four loaded products in shared memory at once, 296 KB; 172 so)
+    running = live_fragments(b.buffers, b.body + stores, dims) > two or bool(takes)
     if running:  # over even two warpgroups' registers: sums of block terms accumulate as they go,
         # where that fits them (GLA's backward out kernel: 256 → 240 registers a thread, and
         # ptxas spilled 168 bytes against 136: kept as it was)
-        built = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, running_sums=True)
+        built = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, True, hands, takes)
         running = live_fragments(built[0].buffers, built[0].body + built[1], dims) <= two
         b, stores, outs = built if running else (b, stores, outs)
-    params = input_params(ir, nodes, loaded) + [CHUNK_MAP] + head_params(ir, nodes) + outs
+    params = input_params(ir, nodes, loaded, wide=takes) + [CHUNK_MAP] + head_params(ir, nodes) + outs
     what = "the gradients " + ", ".join(roles) if any(r in ir.gradient_of for r in roles) else "the output"
     body = b.body + stores
     # (with running sums it keeps two warpgroups: KDA's d q, d k, d v kernel, 224 fragment registers
     # a thread on one, spilled 472 bytes at 255; on two, 112)
     threads = 2 * THREADS if running else threads_for(b, body)
+    held = {x for x, buf in b.place.items() if b.buffers[buf].dtype == "float32" and x not in loaded}
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
                   list(b.buffers.values()), [], place_loads(b, body, split_phase), [],
                   roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own tokens",),
-                  doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles)
+                  doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles), held
 
 
 def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: dict, partial_keys: bool,
-                    running_sums: bool) -> tuple:
-    """An out kernel's builder, its outputs' stores and their tensors."""
-    b = build(ir, nodes, loaded, tiled=False, dims=dims, running_sums=running_sums)
-    stores, outs = [], []
+                    running_sums: bool, hands=(), takes=()) -> tuple:
+    """An out kernel's builder, its outputs' stores and their tensors (`hands`, `takes`: as
+    _out_kernel's)."""
+    b = build(ir, nodes, loaded, tiled=False, dims=dims, running_sums=running_sums, kept=hands, wide=takes)
+    outs = []
+    for x in hands:  # stored from its float32 block right after that is written, for a later kernel
+        src = b.place.get(x)
+        if src is None or b.buffers[src].dtype != "float32":
+            raise PassError("schedule", f"{x}: handed to a later out kernel, but not held in float32 here")
+        last = max(i for i, st in enumerate(b.body) if st.dst == src)
+        b.body.insert(last + 1, _store_rows(ir, b, x))
+        outs.append(crossing_tensor(ir, x, "out", wide=True))
+    stores = []
     io_kinds = ("value",) if partial_keys else ("value", "key")
     for role in roles:
         x = ir.outputs[role]

@@ -31,8 +31,11 @@ def _dims(shape, tiled: bool) -> tuple:
 class Builder:
     """Builds one kernel's buffers and statements from a set of ChunkIR nodes."""
 
-    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict):
+    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, kept=()):
         self.ir, self.nodes, self.loaded, self.tiled = ir, set(nodes), set(loaded), tiled
+        # nodes another kernel loads from this one's store: their fragments hold them to the end
+        # (nothing is computed over them in place)
+        self.kept = set(kept)
         self.dims = dims  # the size of each dim name that shared memory and registers are budgeted at
         self.pipelined = tiled  # the V-blocked kernel is also the pipelined one
         self.buffers: dict[str, Buffer] = {}
@@ -254,13 +257,13 @@ class Builder:
         if len(frags) != 1:
             return None
         (f,) = frags
-        ok = self.ir.node(f).op == "state_in" or self.users[f] == [name]
+        ok = self.ir.node(f).op == "state_in" or (self.users[f] == [name] and f not in self.kept)
         return f if ok and self.ir.node(f).shape == self.ir.node(name).shape else None
 
 
-def _accumulation(ir: ChunkIR, nodes, loaded=()) -> dict:
-    """add(x, A·B) with A·B computed here and used only there: A·B accumulates onto x.
-    Returns {add: (x, matmul)}."""
+def _accumulation(ir: ChunkIR, nodes, loaded=(), kept=()) -> dict:
+    """add(x, A·B) with A·B computed here and used only there: A·B accumulates onto x (not onto
+    a `kept` x, whose value must outlive the add). Returns {add: (x, matmul)}."""
     out = {}
     for name in nodes:
         n = ir.node(name)
@@ -269,7 +272,7 @@ def _accumulation(ir: ChunkIR, nodes, loaded=()) -> dict:
         for x, m in (n.args, n.args[::-1]):
             mm = ir.node(m)
             if mm.op == "matmul" and m not in loaded and [u.name for u in ir.users(m)] == [name] \
-                    and ir.node(x).shape == n.shape:
+                    and ir.node(x).shape == n.shape and x not in kept:
                 out[name] = (x, m)
                 break
     return out
@@ -344,7 +347,8 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
     return out
 
 
-def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), running_sums: bool = False):
+def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), running_sums: bool = False,
+          kept=(), wide=()):
     """Statements for the node set; returns the builder (buffers, loads, body). The V-blocked
     kernel is also the pipelined one (its loads run on a producer warpgroup). `vectors`: per-token
     vectors another role writes into shared memory each chunk (the fused kernel's loads role):
@@ -352,11 +356,12 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
     float32 fragment each term is added into once its own operands are ready (_running_sums),
     rather than one expression of every term at the end, which holds each term's fragment until
     then (KDA's backward out kernels: ten C×K partial sums live at once, 320 registers a thread,
-    spilled)."""
-    b = Builder(ir, nodes, loaded, tiled, dims)
+    spilled). `kept`: nodes stored for another kernel (Builder.kept); `wide`: loaded nodes another
+    kernel stored in float32."""
+    b = Builder(ir, nodes, loaded, tiled, dims, kept)
     pipelined = tiled
     order = [n for n in ir.order() if n.name in b.nodes]
-    acc = _accumulation(ir, [n.name for n in order], b.loaded)
+    acc = _accumulation(ir, [n.name for n in order], b.loaded, b.kept)
     fused_matmuls = {m for _, m in acc.values()}
     in_place = {x for x, _ in acc.values()}
 
@@ -385,7 +390,8 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
                     b.place[n.name] = own
             else:
                 shape = BLOCK_INPUT_SHAPE.get(kind, n.shape)
-                b.place[n.name] = b.buf(f"{n.name}_s", shape, "float32" if log_space(ir, n.name) else "io", "shared")
+                wide_block = n.name in wide or log_space(ir, n.name)
+                b.place[n.name] = b.buf(f"{n.name}_s", shape, "float32" if wide_block else "io", "shared")
                 # a prefix sum's rows past the chunk hold its last (what zero-padded gates give; a zero
                 # row would be a rise, and e^{γ_i − γ_ref} past the end could overflow)
                 hold = n.op != "input" and log_space(ir, n.name)
@@ -543,8 +549,13 @@ def log_space(ir: ChunkIR, name: str) -> bool:
     return bool(inputs) and all(i.attr["kind"] in ("gate", "key_gate") for i in inputs)
 
 
-def crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
+def crossing_tensor(ir: ChunkIR, name: str, role: str, wide: bool = False) -> Tensor:
+    """The global tensor `name` crosses memory in between kernels; `wide`: in float32 whatever it
+    holds (a block one out kernel stores for another, as the fragment holds it)."""
     n, g = ir.node(name), global_name(ir, name)
+    if wide:
+        return Tensor(g, ("1", "T", "HV", n.shape[1]), "float32", role,
+                      "rows of the chunk's block, per token, float32 (one out kernel's, for another)", padded=True)
     if n.op == "state_in":
         return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk", padded=True)
     if n.shape == ("C",):
@@ -555,7 +566,7 @@ def crossing_tensor(ir: ChunkIR, name: str, role: str) -> Tensor:
     return Tensor(g, ("1", "T", "HV", n.shape[1]), "io", role, "rows of the chunk's block, per token", padded=True)
 
 
-def input_params(ir: ChunkIR, nodes, loaded) -> list:
+def input_params(ir: ChunkIR, nodes, loaded, wide=()) -> list:
     ps = []
     for name in nodes:
         n = ir.node(name)
@@ -569,7 +580,7 @@ def input_params(ir: ChunkIR, nodes, loaded) -> list:
             blocks = kind in ("key", "value", "cotangent_value")  # (a key gate: float32, as given)
             ps.append(Tensor(name, shape, "io" if blocks else "float32", "in"))
         elif name in loaded:
-            ps.append(crossing_tensor(ir, name, "in"))
+            ps.append(crossing_tensor(ir, name, "in", wide=name in wide))
     return ps
 
 

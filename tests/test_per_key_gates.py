@@ -474,3 +474,21 @@ def test_cli_check_reports_every_pass_within_tolerance(name, capsys):
     assert main([name, "--check"]) == 0
     out = capsys.readouterr().out
     assert "after chunk" in out and "every pass within 1e-10" in out
+
+
+def test_split_out_kernels_hand_the_diagonal_products_on(ops):
+    """KDA's backward out kernel is split three ways for shared memory. The d g kernel loads the
+    four diagonal sub-block products the d q, d k, d v kernel computed (float32 rows, stored right
+    after each is complete) instead of computing them again: it holds no decayed product of its
+    own. (test_the_backward_kernels_meet_autograd_of_the_reference runs the values.)"""
+    kernels = {k.name: k for k in ops["kda"].program.backward_program.kernels.kernels}
+    first, d_g = kernels["kda_backward_out_d_q_d_k_d_v"], kernels["kda_backward_out_d_g"]
+    handed = {p.name for p in first.params if p.role == "out" and p.dtype == "float32"}
+    assert len(handed) == 4
+    assert handed <= {p.name for p in d_g.params if p.role == "in" and p.dtype == "float32"}
+    assert not any(st.op == "decayed_product" for st in d_g.body)
+    for i, st in enumerate(first.body):
+        if st.op == "store" and st.dst in handed:
+            (src,) = st.srcs
+            assert any(s.op == "decayed_product" and s.dst == src for s in first.body[:i]), st.dst
+            assert not any(s.dst == src for s in first.body[i + 1:]), st.dst  # nothing written over it after
