@@ -418,7 +418,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
 def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: dict, partial_keys: bool,
                     running_sums: bool, hands=(), takes=()) -> tuple:
     """An out kernel's builder, its outputs' stores and their tensors (`hands`, `takes`: as
-    _out_kernel's)."""
+    _out_built's)."""
     b = build(ir, nodes, loaded, tiled=False, dims=dims, running_sums=running_sums, kept=hands, wide=takes)
     outs = []
     for x in hands:  # stored from its float32 block right after that is written, for a later kernel
