@@ -54,6 +54,8 @@ def for_gpu_tests():
         out += [Compile(spec, "forward", wide, None), Compile(spec, "training", wide, None)]
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
         out += classes("gdn", 2, 8, 128, 3, cp=s, training=True)
+    # (test_gpu_unwritten_memory's CASES are chosen among the classes here; its fused forward of
+    # 2/8 heads, 3 sequences, forced fused, compiles on the node)
     for spec in ("gla", "kda"):  # test_gpu_per_key's: 1, 2 and 5 sequences; grouped heads at K = V = 64
         for n in (1, 2, 5):
             out += classes(spec, 2, 2, 128, n, training=True)
