@@ -163,8 +163,10 @@ def _handed_over(part: Partition, parts: list) -> dict:
     for j, (group, _, _) in enumerate(parts):
         earlier = {x for x, i in owner.items() if i < j}
         reached = ir.closure([ir.outputs[r] for r in group], stop=loaded | earlier, within=within)
-        for x in reached & earlier:
-            handed.setdefault(x, (owner[x], []))[1].append(j)
+        for x in owner:  # (in the program's order, as owner was filled: a set's order would change
+            # the kernels' parameter order, and so TileLang's cache key, from process to process)
+            if x in earlier and x in reached:
+                handed.setdefault(x, (owner[x], []))[1].append(j)
     return handed
 
 

@@ -612,13 +612,15 @@ def test_columns_mixed_finds_what_reads_across_v():
     assert columns_mixed(mixed) == "across_v"
 
 
-def test_the_generated_source_does_not_depend_on_the_hash_seed():
+@pytest.mark.parametrize("spec, shape", [("gdn", "H=2,HV=8,K=100,V=60"), ("kda", "H=2,HV=2,K=64,V=64")])
+def test_the_generated_source_does_not_depend_on_the_hash_seed(spec, shape):
     """The TileLang source is TileLang's cache key: kernels precompiled in one process are found
     by another only if both generate the same text. Sets iterated in the lowering once ordered a
     padded backward's private copies by the process's string hashing (a cache miss on the GPU
-    node, which then compiled again)."""
-    cmd = [sys.executable, "-m", "qla_compiler.cli", "gdn", "--emit", "tilelang", "--backward",
-           "--shape", "H=2,HV=8,K=100,V=60,io=bfloat16"]
+    node, which then compiled again); so did the blocks KDA's split out kernels hand on (session
+    28: their parameters' order)."""
+    cmd = [sys.executable, "-m", "qla_compiler.cli", spec, "--emit", "tilelang", "--backward",
+           "--shape", f"{shape},io=bfloat16"]
     texts = {subprocess.run(cmd, capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
     assert len(texts) == 1
