@@ -126,9 +126,12 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: b
     if not handed:
         return [k for _, k, _ in parts]
     out = []
-    for i, (group, _, _) in enumerate(parts):
+    for i, (group, k, _) in enumerate(parts):
         hands = tuple(x for x, (owner, _) in handed.items() if owner == i)
         takes = tuple(x for x, (_, users) in handed.items() if i in users)
+        if not hands and not takes:  # (as built: KDA's d β kernel)
+            out.append(k)
+            continue
         k, _ = _out_built(part, group, suffix(group), split_phase, dims, partial_keys, hands, takes)
         if max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) > SMEM_BUDGET:
             return [k for _, k, _ in parts]  # (a loaded block in place of work that needed more: recompute)

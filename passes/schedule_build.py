@@ -305,7 +305,9 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
     fragment until the whole expression. A term is `leaf` times its factors, negated or not. None
     reads a wgmma accumulation's operands (`acc`): those are one fragment, summed in place at the
     accumulation, not at a term's turn."""
-    kept = set(acc) | {x for x, _ in acc.values()}
+    # whole: an accumulation's sum and base, and what another kernel loads from this one (b.kept,
+    # stored from its own fragment: never flattened into its user's sum)
+    whole = set(acc) | {x for x, _ in acc.values()} | b.kept
     summed_in_place = {x for pair in acc.values() for x in pair}
 
     @functools.cache  # (a DAG: without it, shared ancestors are walked once per path)
@@ -316,7 +318,7 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
     def linear(x, parent) -> bool:  # x's terms are the parent's (the parent a linear op over x)
         n, p = ir.node(x), ir.node(parent)
         return all(m.op in ("add", "sub", "neg", "mul") and (m.op != "mul" or sum(map(product, m.args)) == 1)
-                   for m in (n, p)) and x not in kept and x not in b.place and b.users[x] == [parent] \
+                   for m in (n, p)) and x not in whole and x not in b.place and b.users[x] == [parent] \
             and n.shape == p.shape and (p.op != "mul" or product(x))
 
     def terms(x, factors=(), negated=False):
@@ -337,7 +339,7 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
 
     out = {}
     for n in order:
-        if len(n.shape) != 2 or n.op not in ("add", "sub", "neg", "mul") or n.name in kept or n.name in b.place \
+        if len(n.shape) != 2 or n.op not in ("add", "sub", "neg", "mul") or n.name in whole or n.name in b.place \
                 or (n.op == "mul" and sum(map(product, n.args)) != 1) \
                 or any(linear(n.name, u) for u in b.users[n.name]):
             continue  # (not a linear op, or a part of its user's)

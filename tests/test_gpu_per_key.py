@@ -39,6 +39,8 @@ def make_inputs(op, *, lens, H=2, HV=2, K=128, V=128, how="random", same_keys=Fa
             args[name] = x.to(torch.bfloat16)
         elif kind == "value":
             args[name] = torch.randn(1, T, HV, V, device="cuda", generator=gen).to(torch.bfloat16)
+        elif kind == "gate":  # (a gate per value head: test_gpu_unwritten_memory's scalar-gate specs)
+            args[name] = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=gen) + 3.0)
         elif kind == "key_gate":
             g = F.logsigmoid(torch.randn(1, T, HV, K, device="cuda", generator=gen) + 3.0)
             if how == "strong":

@@ -15,10 +15,10 @@ path.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 import qla_compiler
 from qla_compiler.kernels.forward import launch_policy
+from test_gpu_per_key import make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -27,27 +27,6 @@ FILLS = (float("nan"), 1.0e4)
 # --tests), grouped value heads where GDN's tests have them
 CASES = {"gdn": (2, 8, [1, 130, 77]), "kda": (2, 2, [1, 130, 64, 1, 77]), "gla": (2, 2, [1, 130, 64, 1, 77]),
          "simple_gla": (2, 2, [1, 130, 77])}
-
-
-def make_inputs(op, lens, H, HV, K=128, V=128, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    T = sum(lens)
-    args = {}
-    for name, kind in op.kinds.items():
-        if kind == "key":
-            args[name] = F.normalize(torch.randn(1, T, H, K, device="cuda", generator=gen), dim=-1).to(torch.bfloat16)
-        elif kind == "value":
-            args[name] = torch.randn(1, T, HV, V, device="cuda", generator=gen).to(torch.bfloat16)
-        elif kind == "gate":
-            args[name] = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=gen) + 3.0)
-        elif kind == "key_gate":
-            args[name] = F.logsigmoid(torch.randn(1, T, HV, K, device="cuda", generator=gen) + 3.0)
-        else:
-            args[name] = torch.rand(1, T, HV, device="cuda", generator=gen)
-    args["cu_seqlens"] = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
-    args["initial_state"] = torch.randn(len(lens), HV, K, V, device="cuda", generator=gen) * 0.5
-    args["output_final_state"] = True
-    return args
 
 
 def step(op, args, poison, training=True, **call):
@@ -81,16 +60,16 @@ def assert_same(spec, args, training=True, **call):
 def test_a_training_step_reads_no_unwritten_memory(spec):
     H, HV, lens = CASES[spec]
     op = qla_compiler.compile(spec, target="sm90")
-    assert_same(spec, make_inputs(op, lens, H, HV))
+    assert_same(spec, make_inputs(op, lens=lens, H=H, HV=HV))
 
 
 def test_a_context_parallel_training_step_reads_no_unwritten_memory():
     op = qla_compiler.compile("gdn", target="sm90")
-    assert_same("gdn", make_inputs(op, [3000, 1, 200], 2, 8), context_parallel=8)
+    assert_same("gdn", make_inputs(op, lens=[3000, 1, 200], H=2, HV=8), context_parallel=8)
 
 
 def test_the_fused_inference_forward_reads_no_unwritten_memory():
     H, HV, lens = CASES["gdn"]
     op = qla_compiler.compile("gdn", target="sm90")
     with launch_policy(fused=True):
-        assert_same("gdn", make_inputs(op, lens, H, HV), training=False)
+        assert_same("gdn", make_inputs(op, lens=lens, H=H, HV=HV), training=False)
