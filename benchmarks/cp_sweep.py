@@ -47,7 +47,7 @@ def main():
         a = make_inputs(H, HV, lens)
         plan = cp_plan.plan_segments(len(lens), H, HV, 128, 128, sum(lens), sms)
         for s in args.segments:
-            fn = (lambda s=s: ops.chunk_gated_delta_rule(**a, context_parallel=None if s == 1 else s))
+            fn = (lambda s=s: ops.chunk_gated_delta_rule(**a, context_parallel=s))
             with torch.no_grad():
                 ms = device_ms(fn)
             model = cp_plan.predicted_ms(s, len(lens), H, HV, 128, 128, sum(lens), sms)

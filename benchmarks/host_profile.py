@@ -3,6 +3,13 @@ host-side entries by self CPU time per call, the synchronisations among them, an
 wall time with and without a synchronisation after it.
 
     python benchmarks/host_profile.py --row 2/8:1x32768 --cp auto      # GPU
+    python benchmarks/host_profile.py --row 16/64:1x2048 --cp 1 --backward
+
+It first runs one call under torch.cuda.set_sync_debug_mode("error") and prints where the first
+synchronisation of the host is, if any: a synchronisation would make a call's host time its GPU
+time plus its Python (session 29 found none, in an inference call or a training step). Then each
+call's host time alone (to its return, no synchronisation after it), which is what an eager caller
+pays when the GPU keeps up.
 
 Why (session 23): with context_parallel="auto" a 2/8:1x32768 forward took 1.23 ms eager for
 0.38 ms of GPU time, where 35 aten ops on meta tensors with no-op kernels take 0.31 ms of host
@@ -11,31 +18,58 @@ time on the development machine: ~0.5 ms is somewhere the CPU tests do not see.
 import argparse
 import sys
 import time
+import traceback
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--row", default="2/8:1x32768")
-    ap.add_argument("--cp", default="auto", help="context_parallel: auto, none or a segment count")
+    ap.add_argument("--cp", default="auto", help="context_parallel: auto, or a segment count (1: no cut)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--backward", action="store_true", help="a training step (forward and backward)")
     a = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from qla_compiler import ops
-    from qla_compiler.bench import make_inputs, parse_row
+    from qla_compiler.bench import make_inputs, parse_row, with_backward
 
     H, HV, lens = parse_row(a.row)
     args = make_inputs(H, HV, lens)
-    cp = None if a.cp == "none" else a.cp if a.cp == "auto" else int(a.cp)
+    cp = a.cp if a.cp == "auto" else int(a.cp)
+
+    def forward(**a):
+        return ops.chunk_gated_delta_rule(**a, context_parallel=cp)
+
+    step = with_backward(forward) if a.backward else forward
 
     def call():
-        return ops.chunk_gated_delta_rule(**args, context_parallel=cp)
+        return step(**args)
 
     for _ in range(3):  # compiles, plans, layouts: made once
         call()
     torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+        print("synchronisation check: the call never synchronised the host")
+    except RuntimeError as e:
+        print(f"synchronisation check: the call synchronised the host ({str(e).splitlines()[0]}), at:")
+        traceback.print_exc(limit=-8, file=sys.stdout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
     iters = 20
+    host = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    host.sort()
+    print(f"{a.row} cp={a.cp}: host time to the call's return, from an idle GPU: median "
+          f"{host[iters // 2] * 1e3:.3f} ms, min {host[0] * 1e3:.3f}")
     for synced in (False, True):
         t = time.perf_counter()
         for _ in range(iters):

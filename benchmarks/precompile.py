@@ -27,10 +27,12 @@ from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.precompile import Compile, compile_classes, shape_classes
 
 
-def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=None, stages=None, bv=None, V=None, training=False, tokens=None):
+def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=1, stages=None, bv=None, V=None, training=False, tokens=None):
     """The shape classes calls at these sizes launch, on an H200 (qla_compiler/precompile.py;
     `bv`: the V-block qla-bench --block-v forces instead of the launch rules; `tokens`: a call's,
-    which cp="auto"'s plan depends on)."""
+    which cp="auto"'s plan depends on). `cp` 1, no cut, by default: at the GPU tests' sizes (a few
+    hundred tokens a sequence) the op's default plan cuts nothing, and without `tokens` the classes
+    of "auto" would be those of every count it may choose."""
     return shape_classes(spec, H=H, HV=HV, K=K, V=V, io=io, n_seqs=n_seqs, context_parallel=cp, sms=forward.H200_SMS,
                          training=training, stages=stages, block_v=bv, tokens=tokens)
 
@@ -70,14 +72,15 @@ def for_per_key_bench(rows=("16/16:8x4096", "16/16:1x32768")):
 
 
 def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):
+    """qla-bench's: the op's default ("auto": the plan's at the row's tokens), the uncut call (--cp 1)
+    and, with `cp`, that count's."""
     out = []
     for row in rows:
         H, HV, lens = parse_row(row)
         K, V = parse_dims(row)
         # (qla-bench --backward: the training step's programs too)
-        out += classes("gdn", H, HV, K, len(lens), stages=stages, bv=bv, V=V, training=backward)
-        if cp:
-            out += classes("gdn", H, HV, 128, len(lens), cp=cp, stages=stages, bv=bv, training=backward,
+        for segments in dict.fromkeys((1, "auto", cp or 1)):
+            out += classes("gdn", H, HV, K, len(lens), cp=segments, stages=stages, bv=bv, V=V, training=backward,
                            tokens=sum(lens))
     return out
 

@@ -58,34 +58,54 @@ SEGMENTS = (1, 2, 4, 8, 16, 32)
 GAIN = 0.9  # cut only where the model says at least 10 % faster: its error is about that
 # An eager call (not captured in a CUDA graph, not compiled) takes at least its host time, and a
 # cut adds host work: the search, the chain, the segment layout, two scans' launches. On the H200
-# node (session 27, qla-bench's eager time against GPU time) a cut inference call took 0.28 ms of
-# host time and a cut training step 2.1 ms; 2/8 × 8192 tokens ran 0.28-0.30 ms eager cut against
-# 0.22 whole, its training step 2.13 against 1.76. So an eager call is cut only where its whole
-# walk's GPU time passes that: the call's GPU time, modelled as the scan model's whole walk times
-# CALL_PER_SCAN (the bench's 2/8 rows at 8192 and 32768 tokens: 1.16-1.20 for inference,
-# 3.9-4.0 for a training step).
-HOST_CUT_MS = {"inference": 0.28, "training": 2.1}
-CALL_PER_SCAN = {"inference": 1.15, "training": 3.9}
+# node (session 29, qla-bench's eager time of cut calls at 2/8 × 32768 tokens) a cut inference
+# call took 0.40 ms of host time and a cut training step 3.24 ms (session 27: 0.28 and 2.1-2.7).
+# So an eager call is cut only where its whole call's GPU time passes that, modelled as
+# CALL_GPU's `walk` × the scan model's whole walk + `token_head` × tokens × value heads (a
+# least-squares fit to the uncut calls' GPU times of the bench rows, sessions 27-29: within 0.15 ms
+# for a training step on six rows, 0.25 ms for inference on eight). With one walk-time factor
+# (session 27) every one-sequence row looked alike, and 2/8 × 32768's training step was cut
+# eagerly at 3.24 ms against 2.79 whole, where 4/16's cut gains (3.51 against 4.02).
+HOST_CUT_MS = {"inference": 0.40, "training": 3.24}
+CALL_GPU = {"inference": dict(walk=1.049, token_head=3.74e-7), "training": dict(walk=1.743, token_head=5.58e-6)}
 
 
 def cost_terms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
                chunk_size: int = 64) -> dict:
     """The counts the model's constants multiply (Costs' fields) for a call cut into `segments`."""
-    from .forward import block_v, widest_v_block
-
     chunks = math.ceil(tokens / max(N, 1) / chunk_size)
     walk = math.ceil(chunks / segments)
+    cut = segments > 1
+    walks, windows = launch_waves(segments, N, HV, K, V, sms)
+    launches = [(walks, walk)] + [(windows, min(WINDOW, walk))] * cut
+    return dict(chunk=sum(w * n for w, n in launches), wave=sum(w for w, _ in launches), glue=float(cut),
+                segment=segments * cut, token=tokens * H * cut)
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_waves(segments: int, N: int, HV: int, K: int, V: int, sms: int) -> tuple:
+    """(waves of the walks, waves of the windows' walks) of a call cut into `segments`: the
+    launch rule's V-block, one CTA an SM."""
+    from .forward import block_v, widest_v_block
 
     def waves(width, runs):
         bv = min(block_v(width, HV, runs, sms, K), widest_v_block(K))
         return math.ceil(math.ceil(width / bv) * HV * runs / sms)
 
-    launches = [(waves(V, N * segments), walk)]
-    cut = segments > 1
-    if cut:
-        launches.append((waves(K + V, N * segments), min(WINDOW, walk)))
-    return dict(chunk=sum(w * n for w, n in launches), wave=sum(w for w, _ in launches), glue=float(cut),
-                segment=segments * cut, token=tokens * H * cut)
+    return waves(V, N * segments), waves(K + V, N * segments)
+
+
+def may_choose(segments: int, N: int, HV: int, K: int, V: int, sms: int) -> bool:
+    """Whether plan_segments can choose `segments` for calls of N sequences of some length: what a
+    warm-up that is not told the length compiles. A cut's walks take at least walks(S) · ⌈NC/S⌉ ≥
+    walks(S) · NC / S chunk-times and walks(S) ≥ walks(1) waves, the whole walk walks(1) · NC and
+    walks(1), so where walks(S) / S ≥ GAIN · walks(1) no length makes the cut GAIN faster (where
+    walks(S) < walks(1), which the V-block's rule might give, the count is kept)."""
+    if segments == 1:
+        return True
+    walks, _ = launch_waves(segments, N, HV, K, V, sms)
+    whole, _ = launch_waves(1, N, HV, K, V, sms)
+    return walks < whole or walks / segments < GAIN * whole
 
 
 def predicted_ms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
@@ -108,7 +128,13 @@ def plan_segments(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int
     best = min(SEGMENTS, key=lambda s: predicted_ms(s, N, H, HV, K, V, tokens, sms, chunk_size))
     if predicted_ms(best, N, H, HV, K, V, tokens, sms, chunk_size) >= GAIN * whole:
         return 1
-    return 1 if eager and whole * CALL_PER_SCAN[eager] < HOST_CUT_MS[eager] else best
+    return 1 if eager and call_ms(whole, tokens, HV, eager) < HOST_CUT_MS[eager] else best
+
+
+def call_ms(whole_walk: float, tokens: int, HV: int, eager: str) -> float:
+    """The modelled GPU time (ms) of an uncut call whose scan walks `whole_walk` ms: CALL_GPU."""
+    c = CALL_GPU[eager]
+    return c["walk"] * whole_walk + c["token_head"] * tokens * HV
 
 
 def planned_segments(dims, device, eager: str | None = None) -> int | None:

@@ -15,7 +15,8 @@ Two times per call, as the baseline table reports them:
   device  the sum of GPU kernel durations (torch.profiler), averaged over calls;
   eager   wall time per call from Python (triton.testing.do_bench median), host work included.
 Inputs: bf16 q/k/v, K = V = 128 unless the row says, packed varlen (B = 1), initial state given,
-final state returned.
+final state returned. qla runs the op's defaults: context parallelism as the planner chooses
+(`--cp 1` adds the uncut call as qla-cp1).
 """
 from __future__ import annotations
 
@@ -261,7 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="PNG", help="save a bar chart of the GPU times")
     ap.add_argument("--cp", type=lambda x: x if x == "auto" else int(x), metavar="SEGMENTS",
                     help="also time qla with context parallelism, each sequence in SEGMENTS segments "
-                         "(auto: as many as the planner, kernels/cp_plan.py, finds fastest; qla-cpauto)")
+                         "(qla-cpS; qla itself runs the op's default, \"auto\": as many as the planner, "
+                         "kernels/cp_plan.py, finds fastest; --cp 1 times the uncut call)")
     ap.add_argument("--only", nargs="*", metavar="LIB", help="time only these (qla, qla-cpS); default: all")
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")

@@ -44,8 +44,9 @@ NEGLIGIBLE = 24 * math.log(2)
 
 
 def check_segments(segments, auto: bool = False) -> None:
-    """The op's `context_parallel` argument: None (off), a positive number of segments, or (where
-    `auto`) "auto": the launch's planner chooses (kernels/cp_plan.py)."""
+    """The op's `context_parallel` argument: a positive number of segments (1: no cut), or (where
+    `auto`) "auto" or None, the default: the launch's planner chooses (kernels/cp_plan.py). Where
+    not `auto` (the interpreter's segments) None is no cut."""
     if auto and segments == "auto":
         return
     if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):

@@ -7,9 +7,10 @@
 
 Arguments are the spec's inputs in the spec's order (positional or by name), then `scale=None`
 (K^-1/2), `initial_state=None` [N, HV, K, V], `output_final_state=False`, `cu_seqlens=None`
-(packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel=None` (a number
-of segments: each sequence is cut into that many, which run at once, 1 the same as None; qla_compiler/context_parallel.py;
-"auto": as many as the GPU kernels' planner finds fastest, kernels/cp_plan.py, none on the interpreter).
+(packed sequences, B = 1), `use_qk_l2norm_in_kernel=False` and `context_parallel="auto"` (each
+sequence is cut into that many segments, which run at once: qla_compiler/context_parallel.py; "auto", the
+default, and None: as many as the GPU kernels' planner finds fastest for the call's shape, kernels/cp_plan.py,
+none on the interpreter; 1: no cut).
 Returns `(o, final_state or None)`; o has v's dtype and shape [B, T, HV, V]; the state is float32
 (float64 for float64 inputs). CUDA tensors in bf16/fp16 run the generated kernels (a spec the sm90
 lowering cannot take yet, a per-key gate's, refuses them with a PassError saying why), everything
@@ -127,7 +128,8 @@ class CompiledOp:
 
     # ---- entry points ------------------------------------------------------------------------
     def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                 use_qk_l2norm_in_kernel=False, context_parallel=None, cp_context=None, **named):
+                 use_qk_l2norm_in_kernel=False, context_parallel="auto", cp_context=None, **named):
+        context_parallel = "auto" if context_parallel is None else context_parallel
         if cp_context is not None:
             return self._across_ranks(args, named, scale, initial_state, output_final_state, cu_seqlens,
                                       use_qk_l2norm_in_kernel, context_parallel, cp_context)
@@ -166,9 +168,9 @@ class CompiledOp:
 
         if not isinstance(ctx, CPContext):
             raise ValueError(f"cp_context: expected what build_cp_context returns, got {type(ctx).__name__}")
-        if cu_seqlens is not None or context_parallel is not None:
+        if cu_seqlens is not None or context_parallel != "auto":
             raise ValueError("cp_context: the context holds the global cu_seqlens and splits the batch; "
-                             "leave cu_seqlens and context_parallel None")
+                             "leave cu_seqlens None and context_parallel at its default")
         inputs = self._bind(args, named)
         device = inputs[self.value_name].device
         inputs, dims, scale = self._prepare((), inputs, scale, None, ctx.local_cu.to(device),

@@ -2,7 +2,9 @@
 compiles (TileLang's nvcc runs take seconds per kernel) at serve time.
 
 A deployment is described by its head counts and dims, its io dtype and, optionally, the numbers
-of sequences per call (N; by default every number) and its context parallelism: the shape classes
+of sequences per call (N; by default every number) and its context parallelism (by default as the
+op's default, "auto", plans it: the segment scans of every count the plan may choose; `cp=1`
+none): the shape classes
 its calls launch follow from the runtime's own launch rules (kernels/forward.scan_class; the
 V-block and the scan's warpgroups depend on N through the SM count). Everything is compiled into
 the on-disk caches (`$QLA_CACHE_DIR`, `$TILELANG_CACHE_DIR`: kernels/runtime.py); TileLang needs
@@ -13,8 +15,10 @@ also loads them (and the spec's compile), so its first call does no host-side co
     qla-compile gdn --precompile H=16,HV=64,K=128,V=128,io=bfloat16 [--training]
 
     >>> import qla_compiler
-    >>> [(s.part, s.shape.BV) for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8])]
+    >>> [(s.part, s.shape.BV) for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8], context_parallel=1)]
     [('forward', 16), ('forward', 64)]
+    >>> sorted({s.kernels for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8])})  # the default cuts one
+    ['all', 'parallel', 'scan', 'windows']
     >>> qla_compiler.warmup("gdn", [dict(H=2, HV=8, K=128, V=128)])     # doctest: +SKIP
     [1/6] gdn_prep     forward H=2 HV=8 K=128 V=128 BV=16 bfloat16: compiled in 4.1s
     ...
@@ -54,21 +58,21 @@ class Compile:
 
 
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
-                  context_parallel: int | str | None = None, sms: int | None = None, training: bool = False,
+                  context_parallel: int | str | None = "auto", sms: int | None = None, training: bool = False,
                   scale: float | None = None, stages: int | None = None, block_v: int | None = None,
                   tokens: int | None = None) -> list:
     """What calls of `spec` with these heads and head dims launch, as a list of Compile: at each
     number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
-    count), with `context_parallel` segments also the segment scans ("auto": as many as
-    kernels/cp_plan.py plans for calls of `tokens` tokens in all, which its plan depends on, or
-    without `tokens` every count it may choose, cp_plan.SEGMENTS), with
+    count), with `context_parallel` segments also the segment scans (as the op takes it: "auto", the
+    default, or None: as many as kernels/cp_plan.py plans for calls of `tokens` tokens in all, which
+    its plan depends on, or without `tokens` every count it may choose, cp_plan.SEGMENTS; 1: no cut), with
     `training` also the training forward and the backward. `sms`: the GPU's SMs (None: this
     machine's GPU, else an H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`,
     `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules."""
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
-    from .kernels.cp_plan import SEGMENTS, planned
+    from .kernels.cp_plan import SEGMENTS, may_choose, planned
 
     V = V or K
     if H < 1 or HV % H:
@@ -90,11 +94,11 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
 
     def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
         # compiled call's plan, an eager one's, an eager training step's)
-        if context_parallel != "auto":
-            return [context_parallel]
+        if context_parallel not in (None, "auto"):
+            return [None if context_parallel == 1 else context_parallel]
         if not tokens:  # every count it may choose for some length: its choice is not monotone in
             # the length (4/16 heads: 2 segments between 2816 and 3968 tokens, 1 at 2048, 4 at 4096)
-            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(K, V))]
+            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(K, V) and may_choose(s, n, HV, K, V, sms))]
         return list(dict.fromkeys(planned(n, H, HV, K, V, tokens, sms, eager) for eager in
                                   (None, "inference", *(("training",) if training else ()))))
 
@@ -136,8 +140,9 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
 
 
 def parse_deployment(text: str) -> dict:
-    """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=8 or auto][,T=32768][,sms=132]' ->
+    """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=auto, 8 or 1][,T=32768][,sms=132]' ->
     shape_classes' keywords (N: a number of sequences per call or a range a-b; V defaults to K;
+    cp: as the op's context_parallel, "auto" when not given, 1 for calls that pass 1 (no cut);
     T: a call's tokens in all, which cp=auto's plan depends on; without it, every count it may choose).
 
         >>> parse_deployment("H=2,HV=8,K=128,N=1-4,cp=8")

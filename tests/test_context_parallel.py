@@ -128,8 +128,9 @@ def test_auto_is_the_gpu_planners_and_exact_on_the_interpreter(ops):
 
 
 def test_one_segment_is_no_cut(ops, monkeypatch):
-    """context_parallel=1 is the same call as None: nothing is cut or walked by segments (it once ran
-    the segments' machinery for one segment, a scan and a window search for nothing)."""
+    """context_parallel=1 is no cut, on the interpreter the same call as the default: nothing is
+    cut or walked by segments (it once ran the segments' machinery for one segment, a scan and a
+    window search for nothing)."""
     from qla_compiler import op as op_module
 
     def refuse(*a, **k):

@@ -93,7 +93,7 @@ def test_cp_context_needs_a_process_group_and_an_even_split(tmp_path):
         ctx = build_cp_context(torch.tensor([0, 3, 10]))
         assert (ctx.start, ctx.end, ctx.pieces, ctx.continues, ctx.carries_on) == (0, 10, (0, 1), False, False)
         op, a, _, _ = _batch()
-        with pytest.raises(ValueError, match="leave cu_seqlens and context_parallel None"):
+        with pytest.raises(ValueError, match="leave cu_seqlens None and context_parallel at its default"):
             op(*[a[n][:, :10] for n in NAMES], cu_seqlens=a["cu_seqlens"], cp_context=ctx)
         with pytest.raises(ValueError, match=r"initial_state: expected the global batch's \[2, 2, 16, 16\]"):
             op(*[a[n][:, :10] for n in NAMES], initial_state=a["initial_state"], cp_context=ctx)

@@ -174,3 +174,23 @@ def test_gdn_context_parallel(segments):
     o, s = op(**args, context_parallel=segments)
     o_ref, s_ref = reference(op, args)
     assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+def test_the_default_is_the_planners_choice(monkeypatch):
+    """context_parallel's default ("auto", or None) asks kernels/cp_plan.py for the call's cut, an
+    eager inference call as such, and runs what it returns; 1 asks nothing and cuts nothing."""
+    from qla_compiler import op as op_module
+
+    op = qla_compiler.compile("gdn", target="sm90")
+    args = make_inputs(op, lens=[1000, 1, 300], H=2, HV=8, K=128, V=128, seed=4)
+    asked = []
+    monkeypatch.setattr(op_module, "planned_segments", lambda dims, device, eager: asked.append(eager) or 2)
+    o, s = op(**args)
+    o_none, s_none = op(**args, context_parallel=None)
+    assert asked == ["inference", "inference"]
+    o2, s2 = op(**args, context_parallel=2)
+    assert torch.equal(o, o2) and torch.equal(s, s2) and torch.equal(o_none, o2)
+    o1, s1 = op(**args, context_parallel=1)
+    assert len(asked) == 2 and not torch.equal(s1, s2)
+    o_ref, s_ref = reference(op, args)
+    assert rel_err(o1, o_ref) <= TOL and rel_err(s1, s_ref) <= TOL
