@@ -3,6 +3,7 @@ launched 50 times back to back (no synchronisation between) and timed on the hos
 
     python benchmarks/launch_overhead.py                    # GPU: GDN at 16/64:1x2048
     python benchmarks/launch_overhead.py --spec kda --row 16/16:1x4096
+    python benchmarks/launch_overhead.py --peers    # FLA and FlashQLA imported first, as in qla-bench
 
 Why (session 28): a 16/64:1x2048 training step took ~1 ms more host time on the H200 than its
 Python accounts for: C-level time inside qla::run_kernels_backward that cProfile does not see, and
@@ -22,8 +23,15 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="gdn")
     ap.add_argument("--row", default="16/64:1x2048")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--peers", action="store_true",
+                    help="import FLA and FlashQLA first, as qla-bench does (session 29: the eager time of our "
+                         "calls doubled in bench runs with them in the process)")
     a = ap.parse_args(argv)
     import torch
+
+    if a.peers:
+        import fla.ops.gated_delta_rule  # noqa: F401
+        import flash_qla  # noqa: F401
 
     native = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
     import tilelang  # noqa: F401  (tvm_ffi may install the exchange API on import)
@@ -53,11 +61,18 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     finally:
         forward.launch = launch
-    t0 = time.perf_counter()
-    step(**inputs)
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    print(f"{a.spec} {a.row}: one training step's host time {host * 1e3:.3f} ms (to the last launch's return)")
+    def host_ms(fn, calls=30):
+        times = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(**inputs)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return sorted(times)[calls // 2] * 1e3
+
+    print(f"{a.spec} {a.row}{' (FLA and FlashQLA imported)' if a.peers else ''}: host time to the return, "
+          f"median: a training step {host_ms(step):.3f} ms, an inference call {host_ms(op):.3f} ms")
     total = 0.0
     for name, run, args in caught:
         n = sum(torch.is_tensor(x) for x in args)
