@@ -54,11 +54,12 @@ def _custom_op(name: str, mutates_args=()):
 
 
 def call(name: str, *args):
-    """torch.ops.qla.<name>(*args) where something must see the op — an autograd graph being
-    recorded, torch.compile or export tracing, a dispatch mode (fake tensors), a functorch
-    transform — and its body called directly otherwise: the same result, without torch's
-    dispatch of a Python custom op, which took ~75 µs a call on one CPU core (session 19), a
-    quarter of a short forward's host time.
+    """torch.ops.qla.<name>(*args) where something must see the op — torch.compile or export
+    tracing, a dispatch mode (fake tensors), a functorch transform — and its body called directly
+    otherwise: the same result, without torch's dispatch of a Python custom op, which took ~75 µs
+    a call on one CPU core (session 19), a quarter of a short forward's host time. An eager call
+    that records an autograd graph runs the body in a torch.autograd.Function (_EagerGrad) with the
+    op's own setup and backward: the same graph, without the custom op's autograd wrapper.
 
         >>> import torch, qla_compiler
         >>> from qla_compiler.testing import random_inputs
@@ -69,18 +70,60 @@ def call(name: str, *args):
         >>> torch.equal(o, torch.ops.qla.interpret(op.key, xs, None, None, 0.3, False, False)[0])
         True
     """
-    if _watched(args):
+    if _traced():
         return getattr(torch.ops.qla, name)(*args)
+    if torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad
+                                       for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))):
+        if name not in _AUTOGRAD:
+            return getattr(torch.ops.qla, name)(*args)
+        return _EagerGrad.run(name, args)
     return _BODIES[name](*args)
 
 
-def _watched(args) -> bool:
+def _traced() -> bool:
     # (a dispatch mode: fake tensors, a tracer; functorch's transforms: vmap, grad)
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
-            torch._C._are_functorch_transforms_active():
-        return True
-    return torch.is_grad_enabled() and any(
-        torch.is_tensor(t) and t.requires_grad for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)))
+    return torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack()) or \
+        torch._C._are_functorch_transforms_active()
+
+
+_AUTOGRAD: dict = {}  # a custom op's name -> (setup_context, backward, kept_is_list) as registered
+
+
+def _register_autograd(op, name: str, backward, setup_context, kept_is_list: bool):
+    """op.register_autograd(backward, setup_context), kept for _EagerGrad; `kept_is_list`: the op's
+    third output is a list of tensors (else one tensor)."""
+    _AUTOGRAD[name] = (setup_context, backward, kept_is_list)
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+class _EagerGrad(torch.autograd.Function):
+    """An eager training call of a differentiable custom op (interpret, run_kernels): its body and
+    its registered setup and backward, as a torch.autograd.Function. The op's inputs are
+    (key, xs: list of tensors, initial_state, ...) and its outputs (o, final, kept) with `kept` a
+    tensor or a list of them; autograd sees tensors only as a Function's own arguments and
+    results, so xs and the initial state come in flat and the kept tensors go out flat. torch's
+    custom-op autograd does that flattening with pytrees, a redispatch and a dynamo-disabled frame
+    per call: 0.13-0.18 ms of a training step's 0.51 ms of host time on one CPU core (session 29,
+    GDN at 16/64 heads, every kernel a no-op)."""
+
+    @staticmethod
+    def run(name: str, args):
+        out = _EagerGrad.apply(name, args, len(args[1]), *args[1], args[2])
+        return (out[0], out[1], list(out[2:]) if _AUTOGRAD[name][2] else out[2])
+
+    @staticmethod
+    def forward(ctx, name, args, n, *leaves):
+        args = (args[0], list(leaves[:n]), leaves[n], *args[3:])
+        o, final, kept = _BODIES[name](*args)
+        ctx.op_name = name  # (not ctx.name: a graph node's name() method)
+        _AUTOGRAD[name][0](ctx, args, (o, final, kept))
+        return (o, final, *(kept if _AUTOGRAD[name][2] else [kept]))
+
+    @staticmethod
+    def backward(ctx, d_o, d_final, *_):
+        grads = _AUTOGRAD[ctx.op_name][1](ctx, d_o, d_final, None)
+        d_xs, d_h0 = grads[1], grads[2]
+        return (None, None, None, *d_xs, d_h0)
 
 
 def register(op) -> str:
@@ -145,7 +188,7 @@ def _(op, xs, initial_state, cu_seqlens, scale, save_states, check_values):
             v.new_empty((slots, d.HV, d.K, d.V) if save_states else (0,), dtype=work))
 
 
-@torch.library.custom_op("qla::interpret_backward", mutates_args=())
+@_custom_op("interpret_backward", mutates_args=())
 def interpret_backward(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                        scale: float, states: Tensor, d_o: Tensor, d_final: Optional[Tensor]) -> tuple[list[Tensor], Tensor]:
     """(the gradient of each input, in its dtype; of the initial state [N, HV, K, V]) by the backward
@@ -187,11 +230,11 @@ def _interpret_setup(ctx, inputs, output):
 def _interpret_grad(ctx, d_o, d_final, _):
     initial_state, cu_seqlens, states, *xs = ctx.saved_tensors
     d_o = _cotangent_of_o(ctx.op, xs, cu_seqlens, d_o)
-    d_xs, d_h0 = interpret_backward(ctx.op, xs, initial_state, cu_seqlens, ctx.scale, states, d_o, d_final)
+    d_xs, d_h0 = call("interpret_backward", ctx.op, xs, initial_state, cu_seqlens, ctx.scale, states, d_o, d_final)
     return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None
 
 
-interpret.register_autograd(_interpret_grad, setup_context=_interpret_setup)
+_register_autograd(interpret, "interpret", _interpret_grad, _interpret_setup, kept_is_list=False)
 
 
 class _Chunked:
@@ -256,7 +299,7 @@ def _(op, xs, initial_state, cu_seqlens, scale, segments, keep, traced):
     return v.new_empty(d.B, d.T, d.HV, d.V), v.new_empty(d.N, d.HV, d.K, d.V, dtype=torch.float32), made
 
 
-@torch.library.custom_op("qla::run_kernels_backward", mutates_args=())
+@_custom_op("run_kernels_backward", mutates_args=())
 def run_kernels_backward(op: str, xs: list[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                          scale: float, segments: Optional[int], made: list[Tensor], d_o: Tensor,
                          d_final: Optional[Tensor], traced: bool) -> tuple[list[Tensor], Tensor]:
@@ -307,12 +350,12 @@ def _kernels_grad(ctx, d_o, d_final, _):
     initial_state, cu_seqlens, *rest = ctx.saved_tensors
     xs, made = rest[:ctx.n], rest[ctx.n:]
     d_o = _cotangent_of_o(ctx.op, xs, cu_seqlens, d_o)
-    d_xs, d_h0 = run_kernels_backward(ctx.op, xs, initial_state, cu_seqlens, ctx.scale, ctx.segments, made,
-                                      d_o, d_final, ctx.traced)
+    d_xs, d_h0 = call("run_kernels_backward", ctx.op, xs, initial_state, cu_seqlens, ctx.scale, ctx.segments, made,
+                      d_o, d_final, ctx.traced)
     return None, list(d_xs), (d_h0 if initial_state is not None else None), None, None, None, None, None
 
 
-run_kernels.register_autograd(_kernels_grad, setup_context=_kernels_setup)
+_register_autograd(run_kernels, "run_kernels", _kernels_grad, _kernels_setup, kept_is_list=True)
 
 
 def _no_zero_cotangents(ctx, *kept):

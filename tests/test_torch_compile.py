@@ -249,8 +249,9 @@ def test_opcheck_token_step():
 
 def test_an_eager_call_without_gradients_skips_the_dispatcher():
     """An eager call that records no autograd graph runs the custom op's body directly (torch's
-    dispatch of a Python custom op is ~75 µs of host time a call); one that records a graph, or
-    runs under a dispatch mode, goes through the op, where autograd and the mode see it."""
+    dispatch of a Python custom op is ~75 µs of host time a call), and so does one that records a
+    graph (as a torch.autograd.Function: custom_ops._EagerGrad); one under a dispatch mode goes
+    through the op, where the mode sees it."""
     from torch.profiler import profile
 
     op = ops._op("gdn")
@@ -264,11 +265,30 @@ def test_an_eager_call_without_gradients_skips_the_dispatcher():
     with torch.no_grad():
         o_direct, seen = dispatched(**a)
     assert not seen
-    o_op, seen = dispatched(**{**a, "q": a["q"].clone().requires_grad_()})
-    assert seen and torch.equal(o_direct, o_op.detach())
+    o_graph, seen = dispatched(**{**a, "q": a["q"].clone().requires_grad_()})
+    assert not seen and torch.equal(o_direct, o_graph.detach()) and "_EagerGrad" in type(o_graph.grad_fn).__name__
     with torch.no_grad(), OpLog() as log:
         op(**a)
     assert "qla.interpret.default" in log.ops
+
+
+def test_an_eager_training_call_has_the_custom_ops_gradients():
+    """The eager path's autograd (custom_ops._EagerGrad) runs the setup and backward registered with
+    the op, so every gradient equals the one torch's custom-op autograd gives (what a compiled
+    graph runs): bitwise, with and without an initial state, with a loss on the final state alone."""
+    from qla_compiler import custom_ops
+
+    op = ops._op("gdn")
+    for initial_state, loss_on_o in ((True, True), (False, True), (True, False)):
+        a = random_inputs(op, T=50, H=1, HV=2, K=8, V=8, cu_seqlens=[0, 13, 50], initial_state=initial_state)
+        grads = []
+        for run in (lambda *args: custom_ops.call("interpret", *args), torch.ops.qla.interpret):
+            xs = [a[n].clone().requires_grad_() for n in op.input_names]
+            h0 = a["initial_state"].clone().requires_grad_() if initial_state else None
+            o, final, _ = run(op.key, xs, h0, a["cu_seqlens"], 0.3, True, False)
+            ((o.sum() if loss_on_o else 0) + (final ** 2).sum()).backward()
+            grads.append([x.grad for x in xs] + ([h0.grad] if initial_state else []))
+        assert all(torch.equal(e, c) for e, c in zip(*grads)), (initial_state, loss_on_o)
 
 
 def test_a_fresh_programs_backward_check_is_a_constant_of_the_trace():
