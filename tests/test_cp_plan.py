@@ -134,7 +134,7 @@ def test_the_model_predicts_the_sweep():
 
 def test_a_warmup_without_the_length_compiles_every_count_the_plan_chooses_and_no_hopeless_one():
     """may_choose (what a warm-up not told T compiles) holds every count plan_segments chooses at
-    any length up to 4096 chunks, eager or not, and rules out the counts no length makes pay:
+    lengths up to 4096 chunks (every third), eager or not, and rules out the counts no length makes pay:
     none for 64 value heads or 8 sequences of 16 (the grid fills the SMs whole)."""
     for H, HV, N in ((2, 8, 1), (2, 8, 3), (4, 16, 1), (8, 32, 3), (1, 1, 8), (16, 64, 1), (4, 16, 8)):
         chosen = {cp_plan.plan_segments(N, H, HV, 128, 128, N * 64 * c, fwd.H200_SMS, eager=e)
