@@ -194,3 +194,31 @@ def test_the_default_is_the_planners_choice(monkeypatch):
     assert len(asked) == 2 and not torch.equal(s1, s2)
     o_ref, s_ref = reference(op, args)
     assert rel_err(o1, o_ref) <= TOL and rel_err(s1, s_ref) <= TOL
+
+
+def test_a_context_parallel_call_replays_in_a_cuda_graph():
+    """The default plan cuts a captured call where it pays (kernels/cp_plan.py: one sequence of 8192
+    tokens at 2/8 heads into 4 segments; an eager call keeps it whole): the windows' search, the
+    chain of segment maps and both scans run without a host synchronisation, so the capture
+    succeeds, and a replay on fresh inputs equals the eager call cut the same way, bitwise."""
+    from qla_compiler.kernels.cp_plan import planned
+
+    cut = planned(1, 2, 8, 128, 128, 8192, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cut is not None and cut > 1, "the plan cuts this call when captured (on an H200: 4 segments)"
+    op = qla_compiler.compile("gdn", target="sm90")
+    static = make_inputs(op, lens=[8192], H=2, HV=8, K=128, V=128, seed=5)
+    op(**static, context_parallel=cut)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, s_static = op(**static)
+    fresh = make_inputs(op, lens=[8192], H=2, HV=8, K=128, V=128, seed=6)
+    for k, v in fresh.items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            static[k].copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    o_eager, s_eager = op(**fresh, context_parallel=cut)
+    assert torch.equal(o_static, o_eager) and torch.equal(s_static, s_eager)
+    o_ref, s_ref = reference(op, fresh)
+    assert rel_err(o_static, o_ref) <= TOL and rel_err(s_static, s_ref) <= TOL
