@@ -65,9 +65,10 @@ def main(argv=None) -> int:
     ap.add_argument("--precompile", action="append", metavar="DEPLOYMENT",
                     help="compile the kernels that calls at these sizes launch into the on-disk cache, a line "
                          "per kernel (qla_compiler/precompile.py; no GPU needed): H=..,HV=..,K=..[,V=..][,io=bfloat16|"
-                         "float16][,N=a or a-b sequences per call; default every number][,cp=segments, or auto with T=a "
-                         "call's tokens][,sms=the "
-                         "GPU's SMs; default this machine's GPU, else an H200's]; repeatable")
+                         "float16][,N=a or a-b sequences per call; default every number][,cp=auto (the default; "
+                         "with T=a call's tokens, the plan's for that length), segments, or 1][,sms=the "
+                         "GPU's SMs; default this machine's GPU, else an H200's][,state=float32|bfloat16|float16: the "
+                         "decoding pools' dtype, whose token step is compiled too; default float32]; repeatable")
     ap.add_argument("--cp-plan", metavar="DEPLOYMENT",
                     help="print what context_parallel=\"auto\" chooses for calls of these sizes and the cost "
                          "model's time at each segment count (kernels/cp_plan.py): H=..,HV=..,K=..[,V=..],T=a "

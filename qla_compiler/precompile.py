@@ -16,7 +16,7 @@ also loads them (and the spec's compile), so its first call does no host-side co
 
     >>> import qla_compiler
     >>> [(s.part, s.shape.BV) for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8], context_parallel=1)]
-    [('forward', 16), ('forward', 64)]
+    [('forward', 16), ('forward', 64), ('token_step', 32)]
     >>> sorted({s.kernels for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8])})  # the default cuts one
     ['all', 'parallel', 'scan', 'windows']
     >>> qla_compiler.warmup("gdn", [dict(H=2, HV=8, K=128, V=128)])     # doctest: +SKIP
@@ -32,8 +32,9 @@ from pathlib import Path
 
 from .passes.lower_tilelang import ShapeClass, tile_width
 
-PARTS = ("forward", "training", "backward")  # the program: as inference runs it; a training step's two
-FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "T", "sms")
+PARTS = ("forward", "training", "backward", "token_step")  # the program: as inference runs it; a training
+# step's two; the token step decoding calls run (op.recurrent, and decode-shaped chunk calls)
+FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "T", "sms", "state")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Compile:
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
                   context_parallel: int | str | None = "auto", sms: int | None = None, training: bool = False,
                   scale: float | None = None, stages: int | None = None, block_v: int | None = None,
-                  tokens: int | None = None) -> list:
+                  tokens: int | None = None, state: str | None = "float32") -> list:
     """What calls of `spec` with these heads and head dims launch, as a list of Compile: at each
     number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
     count), with `context_parallel` segments also the segment scans (as the op takes it: "auto", the
@@ -68,7 +69,9 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     its plan depends on, or without `tokens` every count it may choose, cp_plan.SEGMENTS; 1: no cut), with
     `training` also the training forward and the backward. `sms`: the GPU's SMs (None: this
     machine's GPU, else an H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`,
-    `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules."""
+    `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules.
+    `state`: the dtype of the state pools decoding calls pass, whose token-step kernel is compiled
+    too (None: no token step)."""
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
@@ -81,6 +84,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     check_segments(context_parallel, auto=True)
     if io not in forward.IO_DTYPES.values():
         raise ValueError(f"io: the kernels take {' or '.join(forward.IO_DTYPES.values())}, got {io!r}")
+    if state not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(f"state: the token step's pools are float32, bfloat16 or float16, got {state!r}")
     sms = sms or _this_gpus_sms()
     scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
     counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs
@@ -124,6 +129,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
         out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))
                    if cap < c.shape.BV or cap > 64 else c)
+    if state:  # (one class for any number of sequences: kernels/token_step.shape_class)
+        out.append(Compile(str(spec), "token_step", _token_step_class(H, HV, K, V, io, state, scale), None))
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
         for c, (_, launched, _) in zip(classes, seqs):
@@ -140,9 +147,10 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
 
 
 def parse_deployment(text: str) -> dict:
-    """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=auto, 8 or 1][,T=32768][,sms=132]' ->
+    """'H=16,HV=64,K=128,V=128,io=bfloat16[,N=1-64][,cp=auto, 8 or 1][,T=32768][,sms=132][,state=float32]' ->
     shape_classes' keywords (N: a number of sequences per call or a range a-b; V defaults to K;
     cp: as the op's context_parallel, "auto" when not given, 1 for calls that pass 1 (no cut);
+    state: the decoding state pools' dtype, float32 when not given;
     T: a call's tokens in all, which cp=auto's plan depends on; without it, every count it may choose).
 
         >>> parse_deployment("H=2,HV=8,K=128,N=1-4,cp=8")
@@ -159,6 +167,10 @@ def parse_deployment(text: str) -> dict:
                 if value not in ("bfloat16", "float16"):
                     raise ValueError(f"--precompile: io must be bfloat16 or float16, got {value!r}")
                 out["io"] = value
+            elif key == "state":
+                if value not in ("float32", "bfloat16", "float16"):
+                    raise ValueError(f"--precompile: state must be float32, bfloat16 or float16, got {value!r}")
+                out["state"] = value
             elif key == "N":
                 a, _, b = value.partition("-")
                 out["n_seqs"] = list(range(int(a), int(b or a) + 1))
@@ -260,6 +272,8 @@ def _program(c: Compile):
     from .kernels import forward
 
     program = _variant(c)
+    if c.part == "token_step":
+        return program.token_step_program
     if c.columns:
         program = program.backward_columns()[1].backward_program
     elif c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
@@ -267,6 +281,17 @@ def _program(c: Compile):
     else:
         program = {"training": program.training_program, "backward": program.backward_program}[c.part]
     return program.windows_program if c.kernels == "windows" else program
+
+
+def _token_step_class(H: int, HV: int, K: int, V: int, io: str, state: str, scale: float) -> ShapeClass:
+    """The class a decoding call's token step launches at (kernels/token_step.shape_class, from a
+    call's dims and dtypes)."""
+    import torch
+
+    from .checks import Dims
+    from .kernels import token_step
+
+    return token_step.shape_class(Dims(1, 1, H, HV, K, V, 1), getattr(torch, io), getattr(torch, state), scale)
 
 
 def _kernel_names(c: Compile, program=None) -> list:

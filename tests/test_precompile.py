@@ -45,12 +45,43 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads,
         if grad:
             (o.float().sum() + final.sum()).backward()
 
-    todo = shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=len(cu) - 1, context_parallel=cp, training=training)
+    todo = shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=len(cu) - 1, context_parallel=cp, training=training,
+                         state=None)  # (the chunk calls alone: the token step's class is the next test's)
     if training and K == 256:
         assert {c.shape.V for c in todo if c.part == "backward"} >= {64} and all(
             c.columns == 64 for c in todo if c.part == "backward")
     warmed = {(id(_program(c).kernels), c.shape, n) for c in todo for n in _kernel_names(c)}
     assert launched == warmed
+
+
+@pytest.mark.parametrize("state", [torch.float32, torch.bfloat16])
+def test_the_warmup_compiles_the_token_step_decoding_calls_launch(monkeypatch, state):
+    """A decoding call (op.recurrent, or a decode-shaped chunk call) launches the token step at one
+    class for any batch: the one the warm-up of its deployment compiles (`state=`: the pools' dtype)."""
+    from qla_compiler.checks import Dims
+    from qla_compiler.kernels import runtime
+    from qla_compiler.kernels import token_step as host
+
+    op = ops._op("gdn")
+    H, HV, K = 2, 8, 128
+    a = random_inputs(op, T=3, H=H, HV=HV, K=K, V=K, cu_seqlens=[0, 1, 2, 3], dtype=torch.bfloat16)
+    launched = []
+
+    def recording(program, shape):
+        launched.append((id(program.kernels), shape))
+        return {k.name: (lambda *tensors: None) for k in program.kernels.kernels}
+
+    monkeypatch.setattr(runtime, "load_kernels", recording)
+    dims = Dims(1, 3, H, HV, K, K, 3)
+    pool = torch.zeros(3, HV, K, K, dtype=state)
+    slot_tensors = host.slots(3, dims, "cpu", pool, None, None, False, True)[:5]
+    host.run(op.program.token_step_program, {n: a[n] for n in op.input_names}, op.kinds, dims, K ** -0.5,
+             op._head_logs(HV), a["cu_seqlens"], slot_tensors)
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+    todo = [c for c in shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=[1, 64], state=names[state])
+            if c.part == "token_step"]
+    assert [(id(_program(c).kernels), c.shape) for c in todo] == launched
+    assert parse_deployment("H=2,HV=8,K=128,state=bfloat16")["state"] == "bfloat16"
 
 
 def test_every_number_of_sequences_by_default():
@@ -83,7 +114,8 @@ def test_a_deployment_the_kernels_refuse_is_named_before_any_compile():
 
 def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_path, monkeypatch):
     """The CLI in two fresh processes on one empty cache: the first compiles every kernel of the
-    class (TileLang writes its cache entries; ~20 s on a CPU), the second finds them all and
+    classes, the chunk pipeline's and the token step's (TileLang writes its cache entries; ~30 s on
+    a CPU), the second finds them all and
     compiles none (no file of the cache changes). Then qla_compiler.warmup in this process: it
     too compiles nothing, and leaves the kernels loaded for the op's calls."""
     env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tilelang"), QLA_CACHE_DIR=str(tmp_path / "qla"),
@@ -99,14 +131,15 @@ def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_pa
         return {f: f.stat().st_mtime_ns for f in Path(tmp_path).rglob("*") if f.is_file()}
 
     first = run()
-    assert [line.split()[1] for line in first[:-1]] == ["simple_gla_prep", "simple_gla_scan", "simple_gla_out"]
+    assert [line.split()[1] for line in first[:-1]] == ["simple_gla_prep", "simple_gla_scan", "simple_gla_out",
+                                                        "simple_gla_token_step"]
     assert all(": compiled in" in line for line in first[:-1])
-    assert first[-1].startswith("3 kernels of 1 shape classes: 3 compiled, 0 found in the cache")
+    assert first[-1].startswith("4 kernels of 2 shape classes: 4 compiled, 0 found in the cache")
     files = cache()
     assert any(f.suffix == ".cubin" for f in files) and any(f.suffix == ".py" for f in files)
     second = run()
     assert all(": cached in" in line for line in second[:-1])
-    assert second[-1].startswith("3 kernels of 1 shape classes: 0 compiled, 3 found in the cache")
+    assert second[-1].startswith("4 kernels of 2 shape classes: 0 compiled, 4 found in the cache")
     assert cache() == files
 
     import qla_compiler
@@ -117,10 +150,11 @@ def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_pa
     lines = []
     done = qla_compiler.warmup("simple_gla", ["H=1,HV=1,K=64,N=1,cp=1"], log=lines.append)
     assert [(name, compiled) for name, _, _, compiled in done] == \
-        [("simple_gla_prep", False), ("simple_gla_scan", False), ("simple_gla_out", False)]
-    assert len(lines) == 3 and cache() == files
-    c = done[0][1]  # what the op's first call at this class finds in memory: no lowering, no load
-    assert set(load_kernels(_program(c), c.shape)._compiled) == {name for name, *_ in done}
+        [("simple_gla_prep", False), ("simple_gla_scan", False), ("simple_gla_out", False),
+         ("simple_gla_token_step", False)]
+    assert len(lines) == 4 and cache() == files
+    for c in {c for _, c, _, _ in done}:  # what the op's first call at each class finds in memory: no lowering, no load
+        assert set(load_kernels(_program(c), c.shape)._compiled) == {name for name, d, *_ in done if d == c}
 
 
 def test_a_fused_class_that_falls_back_says_so(monkeypatch):
