@@ -40,7 +40,7 @@ FIELDS = ("H", "HV", "K", "V", "io", "N", "cp", "T", "sms", "state")
 @dataclass(frozen=True)
 class Compile:
     """One shape class of one of a spec's programs to compile: `part` names the program (the
-    forward, or a training step's forward or backward), `shape` the class its kernels are
+    forward, a training step's forward or backward, or the token step), `shape` the class its kernels are
     launched at, `runs_as` the call's class without context parallelism (it picks the program's
     variant: Program.for_shape; None: the program as compiled), `kernels` which of its kernels
     run at this class: all, the scan alone, all but the scan (context parallelism runs the scan by
