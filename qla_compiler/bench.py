@@ -160,11 +160,17 @@ def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
         libs["qla-fused"] = with_policy(True)
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(ours, context_parallel=cp)
+
+    def wanted(lib):  # a peer left out is not imported either: its import alone makes our host time
+        # ~1.4x (benchmarks/launch_overhead.py --peers, session 29)
+        return not only or lib in only
+
     try:
-        libs["FLA"] = getattr(importlib.import_module(module), name)
+        if wanted("FLA"):
+            libs["FLA"] = getattr(importlib.import_module(module), name)
     except ImportError as e:
         print(f"FLA not importable: {e}", file=sys.stderr)
-    if spec == "gdn":  # (FlashQLA has no per-key gate)
+    if spec == "gdn" and wanted("FlashQLA"):  # (FlashQLA has no per-key gate)
         try:
             from flash_qla import chunk_gated_delta_rule as fq_gdn
             libs["FlashQLA"] = fq_gdn
@@ -264,7 +270,8 @@ def main(argv=None) -> int:
                     help="also time qla with context parallelism, each sequence in SEGMENTS segments "
                          "(qla-cpS; qla itself runs the op's default, \"auto\": as many as the planner, "
                          "kernels/cp_plan.py, finds fastest; --cp 1 times the uncut call)")
-    ap.add_argument("--only", nargs="*", metavar="LIB", help="time only these (qla, qla-cpS); default: all")
+    ap.add_argument("--only", nargs="*", metavar="LIB",
+                    help="time only these (qla, qla-cpS, FLA, FlashQLA; a peer left out is not imported); default: all")
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")

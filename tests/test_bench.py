@@ -106,3 +106,25 @@ def test_spec_option_times_a_per_key_op_beside_flas(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--spec", "kda", "--decode"])
     assert "--decode times GDN's token step only" in capsys.readouterr().err
+
+
+def test_a_peer_left_out_is_not_imported(monkeypatch):
+    """--only without FLA or FlashQLA imports neither: their import alone makes our host time ~1.4×
+    (benchmarks/launch_overhead.py --peers, session 29), so a run of qla alone is a lean process."""
+    import builtins
+    import importlib
+
+    tried, real_import = [], builtins.__import__
+
+    def watching(name, *args, **kwargs):
+        if name.split(".")[0] in ("fla", "flash_qla"):
+            tried.append(name)
+            raise ImportError(f"{name}: not imported in this test")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", watching)
+    monkeypatch.setattr(importlib, "import_module", lambda name, package=None: watching(name))
+    assert set(bench.libraries(only=["qla", "qla-cp4"], cp=4)) == {"qla", "qla-cp4"}
+    assert tried == []
+    bench.libraries(only=["qla", "FLA"])
+    assert tried == [bench.FLA_OPS["gdn"][0]]
