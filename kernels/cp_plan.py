@@ -60,8 +60,9 @@ GAIN = 0.9  # cut only where the model says at least 10 % faster: its error is a
 # cut adds host work: the search, the chain, the segment layout, two scans' launches. On the H200
 # node (session 29, qla-bench's eager time of cut calls at 2/8 × 32768 tokens) a cut inference
 # call took 0.40 ms of host time and a cut training step 3.24 ms (session 27: 0.28 and 2.1-2.7).
-# qla-bench's process holds FLA and FlashQLA, which makes our host time ~1.4-1.5× a lean
-# process's (benchmarks/launch_overhead.py --peers): a process with a model loaded is the former.
+# That qla-bench process had imported FLA and FlashQLA, which makes our host time ~1.4-1.5× a
+# lean process's (benchmarks/launch_overhead.py --peers): a process with a model loaded is closer
+# to it than a lean one.
 # So an eager call is cut only where its whole call's GPU time passes that, modelled as
 # CALL_GPU's `walk` × the scan model's whole walk + `token_head` × tokens × value heads (a
 # least-squares fit to the uncut calls' GPU times of the bench rows, sessions 27-29: within 0.15 ms
