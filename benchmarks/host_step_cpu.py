@@ -4,6 +4,10 @@ code) without a GPU, to compare two versions of the host code on the development
 
     OMP_NUM_THREADS=1 python benchmarks/host_step_cpu.py                 # GDN at 16/64 heads
     OMP_NUM_THREADS=1 python benchmarks/host_step_cpu.py --spec kda --heads 16/16
+    OMP_NUM_THREADS=1 python benchmarks/host_step_cpu.py --heads 2/8 --cp 8   # context-parallel
+
+With --cp the window search and the chain of segment maps (on the GPU one kernel each) are
+stand-ins that allocate their outputs and compute nothing, like the kernels.
 
 The inputs are CPU bf16 tensors of 64 tokens (the host work does not depend on the length), the
 group sums of key gradients are views (on the GPU a launch, here real work). The node's Python ran
@@ -20,6 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="gdn")
     ap.add_argument("--heads", default="16/64", help="H/HV")
     ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--cp", type=int, default=None, metavar="SEGMENTS", help="cut the sequence into SEGMENTS")
     a = ap.parse_args(argv)
     import torch
 
@@ -30,7 +35,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     op = ops._op(a.spec)
     H, HV = map(int, a.heads.split("/"))
-    args = random_inputs(op, T=64, H=H, HV=HV, K=128, V=128, cu_seqlens=[0, 64], initial_state=True,
+    T = 64 * (a.cp or 1)  # (a chunk a segment)
+    args = random_inputs(op, T=T, H=H, HV=HV, K=128, V=128, cu_seqlens=[0, T], initial_state=True,
                          dtype=torch.bfloat16)
     cu = args["cu_seqlens"].to(torch.int32)
 
@@ -41,10 +47,13 @@ def main(argv=None) -> int:
         leaves = {n: x.detach().requires_grad_() for n, x in args.items() if torch.is_tensor(x) and x.is_floating_point()}
         inputs, _, scale = op._prepare((), {n: leaves[n] for n in op.input_names}, None, leaves["initial_state"], cu,
                                        False)
-        o, final = op._run_kernels(inputs, scale, leaves["initial_state"], cu, None)
+        o, final = op._run_kernels(inputs, scale, leaves["initial_state"], cu, a.cp)
         torch.autograd.backward([o, final], [torch.ones_like(o), torch.ones_like(final)])
 
     backward.group_sum = lambda x, G, cache=True: x[:, :, ::G]
+    forward._window_search = lambda program, tensors, HV, C: (
+        lambda layout, reverse: torch.zeros(layout.cu.numel() - 1, HV, dtype=torch.int32))
+    forward._segment_chain = lambda h0: (lambda maps, h0, S, reverse=False: h0.new_empty(h0.shape[0] * S, *h0.shape[1:]))
     with forward.launch_policy(kernels=no_op_kernels, sms=forward.H200_SMS):
         for _ in range(5):  # plans, layouts: made once
             step()
@@ -54,7 +63,8 @@ def main(argv=None) -> int:
             for _ in range(a.calls):
                 step()
             best = min(best, (time.perf_counter() - t) / a.calls)
-    print(f"{a.spec} {a.heads}: a training step's host time, every kernel a no-op: {best * 1e3:.3f} ms "
+    print(f"{a.spec} {a.heads}{f' cut in {a.cp}' if a.cp else ''}: a training step's host time, every kernel a no-op: "
+          f"{best * 1e3:.3f} ms "
           f"(best of 5 × {a.calls})")
     return 0
 
