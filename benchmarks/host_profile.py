@@ -32,7 +32,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from qla_compiler import ops
-    from qla_compiler.bench import make_inputs, parse_row, with_backward
+    from qla_compiler.bench import host_ms, make_inputs, parse_row, with_backward
 
     H, HV, lens = parse_row(a.row)
     args = make_inputs(H, HV, lens)
@@ -60,16 +60,9 @@ def main() -> int:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     iters = 20
-    host = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    host.sort()
-    print(f"{a.row} cp={a.cp}: host time to the call's return, from an idle GPU: median "
-          f"{host[iters // 2] * 1e3:.3f} ms, min {host[0] * 1e3:.3f}")
+    median, least = host_ms(call, iters)
+    print(f"{a.row} cp={a.cp}: host time to the call's return, from an idle GPU: median {median:.3f} ms, "
+          f"min {least:.3f}")
     for synced in (False, True):
         t = time.perf_counter()
         for _ in range(iters):

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import tilelang  # noqa: F401  (tvm_ffi may install the exchange API on import)
 
     import qla_compiler
-    from qla_compiler.bench import make_inputs, parse_row, with_backward
+    from qla_compiler.bench import host_ms, make_inputs, parse_row, with_backward
     from qla_compiler.kernels import forward
 
     print(f"torch {torch.__version__}: DLPack C exchange API before tilelang's import {native}, after "
@@ -61,18 +61,10 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     finally:
         forward.launch = launch
-    def host_ms(fn, calls=30):
-        times = []
-        for _ in range(calls):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(**inputs)
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        return sorted(times)[calls // 2] * 1e3
 
     print(f"{a.spec} {a.row}{' (FLA and FlashQLA imported)' if a.peers else ''}: host time to the return, "
-          f"median: a training step {host_ms(step):.3f} ms, an inference call {host_ms(op):.3f} ms")
+          f"median: a training step {host_ms(lambda: step(**inputs))[0]:.3f} ms, "
+          f"an inference call {host_ms(lambda: op(**inputs))[0]:.3f} ms")
     total = 0.0
     for name, run, args in caught:
         n = sum(torch.is_tensor(x) for x in args)

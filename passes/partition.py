@@ -49,6 +49,12 @@ class Partition:
     out: tuple  # nodes of the out kernel
     provided: tuple = ()  # values another program's kernels stored (the forward's, for a backward): loaded
 
+    @property
+    def out_loads(self) -> set:
+        """What an out kernel loads rather than computes: the prep's and the scan's results, and
+        what another program stored."""
+        return set(self.crossing) | set(self.carried) | set(self.provided)
+
     def __str__(self) -> str:
         name = self.chunk.name
         lines = [f"partition {name}"]

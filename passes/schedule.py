@@ -115,9 +115,12 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: b
     def suffix(group):
         return "" if group == roles else "_" + "_".join(group)
 
+    def fits(k):
+        return max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) <= SMEM_BUDGET
+
     def split(group):
         k, held = _out_built(part, group, suffix(group), split_phase, dims, partial_keys)
-        if max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) <= SMEM_BUDGET or len(group) == 1:
+        if fits(k) or len(group) == 1:
             return [(group, k, held)]
         half = (len(group) + 1) // 2
         return split(group[:half]) + split(group[half:])
@@ -133,7 +136,7 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: b
             out.append(k)
             continue
         k, _ = _out_built(part, group, suffix(group), split_phase, dims, partial_keys, hands, takes)
-        if max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) > SMEM_BUDGET:
+        if not fits(k):
             return [k for _, k, _ in parts]  # (a loaded block in place of work that needed more: recompute)
         out.append(k)
     return out
@@ -149,7 +152,7 @@ def _handed_over(part: Partition, parts: list) -> dict:
     block costs its float32 rows written once and read once; a product of matmuls alone stays
     recomputed (a 64×64×128 wgmma is cheaper than 64 KB of traffic a chunk)."""
     ir = part.chunk
-    loaded = set(part.crossing) | set(part.carried) | set(part.provided)
+    loaded = part.out_loads
     within = set(part.out)
 
     def heavy(x):
@@ -393,7 +396,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     on); `hands`: blocks it stores for a later out kernel, `takes`: blocks it loads from an
     earlier one (_handed_over), both float32 rows."""
     ir = part.chunk
-    loaded = set(part.crossing) | set(part.carried) | set(part.provided) | set(takes)
+    loaded = part.out_loads | set(takes)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
     b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, False, hands, takes)

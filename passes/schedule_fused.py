@@ -96,7 +96,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     # -- the two compute roles' statements, as the scan and the out kernel would have them, with
     # the per-token vectors their blocks scale by (β·Γ, the decay to the chunk's end, ...) made
     # by the loads role: once a chunk, where inlined each block element recomputes its exponential
-    loaded_out = set(part.crossing) | set(part.carried) | set(part.provided)
+    loaded_out = part.out_loads
     needed = ir.closure([ir.outputs[result]], stop=loaded_out, within=set(part.out))
     out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
     products = [x for x in out_nodes if ir.node(x).op == "contract"]

@@ -91,6 +91,24 @@ def with_backward(fn):
     return step
 
 
+def host_ms(fn, calls=30) -> tuple:
+    """(median, min) ms of fn()'s host time to its return, each call from an idle GPU: what an
+    eager caller pays where the GPU keeps up (a synchronisation inside fn would add its GPU time)."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    times.sort()
+    return times[calls // 2] * 1e3, times[0] * 1e3
+
+
 def device_ms(fn, iters=10, per_kernel=None) -> float:
     """Sum of the GPU kernels' durations per call; `per_kernel` (a dict), if given, receives each
     kernel's share (ms per call), by kernel name."""

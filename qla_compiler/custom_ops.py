@@ -31,7 +31,7 @@ that records no autograd graph runs an op's body without the dispatcher (`call`)
 """
 import hashlib
 import math
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -86,13 +86,19 @@ def _traced() -> bool:
         torch._C._are_functorch_transforms_active()
 
 
-_AUTOGRAD: dict = {}  # a custom op's name -> (setup_context, backward, kept_is_list) as registered
+class _Autograd(NamedTuple):
+    """What a custom op registered for autograd, kept for _EagerGrad."""
+    setup_context: Callable
+    backward: Callable
+    kept_is_list: bool  # the op's third output is a list of tensors (else one tensor)
+
+
+_AUTOGRAD: dict = {}  # a custom op's name -> its _Autograd
 
 
 def _register_autograd(op, name: str, backward, setup_context, kept_is_list: bool):
-    """op.register_autograd(backward, setup_context), kept for _EagerGrad; `kept_is_list`: the op's
-    third output is a list of tensors (else one tensor)."""
-    _AUTOGRAD[name] = (setup_context, backward, kept_is_list)
+    """op.register_autograd(backward, setup_context), kept for _EagerGrad."""
+    _AUTOGRAD[name] = _Autograd(setup_context, backward, kept_is_list)
     op.register_autograd(backward, setup_context=setup_context)
 
 
@@ -109,19 +115,19 @@ class _EagerGrad(torch.autograd.Function):
     @staticmethod
     def run(name: str, args):
         out = _EagerGrad.apply(name, args, len(args[1]), *args[1], args[2])
-        return (out[0], out[1], list(out[2:]) if _AUTOGRAD[name][2] else out[2])
+        return (out[0], out[1], list(out[2:]) if _AUTOGRAD[name].kept_is_list else out[2])
 
     @staticmethod
     def forward(ctx, name, args, n, *leaves):
         args = (args[0], list(leaves[:n]), leaves[n], *args[3:])
         o, final, kept = _BODIES[name](*args)
         ctx.op_name = name  # (not ctx.name: a graph node's name() method)
-        _AUTOGRAD[name][0](ctx, args, (o, final, kept))
-        return (o, final, *(kept if _AUTOGRAD[name][2] else [kept]))
+        _AUTOGRAD[name].setup_context(ctx, args, (o, final, kept))
+        return (o, final, *(kept if _AUTOGRAD[name].kept_is_list else [kept]))
 
     @staticmethod
     def backward(ctx, d_o, d_final, *_):
-        grads = _AUTOGRAD[ctx.op_name][1](ctx, d_o, d_final, None)
+        grads = _AUTOGRAD[ctx.op_name].backward(ctx, d_o, d_final, None)
         d_xs, d_h0 = grads[1], grads[2]
         return (None, None, None, *d_xs, d_h0)
 
