@@ -261,7 +261,7 @@ class Kernel:
     # ((axis, extent), ...), the first axis the fastest-varying (blockIdx.x: CTAs adjacent in it
     # run together and share what they read through L2); axes from GRID_AXES
     grid: tuple
-    threads: int | str  # a number, or the shape-class constant that sets it (SCAN_THREADS)
+    threads: int | str  # a number, or the shape-class constant that sets it (SCAN_THREADS, TOKEN_THREADS)
     params: list
     buffers: list
     prologue: list
@@ -292,6 +292,9 @@ class Kernel:
     # a parallel kernel: the registers a thread's live fragments take at once, at their peak (what
     # the schedule budgets; past ~224 of a thread's 255, ptxas spills to local memory)
     fragment_peak: int = 0
+    # a token step: what a padding entry of the batch (read_slot −2, which reads and writes no
+    # state) runs for each of its tokens instead: its outputs' zeros, which nothing else writes
+    padding: tuple = ()
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -401,6 +404,9 @@ class Kernel:
         else:
             lines += [f"  {s}" for s in self.body]
         lines += [f"  {s}" for s in self.epilogue]
+        if self.padding:
+            lines.append(f"  a padding entry instead of all above, for token in {self.loop}:")
+            lines += [f"    {s}" for s in self.padding]
         return "\n".join(lines)
 
 

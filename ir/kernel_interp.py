@@ -331,9 +331,10 @@ class _Run:
 
 def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:
     """Every (V-block, value head, sequence) walks its sequence's tokens; a padding entry
-    (read_slot −2) runs nothing."""
+    (read_slot −2) runs the kernel's padding statements instead."""
     dev = tensors["cu_seqlens"].device
-    cu = tensors["cu_seqlens"].long()
+    cu = tensors["cu_seqlens"]
+    cu = (cu[:, 0] if cu.dim() == 2 else cu).long()  # ([N+1, W]: an int64's words, the low one first)
     N = cu.numel() - 1
     grid = torch.cartesian_prod(torch.arange(sizes.V // sizes.BV), torch.arange(sizes.HV),
                                 torch.arange(N)).to(dev).view(-1, 3)
@@ -353,6 +354,10 @@ def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -
             run.buf[name] = torch.where(at.active.view(-1, *[1] * (x.dim() - 1)), x, kept[name])
     at.active = runs
     run.block(kernel.epilogue)
+    for step in range(int(seq_len.max()) if len(grid) and kernel.padding else 0):
+        at.active = ~runs & (step < seq_len)
+        at.token, at.t0 = torch.full_like(i_n, step), bos + step
+        run.block(kernel.padding)
 
 
 def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:

@@ -39,9 +39,11 @@ class LaunchPolicy:
     compiled ones, runtime.load_kernels; the emulator stands in on the CPU), `poison` a value
     every tensor a launch allocates is filled with before its kernel runs (None: left as
     torch.empty leaves it). A kernel that leaves part of an output unwritten, read by a later one,
-    then gives results that depend on the value (tests/test_gpu_unwritten_memory.py)."""
+    then gives results that depend on the value (tests/test_gpu_unwritten_memory.py).
+    `token_block_v` the token step's V-block (None: kernels/token_step.block_v's rule)."""
     sms: int | None = None
     block_v: int | None = None
+    token_block_v: int | None = None
     scan_stages: int | None = None
     fused: bool | None = None
     kernels: Callable | None = None

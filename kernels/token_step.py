@@ -21,7 +21,8 @@ import torch
 
 from qla_compiler.passes.lower_tilelang import ShapeClass, tile_width
 
-from .forward import packed_inputs
+from . import forward
+from .forward import packed_inputs, sm_count
 
 _PLACEHOLDERS: dict = {}  # (device, dtype, HV, K, V) -> a one-slot pool nothing reads or writes
 
@@ -35,12 +36,35 @@ def _placeholder(HV: int, K: int, V: int, dtype, device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _constant(kind: str, shape: tuple, device) -> torch.Tensor:
-    """A slot tensor that depends on the batch size alone (−1 everywhere, or 0…N−1), made once per
-    size and device: each is a launch the decode step's host time would otherwise pay per call.
-    The kernel only reads them."""
+    """A slot tensor that depends on the batch size alone (−1 everywhere, or 0…N−1), or a dense
+    batch's cu_seqlens (B sequences of T tokens), made once per size and device: each is a launch
+    the decode step's host time (and GPU time) would otherwise pay per call. The kernel only reads
+    them."""
     if kind == "nowhere":
         return torch.full(shape, -1, dtype=torch.int32, device=device)
+    if kind == "dense":
+        B, T = shape
+        return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
     return torch.arange(shape[0], dtype=torch.int32, device=device)
+
+
+def sequence_starts(B: int, T: int, cu_seqlens, device, cache: bool = True) -> torch.Tensor:
+    """cu_seqlens as the call passes it on (int32 or int64, as given: the kernel reads either in
+    place, index_words), or a dense batch's (`cache` False: made afresh, as a compiled call does)."""
+    if cu_seqlens is None:
+        return _constant("dense", (B, T), device) if cache else \
+            torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        cu_seqlens = cu_seqlens.long()
+    return cu_seqlens.to(device=device)
+
+
+def index_words(cu: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens [N+1] as the kernel reads it, [N+1, W] int32 with the value in column 0: an int32
+    tensor as [N+1, 1], an int64 one as its words [N+1, 2] (little-endian: the low word first;
+    token counts are below 2^31). A view either way: no conversion kernel a call."""
+    cu = cu.contiguous()
+    return cu.view(torch.int32).view(-1, 2) if cu.dtype == torch.int64 else cu.to(torch.int32).view(-1, 1)
 
 
 def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: bool, output_final_state: bool,
@@ -84,15 +108,38 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
     return read, nowhere(N, 1), nowhere(N), pool, pool, None
 
 
-def block_v(K_tile: int) -> int:
-    """The V-block: the state block, xS and qS live in registers (K×BV each)."""
-    return 16 if K_tile > 128 else 32
+# sequences' average tokens from which a call runs the narrow V-block (speculative decoding)
+MANY_TOKENS = 4
+# the V-blocks block_v chooses between: a warm-up that does not know the batch compiles both
+V_BLOCKS = (8, 16)
 
 
-def shape_class(dims, io: torch.dtype, state: torch.dtype, scale: float) -> ShapeClass:
+def block_v(V_tile: int, HV: int, N: int, tokens: int, sms: int) -> int:
+    """The V-block of a call of N sequences, `tokens` in all, on a GPU of `sms` SMs; the kernel
+    runs a warp per 8 of its columns (TOKEN_THREADS). 16 (two warps) where one token a sequence
+    fills the GPU; 8 (one warp, whose sums over K are shuffles: one block barrier a token instead
+    of several) where sequences average MANY_TOKENS or more, which the per-token barriers pace,
+    or where 16-column blocks would leave SMs idle. Measured on the H200 (benchmarks/
+    token_step_bv.py, session 30, 16/64 and 2/8 heads, 1 to 256 sequences of 1 to 16 tokens):
+    the fastest of 8, 16 and 32 on every row but one, which it misses by 0.0002 ms; 32 was
+    nowhere the fastest.
+
+        >>> block_v(128, 64, 1, 1, 132), block_v(128, 8, 1, 1, 132), block_v(128, 64, 256, 1024, 132)
+        (16, 8, 8)
+    """
+    if forward.POLICY.token_block_v:  # (read at the call: launch_policy rebinds it)
+        return forward.POLICY.token_block_v
+    narrow, wide = V_BLOCKS
+    if tokens >= MANY_TOKENS * N or HV * N * (V_tile // wide) < sms:
+        return narrow
+    return wide
+
+
+def shape_class(dims, io: torch.dtype, state: torch.dtype, scale: float, sms: int, BV: int | None = None) -> ShapeClass:
+    """The class a call of these dims launches on a GPU of `sms` SMs (`BV`: this V-block instead)."""
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=block_v(tile_width(dims.K)), io=names[io],
-                      scale=scale, state=names[state])
+    BV = BV or block_v(tile_width(dims.V), dims.HV, dims.N, dims.B * dims.T, sms)
+    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=BV, io=names[io], scale=scale, state=names[state])
 
 
 def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict, cu: torch.Tensor, slot_tensors,
@@ -103,12 +150,16 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
     (k,) = program.kernels.kernels
     v = inputs[next(n for n, kind in kinds.items() if kind == "value")]
     tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=kernel is not None)
-    o = torch.zeros(1, dims.B * dims.T, dims.HV, dims.V, dtype=v.dtype, device=v.device)
-    tensors.update(cu_seqlens=cu.to(torch.int32), read_slot=read, write_slot=write, final_slot=final,
+    # (every token's row is the kernel's, a padding entry's zeros too: allocated, not filled)
+    o = torch.empty(1, dims.B * dims.T, dims.HV, dims.V, dtype=v.dtype, device=v.device)
+    if forward.POLICY.poison is not None:  # (a test's: what the kernel leaves unwritten shows)
+        o.fill_(forward.POLICY.poison)
+    tensors.update(cu_seqlens=index_words(cu), read_slot=read, write_slot=write, final_slot=final,
                    state_pool=pool, state_out=out, o=o)
     if kernel is None:
         from .runtime import load_kernels
 
-        kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale))[k.name]
+        sms = sm_count(v.device) if v.is_cuda else forward.H200_SMS  # (on the CPU: a stand-in's launch)
+        kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale, sms))[k.name]
     kernel(*[tensors[p.name] for p in k.params])
     return o.view(dims.B, dims.T, dims.HV, dims.V)

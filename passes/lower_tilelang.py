@@ -74,8 +74,9 @@ class ShapeClass:
     def __post_init__(self):
         # (the op checks its head dims, kernels/forward.check_head_dims: context parallelism's
         # scan runs on values widened past them)
-        if self.BV not in (16, 32, 64, 128) or self.VP % self.BV:
-            raise ValueError(f"BV={self.BV}: the V-block must be 16, 32, 64 or 128 (the wide fused kernel's) and "
+        if self.BV not in (8, 16, 32, 64, 128) or self.VP % self.BV:
+            raise ValueError(f"BV={self.BV}: the V-block must be 8 (the token step's), 16, 32, 64 or 128 (the wide "
+                             "fused kernel's) and "
                              f"divide V's tile {self.VP}")
         if self.state not in ("float32", *IO_DTYPES):
             raise ValueError(f"state={self.state!r}: a state pool is float32, bfloat16 or float16")
@@ -422,7 +423,7 @@ SCRATCH = {
     "cumsum": {"acc": ("fragment", None, "float32")},
 }
 
-_DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1", "S": "Slots", "L": "L"}
+_DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1", "S": "Slots", "L": "L", "W": "Words"}
 
 
 def _param(p, tiles: dict) -> str:
@@ -452,11 +453,13 @@ def _per_sequence_grid(kernel: Kernel, V: str) -> list[str]:
     """One CTA per (V-block, value head, sequence), walking the sequence (the scans, the token step)."""
     skip = ([f"        skip = {kernel.walk_skip}[i_n, i_hv]  # the chunks this walk leaves out (its window's start)"]
             if kernel.walk_skip else [])
+    words = len(next(p for p in kernel.params if p.name == "cu_seqlens").shape) == 2  # [N+1, W]: column 0
+    at = (lambda n: f"cu_seqlens[{n}, 0]") if words else (lambda n: f"cu_seqlens[{n}]")
     return [_grid(kernel, V),
             "        i_h = i_hv // G  # the query/key head this value head reads",
             "        v0 = i_v * BV",
-            "        bos = cu_seqlens[i_n]",
-            "        seq_len = cu_seqlens[i_n + 1] - bos", *skip]
+            f"        bos = {at('i_n')}",
+            f"        seq_len = {at('i_n + 1')} - bos", *skip]
 
 
 def walk(kernel: Kernel) -> tuple[str, str, list[str]]:
@@ -528,6 +531,10 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         out += [f"                {ln}" for ln in stmt(s)]
     for s in kernel.epilogue:
         out += [f"            {ln}" for ln in stmt(s)]
+    if kernel.padding:
+        out += ["        else:", "            for t in T.serial(seq_len):"]
+        for s in kernel.padding:
+            out += [f"                {ln}" for ln in stmt(s)]
     return out
 
 
@@ -629,6 +636,9 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
     if kir.chunk_size != CHUNK_SIZE and any(k.kind != "token_step" for k in kir.kernels):
         raise PassError("lower", f"the sm90 kernels are built for chunks of {CHUNK_SIZE} tokens, not "
                                  f"{kir.chunk_size} (the interpreter runs any chunk size)")
+    if shape.BV < 16 and any(k.kind != "token_step" for k in kir.kernels):
+        raise PassError("lower", f"V-block {shape.BV}: the chunk kernels' products are wgmma tiles of at least 16 "
+                                 "columns (a V-block of 8 is the token step's)")
     if shape.BV > kir.block_v_max:
         raise PassError("lower", f"V-block {shape.BV}: {kir.name}'s kernels are budgeted for V-blocks up to "
                                  f"{kir.block_v_max} (the launch takes no wider one: kernels/forward.shape_class)")
@@ -651,6 +661,9 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         f"STAGES = {shape.stages}",
         *([f"SCAN_THREADS = {128 * shape.scan_warpgroups}  # the forward scan's consumer threads"]
           if any(k.threads == "SCAN_THREADS" for k in kir.kernels) else []),
+        # (at BV = 8, one warp: the sums over K are shuffles and a token takes one block barrier)
+        *([f"TOKEN_THREADS = {4 * shape.BV}  # the token step's: a warp per 8 columns of the V-block"]
+          if any(k.threads == "TOKEN_THREADS" for k in kir.kernels) else []),
         'Tok = T.dynamic("T")  # tokens of the packed batch',
         'N = T.dynamic("N")  # sequences',
         'NP1 = T.dynamic("NP1")  # len(cu_seqlens)',
@@ -659,6 +672,8 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
            'Slots = T.dynamic("Slots")  # slots of a state pool',
            'L = T.dynamic("L")  # tokens of the longest sequence']
           if any(p.dtype == "state" for k in kir.kernels for p in k.params) else []),
+        *(['Words = T.dynamic("Words")  # int32 words of a cu_seqlens entry: 1, or 2 (an int64\'s, low first)']
+          if any("W" in p.shape for k in kir.kernels for p in k.params) else []),
     ]
     for k in kir.kernels:
         lines += ["", ""] + lower_kernel(k, shape)

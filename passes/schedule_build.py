@@ -20,8 +20,9 @@ from .lowerable import on_sub_blocks
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "key_gate": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
-RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "N", "NP1", "CH",
-            "Tok", "i", "j", "i_k", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot"}
+RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "TOKEN_THREADS", "N",
+            "NP1", "CH", "Tok", "i", "j", "i_k", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v",
+            "i_c", "i_slot"}
 
 
 def _dims(shape, tiled: bool) -> tuple:

@@ -40,7 +40,10 @@ READ_SLOT = Tensor("read_slot", ("N",), "int32", "in",
 WRITE_SLOT = Tensor("write_slot", ("N", "L"), "int32", "in",
                     "the slot the state after each token goes to (tokens past L: none); -1: not stored")
 FINAL_SLOT = Tensor("final_slot", ("N",), "int32", "in", "the slot the state after the last token goes to; -1: none")
-CU_SEQLENS = Tensor("cu_seqlens", ("N+1",), "int32", "in", "first token of each sequence")
+# (the caller's cu_seqlens read in place, int32 or int64, with no conversion launched: an int64
+# tensor is its int32 words, [N+1, 2], the low word first; token counts are below 2^31)
+CU_SEQLENS = Tensor("cu_seqlens", ("N+1", "W"), "int32", "in",
+                    "first token of each sequence, in column 0 (W = 1: int32; W = 2: an int64's words)")
 
 
 def _coeff(e: sp.Expr, scalar_bufs: dict):
@@ -116,10 +119,17 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
              Stmt("store_token", "o", ("o_t",)),
              Stmt("store_state", "state_out", ("state",), (("slot", "write_slot"),))]
     epilogue = [Stmt("store_state", "state_out", ("state",), (("slot", "final_slot"),))]
-    kernel = Kernel(f"{rec.name}_token_step", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 128,
-                    params, buffers, [Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"),))],
+    # (o is allocated, not zeroed: a padding entry's tokens get zeros from the kernel, one launch
+    # less a call)
+    padding = (Stmt("ewise", "o_t", (), (("expr", ("lit", 0.0)), ("index", ("j",)))),
+               Stmt("store_token", "o", ("o_t",)))
+    kernel = Kernel(f"{rec.name}_token_step", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")),
+                    "TOKEN_THREADS", params, buffers,
+                    [Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"),))],
                     body, epilogue, loop="tokens of the sequence", kind="token_step",
-                    roles=("all 4 warps: the state block in registers, one token after another",),
-                    doc=f"sequential over tokens: the recurrence's own step ({st.family}), for decoding")
+                    roles=("a warp per 8 columns of the V-block (TOKEN_THREADS = 4 BV): the state block in registers, "
+                           "one token after another",),
+                    doc=f"sequential over tokens: the recurrence's own step ({st.family}), for decoding",
+                    padding=padding)
     return KernelIR(f"{rec.name}_token_step", 1, [kernel],
                     host=["read_slot, write_slot, final_slot = the pool slots of every sequence and token (kernels/token_step.py)"])

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                 raise ValueError(" and ".join(f"--{f.replace('_', '-')}" for f in chosen) + ": choose one")
             shape = None
             if args.emit in ("kernel", "tilelang", "cuda"):  # the kernels this shape class runs
-                shape = parse_shape(args.shape)
+                shape = parse_shape(args.shape, token_step=args.token_step)
                 prog = prog.for_shape(shape)
             fused = "fused_wide_program" if shape is not None and shape.BV > 64 else "fused_program"
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
@@ -159,9 +159,10 @@ def main(argv=None) -> int:
 FIELDS = ("H", "HV", "K", "V", "BV", "io", "stages", "scan_warpgroups")
 
 
-def parse_shape(text: str):
+def parse_shape(text: str, token_step: bool = False):
     """'H=2,HV=8,K=128,V=128,BV=64,io=bfloat16' -> ShapeClass; the launch fields not given are the
-    runtime's choice for one sequence on an H200 (kernels/forward.scan_class).
+    runtime's choice for one sequence on an H200 (kernels/forward.scan_class; `token_step`: the
+    token step's V-block, kernels/token_step.block_v).
 
         >>> parse_shape("H=2,HV=8,K=128,V=128").BV, parse_shape("H=16,HV=64,K=128,V=128").scan_warpgroups
         (16, 2)
@@ -169,6 +170,7 @@ def parse_shape(text: str):
     import dataclasses
 
     from .kernels.forward import H200_SMS, scan_class
+    from .kernels.token_step import block_v as token_step_block_v
     from .passes.lower_tilelang import check_head_dim, tile_width
 
     from .checks import option_fields
@@ -191,11 +193,11 @@ def parse_shape(text: str):
         except ValueError as e:
             raise ValueError(f"--shape: {e}") from None
     BV = fields.get("BV")
-    if BV is not None and (BV not in (16, 32, 64, 128) or tile_width(V) % BV):
-        raise ValueError(f"--shape: BV={BV} must be 16, 32, 64 or 128 (the wide fused kernel's) and divide V's "
-                         f"tile {tile_width(V)}")
-    shape = scan_class(H, HV, K, V, 1, fields.get("io", "bfloat16"), H200_SMS, BV=BV, block_v_max=max(BV or 0, 64))
+    if BV is None and token_step:  # the token step's own V-block, as the op launches it
+        BV = token_step_block_v(tile_width(V), HV, 1, 1, H200_SMS)
     try:
+        shape = scan_class(H, HV, K, V, 1, fields.get("io", "bfloat16"), H200_SMS, BV=BV,
+                           block_v_max=max(BV or 0, 64))
         return dataclasses.replace(shape, **{f: fields[f] for f in ("stages", "scan_warpgroups") if f in fields})
     except ValueError as e:
         raise ValueError(f"--shape: {e}") from None

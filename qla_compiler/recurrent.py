@@ -31,7 +31,6 @@ import torch
 
 from . import custom_ops
 from .checks import check_inputs
-from .layout import packed_cu_seqlens
 from .op import _l2norm
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -122,7 +121,7 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
     read, write, final, pool, out, returned = host.slots(dims.N, dims, device, initial_state, ssm_state_indices,
                                                          num_accepted_tokens, inplace_final_state, output_final_state,
                                                          cache=not compiling)
-    cu = packed_cu_seqlens(dims.B, dims.T, cu_seqlens, device, torch.int32)
+    cu = host.sequence_starts(dims.B, dims.T, cu_seqlens, device, cache=not compiling)
     xs = [inputs[n] for n in op.input_names]
     if inplace_final_state or (ssm_state_indices is not None and ssm_state_indices.dim() == 2):
         o = custom_ops.call("token_step_inplace", op.key, xs, cu, read, write, final, pool, scale, compiling)
@@ -136,12 +135,14 @@ def _interpreted(program, dims, scale, head_logs):
     """The token step run by the KernelIR interpreter, in float64, on the GPU's tiles and V-blocks
     (kernels/token_step.block_v): padded head dims and V-blocks are exercised on the CPU too."""
     from .ir.kernel_interp import Sizes, run_kernel
+    from .kernels.forward import H200_SMS
     from .kernels.token_step import block_v
     from .passes.lower_tilelang import tile_width
 
     (k,) = program.kernels.kernels
     K, V = tile_width(dims.K), tile_width(dims.V)
-    sizes = Sizes(K=K, V=V, BV=block_v(K), HV=dims.HV, G=dims.HV // dims.H, C=1, head_logs=head_logs)
+    sizes = Sizes(K=K, V=V, BV=block_v(V, dims.HV, dims.N, dims.B * dims.T, H200_SMS), HV=dims.HV, G=dims.HV // dims.H, C=1,
+                  head_logs=head_logs)
 
     def run(*tensors):
         run_kernel(k, {p.name: x for p, x in zip(k.params, tensors)}, sizes, scale)

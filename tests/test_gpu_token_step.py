@@ -45,16 +45,21 @@ def test_gdn_token_step_within_flas_error(K, V):
         assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + 1e-4, (rel_err(ours, ref), rel_err(theirs, ref))
 
 
-def test_pool_semantics_on_the_gpu():
+@pytest.mark.parametrize("block_v", [8, 16])
+def test_pool_semantics_on_the_gpu(block_v):
     """In place into slots 7, 2, 0, 5 of a float32 pool with a padding entry: the named slots at the
-    reference, every other slot bitwise unchanged, the padding entry's o zero."""
+    reference, every other slot bitwise unchanged, the padding entry's o zero (the kernel's: o is
+    allocated with NaN in it here), at both V-blocks the launch chooses between."""
+    from qla_compiler.kernels.forward import launch_policy
+
     op = qla_compiler.compile("gdn")
     args = _args(op, list(range(6)))
     del args["initial_state"], args["output_final_state"]
     pool = torch.randn(9, 8, 128, 128, device="cuda")
     before = pool.clone()
     idx = torch.tensor([7, 2, -1, 0, 5], device="cuda")
-    o, _ = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+    with launch_policy(token_block_v=block_v, poison=float("nan")):
+        o, _ = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
     real = (idx >= 0).cpu()
     o_ref, s_ref = op.reference(**args, initial_state=before[idx.clamp(min=0)], output_final_state=True)
     assert rel_err(o[0, real], o_ref[0, real]) <= TOL
@@ -62,6 +67,26 @@ def test_pool_semantics_on_the_gpu():
     assert torch.equal(o[0, 2], torch.zeros_like(o[0, 2]))
     untouched = [s for s in range(9) if s not in idx.tolist()]
     assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_cu_seqlens_int32_and_int64_are_read_in_place():
+    """cu_seqlens as int64 (FLA's) or int32 (vLLM's): the kernel reads either in place, and the
+    results are bitwise the same; nothing but the token step runs (no conversion, no fill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    op = qla_compiler.compile("gdn")
+    args = _args(op, [0, 1, 2, 5])
+    outs = []
+    for dtype in (torch.int64, torch.int32):
+        call = dict(args, cu_seqlens=args["cu_seqlens"].to(dtype))
+        op.recurrent(**call)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs.append(op.recurrent(**call))
+            torch.cuda.synchronize()
+        kernels = [e.key for e in prof.key_averages() if e.self_device_time_total > 0]
+        assert len(kernels) == 1 and "token_step" in kernels[0], (dtype, kernels)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def test_decode_shaped_chunk_calls_run_the_token_step(monkeypatch):

@@ -215,7 +215,7 @@ def test_shape_option_needs_supported_sizes():
     with pytest.raises(ValueError, match="V = 8 is not supported"):
         parse_shape("H=1,HV=1,K=128,V=8")
     assert parse_shape("H=1,HV=1,K=100,V=64").padded == {"K": "KP"}  # tiles of 128 and 64
-    with pytest.raises(ValueError, match="BV=48 must be 16, 32, 64 or 128"):
+    with pytest.raises(ValueError, match="BV=48: the V-block must be 8 .the token step.s., 16, 32, 64 or 128"):
         parse_shape("H=1,HV=1,K=128,V=128,BV=48")
 
 

@@ -57,14 +57,14 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads,
 @pytest.mark.parametrize("state", [torch.float32, torch.bfloat16])
 def test_the_warmup_compiles_the_token_step_decoding_calls_launch(monkeypatch, state):
     """A decoding call (op.recurrent, or a decode-shaped chunk call) launches the token step at one
-    class for any batch: the one the warm-up of its deployment compiles (`state=`: the pools' dtype)."""
+    of two classes, by its batch (kernels/token_step.block_v: a narrow V-block for a few sequences,
+    a wide one for many): those the warm-up of its deployment compiles (`state=`: the pools' dtype)."""
     from qla_compiler.checks import Dims
     from qla_compiler.kernels import runtime
     from qla_compiler.kernels import token_step as host
 
     op = ops._op("gdn")
     H, HV, K = 2, 8, 128
-    a = random_inputs(op, T=3, H=H, HV=HV, K=K, V=K, cu_seqlens=[0, 1, 2, 3], dtype=torch.bfloat16)
     launched = []
 
     def recording(program, shape):
@@ -72,11 +72,14 @@ def test_the_warmup_compiles_the_token_step_decoding_calls_launch(monkeypatch, s
         return {k.name: (lambda *tensors: None) for k in program.kernels.kernels}
 
     monkeypatch.setattr(runtime, "load_kernels", recording)
-    dims = Dims(1, 3, H, HV, K, K, 3)
-    pool = torch.zeros(3, HV, K, K, dtype=state)
-    slot_tensors = host.slots(3, dims, "cpu", pool, None, None, False, True)[:5]
-    host.run(op.program.token_step_program, {n: a[n] for n in op.input_names}, op.kinds, dims, K ** -0.5,
-             op._head_logs(HV), a["cu_seqlens"], slot_tensors)
+    for N in (2, 3):  # 2·8 value heads' 16-column blocks leave SMs idle at 132 (8 columns), 3·8 do not (16)
+        a = random_inputs(op, T=N, H=H, HV=HV, K=K, V=K, cu_seqlens=list(range(N + 1)), dtype=torch.bfloat16)
+        dims = Dims(1, N, H, HV, K, K, N)
+        pool = torch.zeros(N, HV, K, K, dtype=state)
+        slot_tensors = host.slots(N, dims, "cpu", pool, None, None, False, True)[:5]
+        host.run(op.program.token_step_program, {n: a[n] for n in op.input_names}, op.kinds, dims, K ** -0.5,
+                 op._head_logs(HV), a["cu_seqlens"], slot_tensors)
+    assert [shape.BV for _, shape in launched] == [8, 16]
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
     todo = [c for c in shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=[1, 64], state=names[state])
             if c.part == "token_step"]
@@ -89,7 +92,8 @@ def test_every_number_of_sequences_by_default():
     the launch rules no longer change (V-block 128 where enough sequences fill the GPU at it: the
     fused forward's wide kernel, which inference calls run by default there)."""
     every = shape_classes("gdn", H=2, HV=8, K=128)
-    assert {c.shape.BV for c in every} == {16, 32, 64, 128}
+    assert {c.shape.BV for c in every if c.part != "token_step"} == {16, 32, 64, 128}
+    assert {c.shape.BV for c in every if c.part == "token_step"} == {8, 16}  # (any batch: both blocks)
     assert {c.fused for c in every if c.shape.BV == 128} == {"wide"}
     assert set(shape_classes("gdn", H=2, HV=8, K=128, n_seqs=list(range(1, 1000)))) == set(every)
 
@@ -114,7 +118,7 @@ def test_a_deployment_the_kernels_refuse_is_named_before_any_compile():
 
 def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_path, monkeypatch):
     """The CLI in two fresh processes on one empty cache: the first compiles every kernel of the
-    classes, the chunk pipeline's and the token step's (TileLang writes its cache entries; ~30 s on
+    classes, the chunk pipeline's and the token step's at both its V-blocks (TileLang writes its cache entries; ~30 s on
     a CPU), the second finds them all and
     compiles none (no file of the cache changes). Then qla_compiler.warmup in this process: it
     too compiles nothing, and leaves the kernels loaded for the op's calls."""
@@ -132,14 +136,14 @@ def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_pa
 
     first = run()
     assert [line.split()[1] for line in first[:-1]] == ["simple_gla_prep", "simple_gla_scan", "simple_gla_out",
-                                                        "simple_gla_token_step"]
+                                                        "simple_gla_token_step", "simple_gla_token_step"]
     assert all(": compiled in" in line for line in first[:-1])
-    assert first[-1].startswith("4 kernels of 2 shape classes: 4 compiled, 0 found in the cache")
+    assert first[-1].startswith("5 kernels of 3 shape classes: 5 compiled, 0 found in the cache")
     files = cache()
     assert any(f.suffix == ".cubin" for f in files) and any(f.suffix == ".py" for f in files)
     second = run()
     assert all(": cached in" in line for line in second[:-1])
-    assert second[-1].startswith("4 kernels of 2 shape classes: 0 compiled, 4 found in the cache")
+    assert second[-1].startswith("5 kernels of 3 shape classes: 0 compiled, 5 found in the cache")
     assert cache() == files
 
     import qla_compiler
@@ -151,8 +155,8 @@ def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_pa
     done = qla_compiler.warmup("simple_gla", ["H=1,HV=1,K=64,N=1,cp=1"], log=lines.append)
     assert [(name, compiled) for name, _, _, compiled in done] == \
         [("simple_gla_prep", False), ("simple_gla_scan", False), ("simple_gla_out", False),
-         ("simple_gla_token_step", False)]
-    assert len(lines) == 4 and cache() == files
+         ("simple_gla_token_step", False), ("simple_gla_token_step", False)]
+    assert len(lines) == 5 and cache() == files
     for c in {c for _, c, _, _ in done}:  # what the op's first call at each class finds in memory: no lowering, no load
         assert set(load_kernels(_program(c), c.shape)._compiled) == {name for name, d, *_ in done if d == c}
 

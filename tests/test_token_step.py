@@ -69,13 +69,17 @@ def _decode_batch(op, N=5, slots=9, seed=1):
 
 def test_pool_in_place_touches_only_the_named_slots(ops):
     """Sequences read and write slots 7, 2, (padding), 0, 5; the other slots stay bitwise the
-    same, and the padding entry reads and writes nothing (its o is zero)."""
+    same, and the padding entry reads and writes nothing (its o is zero: the kernel's, o is
+    allocated with NaN in it here)."""
+    from qla_compiler.kernels.forward import launch_policy
+
     op = ops["gdn"]
     args, pool = _decode_batch(op)
     before = pool.clone()
     idx = torch.tensor([7, 2, -1, 0, 5])
-    o, returned = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
-                               output_final_state=True)
+    with launch_policy(poison=float("nan")):
+        o, returned = op.recurrent(**args, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
+                                   output_final_state=True)
     assert returned is pool
     for n, slot in enumerate(idx.tolist()):
         if slot < 0:
@@ -196,15 +200,17 @@ def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
     """(KDA's per-key gate too: its chunk program has no sm90 kernels yet, its token step does.)"""
     from test_lowering import _ptxas_spills
 
-    from qla_compiler.kernels.token_step import shape_class
+    from qla_compiler.kernels.token_step import V_BLOCKS, shape_class
     from qla_compiler.checks import Dims
 
     program = qla_compiler.compile_spec(spec).token_step_program
-    dims = Dims(1, 1, 16, 64, K, K, 1)
-    shape = shape_class(dims, torch.bfloat16, getattr(torch, state), 0.1)
-    assert isinstance(shape, ShapeClass) and shape.state == state
-    spills = _ptxas_spills("\n".join(lower_to_cuda(program, shape).values()), tmp_path)
-    assert len(spills) == 1 and spills[0] == ("0", "0"), spills
+    for bv in V_BLOCKS:  # the narrow V-block (one warp) and the wide one
+        shape = shape_class(Dims(1, 1, 16, 64, K, K, 1), torch.bfloat16, getattr(torch, state), 0.1, 132, BV=bv)
+        assert isinstance(shape, ShapeClass) and shape.state == state
+        src = "\n".join(lower_to_cuda(program, shape).values())
+        assert f"__launch_bounds__({4 * shape.BV}" in src
+        spills = _ptxas_spills(src, tmp_path)
+        assert len(spills) == 1 and spills[0] == ("0", "0"), (shape.BV, spills)
 
 
 def test_l2norm_in_kernel_as_the_chunk_op_does_it(ops):
