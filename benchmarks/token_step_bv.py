@@ -1,6 +1,6 @@
 """The token step's V-block against the batch: GPU time per decoding call at each V-block the kernel
-takes (8: one warp a CTA; 16, 32: a warp per 8 columns), beside FLA's fused_recurrent, with each
-call's kernels by name (what a call launches besides the token step shows up there).
+takes (a warp per 8 columns: 8 is one warp a CTA, 16 two, 32 four), beside FLA's fused_recurrent,
+with each call's kernels by name (what a call launches besides the token step shows up there).
 
     python benchmarks/token_step_bv.py                       # GPU: qla-bench --decode's rows
     python benchmarks/token_step_bv.py --rows 16/64:1x1 2/8:32x1
@@ -8,9 +8,8 @@ call's kernels by name (what a call launches besides the token step shows up the
 
 Why (session 30): at batch 1 the token step took 0.008 ms against FLA's 0.004 (session 12) at a
 V-block of 32 and 128 threads, five block barriers a token; FLA runs one warp on 8 columns. The
-narrow block spreads a small batch over more SMs, the wide one reads the state 128 bytes a row:
-kernels/token_step.block_v chooses between them by the (value head, sequence) pairs per SM, and
-this sweep sets where (NARROW_PAIRS_PER_SM).
+sweep set kernels/token_step.block_v's rule (MANY_TOKENS, and the grid against the SMs): the
+"chosen" column is what it picks, to be read against the fastest.
 """
 import argparse
 import sys

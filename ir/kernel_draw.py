@@ -94,10 +94,14 @@ def _panel(k, order: str) -> dict:
             need = max(max(_w(r) for r in rows), _w(title, FONT - 0.5, BOLD_EM)) + 2 * 0.1
             groups.append((scope, f"{title} ({len(bufs)})", rows, need))
     looped = bool(k.loop)
-    loop_head = f"for chunk in {k.loop}   (pipelined: STAGES buffers per load)" if looped else ""
+    unit = "token" if k.kind == "token_step" else "chunk"
+    loop_head = (f"for {unit} in {k.loop}" + ("   (pipelined: STAGES buffers per load)" if unit == "chunk" else "")
+                 if looped else "")
     # (a warp-specialised kernel: each role's own statements, one framed loop per role)
     sections = [(f"role {r.name}: threads [{r.first}, {r.first + r.threads}), {r.registers} registers",
                  r.prologue, r.body, r.epilogue) for r in k.warp_roles] or [("", k.prologue, k.body, k.epilogue)]
+    if k.padding:  # (a token step's padding entries run these instead)
+        sections.append(("a padding entry instead of all above", (), k.padding, ()))
     code = [(s, _clip(s)) for _, pro, body, epi in sections for s in [*pro, *body, *epi]]
     chip = lambda ts: max((_w(f"{t.name}  {_tensor(t)}", MONO - 0.5) for t in ts), default=0) + 0.16
     chip_in, chip_out = chip(ins), chip(outs)
@@ -202,7 +206,7 @@ def _panel(k, order: str) -> dict:
             y -= 0.08
             top = y
             y -= 0.2
-            text(PAD + INSET, y, "for chunk in " + k.loop if title else loop_head, FONT - 0.5, fontweight="bold",
+            text(PAD + INSET, y, f"for {unit} in " + k.loop if title else loop_head, FONT - 0.5, fontweight="bold",
                  color=LOOP_COLOUR)
             y -= 0.02
             lines(body, PAD + INSET)

