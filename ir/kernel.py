@@ -81,7 +81,9 @@ class Tensor:
     """A global-memory tensor the kernel takes; dims are names (T tokens, N sequences, ...)."""
     name: str
     shape: tuple
-    dtype: str  # "io" (the op's q/k/v dtype), "float32", "int32"
+    # "io" (the op's q/k/v dtype), "float32", "int32"; the token step's "state" (its pools' dtype)
+    # and "scalars" (its gates' and scalars', float32 or io), each the shape class's
+    dtype: str
     role: str  # "in" | "out"
     doc: str = ""
     # its head dims (K, V) are the kernels' tile widths, not the op's: a tensor only kernels read

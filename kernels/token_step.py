@@ -134,11 +134,22 @@ def block_v(V_tile: int, HV: int, N: int, tokens: int, sms: int) -> int:
     return wide
 
 
-def shape_class(dims, io: torch.dtype, state: torch.dtype, scale: float, sms: int, BV: int | None = None) -> ShapeClass:
-    """The class a call of these dims launches on a GPU of `sms` SMs (`BV`: this V-block instead)."""
+def shape_class(dims, io: torch.dtype, state: torch.dtype, scale: float, sms: int, BV: int | None = None,
+                scalars: torch.dtype = torch.float32) -> ShapeClass:
+    """The class a call of these dims launches on a GPU of `sms` SMs (`BV`: this V-block instead;
+    `scalars`: the dtype its gates and scalars are read in, scalar_dtype)."""
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     BV = BV or block_v(tile_width(dims.V), dims.HV, dims.N, dims.B * dims.T, sms)
-    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=BV, io=names[io], scale=scale, state=names[state])
+    return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=BV, io=names[io], scale=scale, state=names[state],
+                      scalars=names[scalars])
+
+
+def scalar_dtype(inputs: dict, kinds: dict, io: torch.dtype) -> torch.dtype:
+    """The dtype the kernel reads a call's gates and scalars in: the io dtype where every one of them
+    comes in it (FLA's own examples pass g and β in bf16 beside bf16 q, k, v), so that no conversion
+    is launched; else float32, each converted that is not."""
+    rest = [x.dtype for n, x in inputs.items() if kinds[n] not in ("key", "value")]
+    return io if rest and all(d == io for d in rest) else torch.float32
 
 
 def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict, cu: torch.Tensor, slot_tensors,
@@ -148,7 +159,9 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
     read, write, final, pool, out = slot_tensors
     (k,) = program.kernels.kernels
     v = inputs[next(n for n, kind in kinds.items() if kind == "value")]
-    tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=kernel is not None)
+    scalars = scalar_dtype(inputs, kinds, v.dtype)
+    # (exact: as given, for a stand-in; or every gate and scalar already in the io dtype the kernel reads)
+    tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=kernel is not None or scalars != torch.float32)
     # (every token's row is the kernel's, a padding entry's zeros too: allocated, not filled)
     o = torch.empty(1, dims.B * dims.T, dims.HV, dims.V, dtype=v.dtype, device=v.device)
     if forward.POLICY.poison is not None:  # (a test's: what the kernel leaves unwritten shows)
@@ -159,6 +172,6 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
         from .runtime import load_kernels
 
         sms = sm_count(v.device) if v.is_cuda else forward.H200_SMS  # (on the CPU: a stand-in's launch)
-        kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale, sms))[k.name]
+        kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale, sms, scalars=scalars))[k.name]
     kernel(*[tensors[p.name] for p in k.params])
     return o.view(dims.B, dims.T, dims.HV, dims.V)

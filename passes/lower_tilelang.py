@@ -70,6 +70,8 @@ class ShapeClass:
     scan_warpgroups: int = 1
     # the dtype of the state pools the token step reads and writes (float32 or the io dtype)
     state: str = "float32"
+    # the dtype the token step reads its per-token gates and scalars in (float32 or the io dtype)
+    scalars: str = "float32"
 
     def __post_init__(self):
         # (the op checks its head dims, kernels/forward.check_head_dims: context parallelism's
@@ -80,6 +82,9 @@ class ShapeClass:
                              f"divide V's tile {self.VP}")
         if self.state not in ("float32", *IO_DTYPES):
             raise ValueError(f"state={self.state!r}: a state pool is float32, bfloat16 or float16")
+        if self.scalars not in ("float32", self.io):
+            raise ValueError(f"scalars={self.scalars!r}: the token step reads its gates and scalars in float32 or "
+                             f"the io dtype {self.io}")
         if self.scan_warpgroups not in (1, 2) or (self.scan_warpgroups == 2 and self.BV < 32):
             raise ValueError(f"scan_warpgroups={self.scan_warpgroups} at BV={self.BV}: one warpgroup, or two "
                              "where BV ≥ 32 (they split the columns of W·S; 8 each is not a wgmma layout "
@@ -110,7 +115,8 @@ class ShapeClass:
 
 
 def _dtype(d: str) -> str:
-    return {"io": "IO", "float32": '"float32"', "int32": '"int32"', "tfloat32": "T.tfloat32", "state": "STATE"}[d]
+    return {"io": "IO", "float32": '"float32"', "int32": '"int32"', "tfloat32": "T.tfloat32", "state": "STATE",
+            "scalars": "SCALARS"}[d]
 
 
 def _shape(shape, tiles: dict | None = None) -> str:
@@ -485,13 +491,15 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         a = s.attr
         if s.op == "load_token":
             p = r.params[s.srcs[0]]
+            widen = (lambda x: f'T.cast({x}, "float32")') if p.dtype == "scalars" else (lambda x: x)
             if len(p.shape) == 3:  # a scalar of the token
-                return ["for i in T.Parallel(1):", f"    {s.dst}[i] = {s.srcs[0]}[0, bos + t, i_hv]"]
+                return ["for i in T.Parallel(1):", f"    {s.dst}[i] = {widen(f'{s.srcs[0]}[0, bos + t, i_hv]')}"]
             head = "i_h" if p.shape[2] == "H" else "i_hv"
             col, width, dim = ("v0 + i", "BV", "V") if p.shape[3] == "V" else ("i", K, "K")
             ok = f"{col} < {dim}" if dim in r.tiles else None
-            value = f"{s.srcs[0]}[0, bos + t, {head}, {col}]"
-            value = f"T.if_then_else({ok}, {value}, T.cast(0, {_dtype(p.dtype)}))" if ok else value
+            value = widen(f"{s.srcs[0]}[0, bos + t, {head}, {col}]")
+            zero = _dtype("float32" if p.dtype == "scalars" else p.dtype)
+            value = f"T.if_then_else({ok}, {value}, T.cast(0, {zero}))" if ok else value
             return [f"for i in T.Parallel({width}):", f"    {s.dst}[i] = {value}"]
         if s.op == "store_token":
             store = [f"{s.dst}[0, bos + t, i_hv, v0 + j] = T.cast({s.srcs[0]}[j], IO)"]
@@ -674,6 +682,8 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
           if any(p.dtype == "state" for k in kir.kernels for p in k.params) else []),
         *(['Words = T.dynamic("Words")  # int32 words of a cu_seqlens entry: 1, or 2 (an int64\'s, low first)']
           if any("W" in p.shape for k in kir.kernels for p in k.params) else []),
+        *([f'SCALARS = "{shape.scalars}"  # the dtype the token step reads its per-token gates and scalars in']
+          if any(p.dtype == "scalars" for k in kir.kernels for p in k.params) else []),
     ]
     for k in kir.kernels:
         lines += ["", ""] + lower_kernel(k, shape)

@@ -29,10 +29,12 @@ from qla_compiler.errors import PassError
 from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
 from qla_compiler.ir.recurrence import RecurrenceIR
 
-# per-token tensors as the op packs them: keys per query/key head, values and scalars per value head
+# per-token tensors as the op packs them: keys per query/key head, values and scalars per value head;
+# gates and scalars in the shape class's `scalars` dtype (float32, or the io dtype where a call
+# passes them so: read as given, no conversion launched), held in float32 once loaded
 _LAYOUT = {"key": (("1", "T", "H", "K"), "io"), "value": (("1", "T", "HV", "V"), "io"),
-           "scalar": (("1", "T", "HV"), "float32"), "gate": (("1", "T", "HV"), "float32"),
-           "key_gate": (("1", "T", "HV", "K"), "float32")}
+           "scalar": (("1", "T", "HV"), "scalars"), "gate": (("1", "T", "HV"), "scalars"),
+           "key_gate": (("1", "T", "HV", "K"), "scalars")}
 _SHAPE = {"key": ("K",), "value": ("BV",), "scalar": ("1",), "gate": ("1",), "key_gate": ("K",)}
 
 READ_SLOT = Tensor("read_slot", ("N",), "int32", "in",

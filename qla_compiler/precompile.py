@@ -16,7 +16,7 @@ also loads them (and the spec's compile), so its first call does no host-side co
 
     >>> import qla_compiler
     >>> [(s.part, s.shape.BV) for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8], context_parallel=1)]
-    [('forward', 16), ('forward', 64), ('token_step', 8), ('token_step', 16)]
+    [('forward', 16), ('forward', 64), ('token_step', 8), ('token_step', 8), ('token_step', 16), ('token_step', 16)]
     >>> sorted({s.kernels for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8])})  # the default cuts one
     ['all', 'parallel', 'scan', 'windows']
     >>> qla_compiler.warmup("gdn", [dict(H=2, HV=8, K=128, V=128)])     # doctest: +SKIP
@@ -129,7 +129,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
         out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))
                    if cap < c.shape.BV or cap > 64 else c)
-    if state:  # (both V-blocks, for any number of sequences and tokens: kernels/token_step.block_v)
+    if state:  # (both V-blocks, both gate dtypes: any batch, any call: kernels/token_step.block_v)
         out += [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(H, HV, K, V, io, state, scale)]
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
@@ -284,17 +284,18 @@ def _program(c: Compile):
 
 
 def _token_step_classes(H: int, HV: int, K: int, V: int, io: str, state: str, scale: float) -> list:
-    """The classes a decoding call's token step launches at, whatever its batch: one per V-block
-    kernels/token_step.block_v chooses between (token_step.shape_class, from a call's dims and
-    dtypes)."""
+    """The classes a decoding call's token step launches at, whatever its batch and its gates'
+    dtype: one per V-block kernels/token_step.block_v chooses between and per dtype the kernel
+    reads gates and scalars in, float32 or the io dtype (token_step.scalar_dtype).
+    (token_step.shape_class, from a call's dims and dtypes)."""
     import torch
 
     from .checks import Dims
     from .kernels import token_step
 
     dims = Dims(1, 1, H, HV, K, V, 1)
-    return [token_step.shape_class(dims, getattr(torch, io), getattr(torch, state), scale, 0, BV=bv)
-            for bv in token_step.V_BLOCKS]
+    return [token_step.shape_class(dims, getattr(torch, io), getattr(torch, state), scale, 0, BV=bv, scalars=scalars)
+            for bv in token_step.V_BLOCKS for scalars in (torch.float32, getattr(torch, io))]
 
 
 def _kernel_names(c: Compile, program=None) -> list:

@@ -89,6 +89,26 @@ def test_cu_seqlens_int32_and_int64_are_read_in_place():
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def test_gates_in_the_io_dtype_are_read_as_they_are():
+    """g and β in bf16 beside bf16 q, k, v (FLA's own examples pass them so): the kernel reads them
+    as they are, one launch a call, and gives bitwise what the same values in float32 give."""
+    from torch.profiler import ProfilerActivity, profile
+
+    op = qla_compiler.compile("gdn")
+    args = _args(op, [0, 1, 3, 7])
+    low = dict(args, g=args["g"].to(torch.bfloat16), beta=args["beta"].to(torch.bfloat16))
+    same = dict(args, g=low["g"].float(), beta=low["beta"].float())
+    op.recurrent(**low)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        o_low, s_low = op.recurrent(**low)
+        torch.cuda.synchronize()
+    kernels = [e.key for e in prof.key_averages() if e.self_device_time_total > 0]
+    assert len(kernels) == 1 and "token_step" in kernels[0], kernels
+    o, s = op.recurrent(**same)
+    assert torch.equal(o_low, o) and torch.equal(s_low, s)
+
+
 def test_decode_shaped_chunk_calls_run_the_token_step(monkeypatch):
     """An inference call of the chunk op with ≤ DECODE_TOKENS tokens per sequence on average runs
     op.recurrent (its result bitwise); a long one, or one that needs gradients, runs the chunks."""

@@ -73,14 +73,19 @@ def test_the_warmup_compiles_the_token_step_decoding_calls_launch(monkeypatch, s
         return {k.name: (lambda *tensors: None) for k in program.kernels.kernels}
 
     monkeypatch.setattr(runtime, "load_kernels", recording)
-    for N in (2, 3):  # 2·8 value heads' 16-column blocks leave SMs idle at 132 (8 columns), 3·8 do not (16)
-        a = random_inputs(op, T=N, H=H, HV=HV, K=K, V=K, cu_seqlens=list(range(N + 1)), dtype=torch.bfloat16)
-        dims = Dims(1, N, H, HV, K, K, N)
-        pool = torch.zeros(N, HV, K, K, dtype=state)
-        slot_tensors = host.slots(N, dims, "cpu", pool, None, None, False, True)[:5]
-        host.run(op.program.token_step_program, {n: a[n] for n in op.input_names}, op.kinds, dims, K ** -0.5,
-                 op._head_logs(HV), a["cu_seqlens"], slot_tensors)
-    assert [shape.BV for _, shape in launched] == [8, 16]
+    # 2·8 value heads' 16-column blocks leave SMs idle at 132 (8 columns), 3·8 do not (16); the
+    # gates and β in float32, or in the io dtype (read as they are)
+    for N in (2, 3):
+        for scalars in (torch.float32, torch.bfloat16):
+            a = random_inputs(op, T=N, H=H, HV=HV, K=K, V=K, cu_seqlens=list(range(N + 1)), dtype=torch.bfloat16)
+            a = {n: (x.to(scalars) if op.kinds.get(n) in ("gate", "scalar") else x) for n, x in a.items()}
+            dims = Dims(1, N, H, HV, K, K, N)
+            pool = torch.zeros(N, HV, K, K, dtype=state)
+            slot_tensors = host.slots(N, dims, "cpu", pool, None, None, False, True)[:5]
+            host.run(op.program.token_step_program, {n: a[n] for n in op.input_names}, op.kinds, dims, K ** -0.5,
+                     op._head_logs(HV), a["cu_seqlens"], slot_tensors)
+    assert [(shape.BV, shape.scalars) for _, shape in launched] == \
+        [(8, "float32"), (8, "bfloat16"), (16, "float32"), (16, "bfloat16")]
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
     todo = [c for c in shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=[1, 64], state=names[state])
             if c.part == "token_step"]
@@ -94,7 +99,8 @@ def test_every_number_of_sequences_by_default():
     fused forward's wide kernel, which inference calls run by default there)."""
     every = shape_classes("gdn", H=2, HV=8, K=128)
     assert {c.shape.BV for c in every if c.part != "token_step"} == {16, 32, 64, 128}
-    assert {c.shape.BV for c in every if c.part == "token_step"} == {8, 16}  # (any batch: both blocks)
+    assert {(c.shape.BV, c.shape.scalars) for c in every if c.part == "token_step"} == \
+        {(8, "float32"), (16, "float32"), (8, "bfloat16"), (16, "bfloat16")}  # (any batch, either gate dtype)
     assert {c.fused for c in every if c.shape.BV == 128} == {"wide"}
     assert set(shape_classes("gdn", H=2, HV=8, K=128, n_seqs=list(range(1, 1000)))) == set(every)
 
@@ -119,9 +125,9 @@ def test_a_deployment_the_kernels_refuse_is_named_before_any_compile():
 
 def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_path, monkeypatch):
     """The CLI in two fresh processes on one empty cache: the first compiles every kernel of the
-    classes, the chunk pipeline's and the token step's at both its V-blocks (TileLang writes its
-    cache entries; ~30 s on a CPU), the second finds them all and compiles none (no file of the
-    cache changes). Then qla_compiler.warmup in this process: it too compiles nothing, and leaves
+    classes, the chunk pipeline's and the token step's at both its V-blocks and gate dtypes
+    (TileLang writes its cache entries; ~40 s on a CPU), the second finds them all and compiles
+    none (no file of the cache changes). Then qla_compiler.warmup in this process: it too compiles nothing, and leaves
     the kernels loaded for the op's calls."""
     env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tilelang"), QLA_CACHE_DIR=str(tmp_path / "qla"),
                OMP_NUM_THREADS="1")
@@ -137,14 +143,14 @@ def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_pa
 
     first = run()
     assert [line.split()[1] for line in first[:-1]] == ["simple_gla_prep", "simple_gla_scan", "simple_gla_out",
-                                                        "simple_gla_token_step", "simple_gla_token_step"]
+                                                        *["simple_gla_token_step"] * 4]
     assert all(": compiled in" in line for line in first[:-1])
-    assert first[-1].startswith("5 kernels of 3 shape classes: 5 compiled, 0 found in the cache")
+    assert first[-1].startswith("7 kernels of 5 shape classes: 7 compiled, 0 found in the cache")
     files = cache()
     assert any(f.suffix == ".cubin" for f in files) and any(f.suffix == ".py" for f in files)
     second = run()
     assert all(": cached in" in line for line in second[:-1])
-    assert second[-1].startswith("5 kernels of 3 shape classes: 0 compiled, 5 found in the cache")
+    assert second[-1].startswith("7 kernels of 5 shape classes: 0 compiled, 7 found in the cache")
     assert cache() == files
 
     import qla_compiler
@@ -156,8 +162,8 @@ def test_precompile_fills_the_cache_and_a_second_process_compiles_nothing(tmp_pa
     done = qla_compiler.warmup("simple_gla", ["H=1,HV=1,K=64,N=1,cp=1"], log=lines.append)
     assert [(name, compiled) for name, _, _, compiled in done] == \
         [("simple_gla_prep", False), ("simple_gla_scan", False), ("simple_gla_out", False),
-         ("simple_gla_token_step", False), ("simple_gla_token_step", False)]
-    assert len(lines) == 5 and cache() == files
+         *[("simple_gla_token_step", False)] * 4]
+    assert len(lines) == 7 and cache() == files
     for c in {c for _, c, _, _ in done}:  # what the op's first call at each class finds in memory: no lowering, no load
         assert set(load_kernels(_program(c), c.shape)._compiled) == {name for name, d, *_ in done if d == c}
 

@@ -204,8 +204,10 @@ def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
     from qla_compiler.checks import Dims
 
     program = qla_compiler.compile_spec(spec).token_step_program
-    for bv in V_BLOCKS:  # the narrow V-block (one warp) and the wide one
-        shape = shape_class(Dims(1, 1, 16, 64, K, K, 1), torch.bfloat16, getattr(torch, state), 0.1, 132, BV=bv)
+    for bv, scalars in [(8, torch.float32), (16, torch.float32), (16, torch.bfloat16)]:  # both V-blocks; gates in bf16
+        assert bv in V_BLOCKS
+        shape = shape_class(Dims(1, 1, 16, 64, K, K, 1), torch.bfloat16, getattr(torch, state), 0.1, 132, BV=bv,
+                            scalars=scalars)
         assert isinstance(shape, ShapeClass) and shape.state == state
         src = "\n".join(lower_to_cuda(program, shape).values())
         assert f"__launch_bounds__({4 * shape.BV}" in src
