@@ -12,8 +12,8 @@ Per token, with the state block S (K×BV, float32) in registers:
 No chunking: a decode step has one token, and for a few tokens the chunk program's triangular
 solve and matmuls cost more than the rank-1 updates. The state comes from and goes to pools, by
 slot (the serving engines' layout): `read_slot[n]` says which slot sequence n starts from (−1:
-the zero state; −2: a padding entry that runs nothing), `write_slot[n, t]` where the state after
-its token t goes (−1: nowhere). The host (kernels/token_step.py) fills both from the op's
+the zero state; −2: a padding entry, which reads and writes no state and only writes its outputs'
+zeros, Kernel.padding), `write_slot[n, t]` where the state after its token t goes (−1: nowhere). The host (kernels/token_step.py) fills both from the op's
 arguments.
 
     >>> from qla_compiler.passes.frontend import load_spec
@@ -38,7 +38,7 @@ _LAYOUT = {"key": (("1", "T", "H", "K"), "io"), "value": (("1", "T", "HV", "V"),
 _SHAPE = {"key": ("K",), "value": ("BV",), "scalar": ("1",), "gate": ("1",), "key_gate": ("K",)}
 
 READ_SLOT = Tensor("read_slot", ("N",), "int32", "in",
-                   "the pool slot each sequence starts from; -1: the zero state; -2: padding, nothing runs")
+                   "the pool slot each sequence starts from; -1: the zero state; -2: padding (no state; o's zeros)")
 WRITE_SLOT = Tensor("write_slot", ("N", "L"), "int32", "in",
                     "the slot the state after each token goes to (tokens past L: none); -1: not stored")
 FINAL_SLOT = Tensor("final_slot", ("N",), "int32", "in", "the slot the state after the last token goes to; -1: none")
