@@ -236,3 +236,18 @@ def test_a_pool_view_is_read_as_it_is(ops):
     o, final = op.recurrent(**args, initial_state=view, ssm_state_indices=idx, output_final_state=True)
     o_ref, s_ref = op.reference(**args, initial_state=view[idx].contiguous(), output_final_state=True)
     assert rel_err(o, o_ref) <= TOL and rel_err(final, s_ref) <= TOL
+
+
+# session 30's sweep on the H200 (132 SMs; benchmarks/token_step_bv.py, NOTES.md): the fastest of
+# V-blocks 8, 16 and 32 on each row, GDN at K = V = 128, one call's GPU time
+MEASURED_FASTEST = {"16/64:1x1": 16, "16/64:32x1": 16, "16/64:256x1": 16, "2/8:1x1": 8, "2/8:32x1": 16,
+                    "2/8:256x1": 16, "16/64:256x2": 16, "16/64:256x4": 8, "16/64:256x8": 8, "16/64:256x16": 8}
+
+
+def test_the_launch_rule_picks_the_measured_fastest_v_block():
+    from qla_compiler.bench import parse_row
+    from qla_compiler.kernels.token_step import block_v
+
+    for row, fastest in MEASURED_FASTEST.items():
+        H, HV, lens = parse_row(row)
+        assert block_v(128, HV, len(lens), sum(lens), 132) == fastest, row
