@@ -506,9 +506,15 @@ def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n
     plan = _launch_plan(program, kernel, dims, scale, io, device, sizes, width, n_seqs)
     for name, shape, dtype in plan.outs:
         if name not in t:
-            t[name] = torch.empty(shape, device=device, dtype=dtype) if POLICY.poison is None else \
-                torch.full(shape, POLICY.poison, device=device, dtype=dtype)
+            t[name] = allocated(shape, dtype, device)
     plan.run(*[t[n] for n in plan.names])
+
+
+def allocated(shape, dtype, device) -> torch.Tensor:
+    """A tensor a kernel writes: left as torch.empty leaves it, or filled with the launch policy's
+    poison (a test's: what the kernel leaves unwritten shows)."""
+    return torch.empty(shape, device=device, dtype=dtype) if POLICY.poison is None else \
+        torch.full(shape, POLICY.poison, device=device, dtype=dtype)
 
 
 @dataclass(frozen=True)

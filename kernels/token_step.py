@@ -34,12 +34,9 @@ def _placeholder(HV: int, K: int, V: int, dtype, device) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
-@functools.lru_cache(maxsize=64)
-def _constant(kind: str, shape: tuple, device) -> torch.Tensor:
+def _made(kind: str, shape: tuple, device) -> torch.Tensor:
     """A slot tensor that depends on the batch size alone (−1 everywhere, or 0…N−1), or a dense
-    batch's cu_seqlens (B sequences of T tokens), made once per size and device: each is a launch
-    the decode step's host time (and GPU time) would otherwise pay per call. The kernel only reads
-    them."""
+    batch's cu_seqlens (B sequences of T tokens). The kernel only reads them."""
     if kind == "nowhere":
         return torch.full(shape, -1, dtype=torch.int32, device=device)
     if kind == "dense":
@@ -48,12 +45,22 @@ def _constant(kind: str, shape: tuple, device) -> torch.Tensor:
     return torch.arange(shape[0], dtype=torch.int32, device=device)
 
 
+# made once per size and device: each is a launch the decode step's host time (and GPU time) would
+# otherwise pay per call
+_cached = functools.lru_cache(maxsize=64)(_made)
+
+
+def _constant(kind: str, shape: tuple, device, cache: bool = True) -> torch.Tensor:
+    """_made's tensor, kept for the next call (`cache` False: made afresh, as a compiled call makes
+    every tensor it keeps none of: forward.call_tensors)."""
+    return (_cached if cache else _made)(kind, shape, device)
+
+
 def sequence_starts(B: int, T: int, cu_seqlens, device, cache: bool = True) -> torch.Tensor:
     """cu_seqlens as the call passes it on (int32 or int64, as given: the kernel reads either in
-    place, index_words), or a dense batch's (`cache` False: made afresh, as a compiled call does)."""
+    place, index_words), or a dense batch's (`cache`: as _constant's)."""
     if cu_seqlens is None:
-        return _constant("dense", (B, T), device) if cache else \
-            torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+        return _constant("dense", (B, T), device, cache)
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         cu_seqlens = cu_seqlens.long()
     return cu_seqlens.to(device=device)
@@ -80,10 +87,10 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
         _placeholder(dims.HV, dims.K, dims.V, state_dtype, device) if cache else \
         torch.zeros(1, dims.HV, dims.K, dims.V, dtype=state_dtype, device=device)
     def nowhere(*shape):
-        return _constant("nowhere", shape, device) if cache else torch.full(shape, -1, **i32)
+        return _constant("nowhere", shape, device, cache)
 
     def every(n):  # slot n for sequence n
-        return _constant("every", (n,), device) if cache else torch.arange(n, **i32)
+        return _constant("every", (n,), device, cache)
 
     if indices is not None and indices.dim() == 2:
         # speculative decoding: start after the accepted tokens, keep the state after every token
@@ -163,9 +170,7 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
     # (exact: as given, for a stand-in; or every gate and scalar already in the io dtype the kernel reads)
     tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=kernel is not None or scalars != torch.float32)
     # (every token's row is the kernel's, a padding entry's zeros too: allocated, not filled)
-    o = torch.empty(1, dims.B * dims.T, dims.HV, dims.V, dtype=v.dtype, device=v.device)
-    if forward.POLICY.poison is not None:  # (a test's: what the kernel leaves unwritten shows)
-        o.fill_(forward.POLICY.poison)
+    o = forward.allocated((1, dims.B * dims.T, dims.HV, dims.V), v.dtype, v.device)
     tensors.update(cu_seqlens=index_words(cu), read_slot=read, write_slot=write, final_slot=final,
                    state_pool=pool, state_out=out, o=o)
     if kernel is None:
