@@ -81,8 +81,8 @@ class Tensor:
     """A global-memory tensor the kernel takes; dims are names (T tokens, N sequences, ...)."""
     name: str
     shape: tuple
-    # "io" (the op's q/k/v dtype), "float32", "int32"; the token step's "state" (its pools' dtype)
-    # and "scalars" (its gates' and scalars', float32 or io), each the shape class's
+    # "io" (the op's q/k/v dtype), "float32", "int32"; the token step's "state" (its pools' dtype),
+    # "gates" and "scalars" (its gates', its scalars': float32 or io), each the shape class's
     dtype: str
     role: str  # "in" | "out"
     doc: str = ""

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from qla_compiler.passes.lower_tilelang import ShapeClass, tile_width
+from qla_compiler.passes.lower_tilelang import PER_CALL_DTYPES, ShapeClass, tile_width
 
 from . import forward
 from .forward import packed_inputs, sm_count
@@ -142,21 +142,32 @@ def block_v(V_tile: int, HV: int, N: int, tokens: int, sms: int) -> int:
 
 
 def shape_class(dims, io: torch.dtype, state: torch.dtype, scale: float, sms: int, BV: int | None = None,
-                scalars: torch.dtype = torch.float32) -> ShapeClass:
+                read_in: dict | None = None) -> ShapeClass:
     """The class a call of these dims launches on a GPU of `sms` SMs (`BV`: this V-block instead;
-    `scalars`: the dtype its gates and scalars are read in, scalar_dtype)."""
+    `read_in`: the dtypes its gates and scalars are read in, by ShapeClass field, read_dtypes)."""
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     BV = BV or block_v(tile_width(dims.V), dims.HV, dims.N, dims.B * dims.T, sms)
     return ShapeClass(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=BV, io=names[io], scale=scale, state=names[state],
-                      scalars=names[scalars])
+                      **{field: names[dtype] for field, dtype in (read_in or {}).items()})
 
 
-def scalar_dtype(inputs: dict, kinds: dict, io: torch.dtype) -> torch.dtype:
-    """The dtype the kernel reads a call's gates and scalars in: the io dtype where every one of them
-    comes in it (FLA's own examples pass g and β in bf16 beside bf16 q, k, v), so that no conversion
-    is launched; else float32, each converted that is not."""
-    rest = [x.dtype for n, x in inputs.items() if kinds[n] not in ("key", "value")]
-    return io if rest and all(d == io for d in rest) else torch.float32
+def read_dtypes(params, inputs: dict, io: torch.dtype) -> dict:
+    """The dtypes the kernel reads a call's gates and scalars in, by ShapeClass field (the dtype
+    its parameters name, PER_CALL_DTYPES): for each field, the io dtype where every input of it
+    comes in that dtype (FLA's own examples pass g and β in bf16 beside bf16 q, k, v), so that no
+    conversion is launched; else float32, each converted that is not. The fields apart: vLLM
+    passes g in float32 beside β in bf16, and neither is converted.
+
+        >>> from qla_compiler.ir.kernel import Tensor
+        >>> params = [Tensor("g", ("1", "T", "HV"), "gates", "in"), Tensor("beta", ("1", "T", "HV"), "scalars", "in")]
+        >>> read_dtypes(params, {"g": torch.zeros(1), "beta": torch.zeros(1, dtype=torch.bfloat16)}, torch.bfloat16)
+        {'gates': torch.float32, 'scalars': torch.bfloat16}
+    """
+    given: dict = {}
+    for p in params:
+        if p.dtype in PER_CALL_DTYPES:
+            given.setdefault(p.dtype, []).append(inputs[p.name].dtype)
+    return {field: io if all(d == io for d in dtypes) else torch.float32 for field, dtypes in given.items()}
 
 
 def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict, cu: torch.Tensor, slot_tensors,
@@ -166,9 +177,12 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
     read, write, final, pool, out = slot_tensors
     (k,) = program.kernels.kernels
     v = inputs[next(n for n, kind in kinds.items() if kind == "value")]
-    scalars = scalar_dtype(inputs, kinds, v.dtype)
-    # (exact: as given, for a stand-in; or every gate and scalar already in the io dtype the kernel reads)
-    tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=kernel is not None or scalars != torch.float32)
+    read_in = read_dtypes(k.params, inputs, v.dtype)
+    tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=True)
+    if kernel is None:  # (a stand-in reads them as given)
+        for p in k.params:
+            if read_in.get(p.dtype) == torch.float32:
+                tensors[p.name] = tensors[p.name].to(torch.float32)
     # (every token's row is the kernel's, a padding entry's zeros too: allocated, not filled)
     o = forward.allocated((1, dims.B * dims.T, dims.HV, dims.V), v.dtype, v.device)
     tensors.update(cu_seqlens=index_words(cu), read_slot=read, write_slot=write, final_slot=final,
@@ -177,6 +191,6 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
         from .runtime import load_kernels
 
         sms = sm_count(v.device) if v.is_cuda else forward.H200_SMS  # (on the CPU: a stand-in's launch)
-        kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale, sms, scalars=scalars))[k.name]
+        kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale, sms, read_in=read_in))[k.name]
     kernel(*[tensors[p.name] for p in k.params])
     return o.view(dims.B, dims.T, dims.HV, dims.V)

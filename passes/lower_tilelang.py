@@ -54,6 +54,11 @@ TILELANG = {
 }
 
 
+# Tensor dtypes named for a ShapeClass field that each call picks: the token step reads its gates
+# ("gates") and its scalars ("scalars") each in float32 or in the io dtype, as the call passes them
+PER_CALL_DTYPES = ("gates", "scalars")
+
+
 @dataclass(frozen=True)
 class ShapeClass:
     """What a compiled kernel is specialised for (the runtime's cache key, with the spec)."""
@@ -70,7 +75,9 @@ class ShapeClass:
     scan_warpgroups: int = 1
     # the dtype of the state pools the token step reads and writes (float32 or the io dtype)
     state: str = "float32"
-    # the dtype the token step reads its per-token gates and scalars in (float32 or the io dtype)
+    # the dtypes the token step reads its per-token gates and its scalars in (each float32 or the io
+    # dtype: PER_CALL_DTYPES)
+    gates: str = "float32"
     scalars: str = "float32"
 
     def __post_init__(self):
@@ -82,9 +89,10 @@ class ShapeClass:
                              f"divide V's tile {self.VP}")
         if self.state not in ("float32", *IO_DTYPES):
             raise ValueError(f"state={self.state!r}: a state pool is float32, bfloat16 or float16")
-        if self.scalars not in ("float32", self.io):
-            raise ValueError(f"scalars={self.scalars!r}: the token step reads its gates and scalars in float32 or "
-                             f"the io dtype {self.io}")
+        for kind in PER_CALL_DTYPES:
+            if getattr(self, kind) not in ("float32", self.io):
+                raise ValueError(f"{kind}={getattr(self, kind)!r}: the token step reads its {kind} in float32 or "
+                                 f"the io dtype {self.io}")
         if self.scan_warpgroups not in (1, 2) or (self.scan_warpgroups == 2 and self.BV < 32):
             raise ValueError(f"scan_warpgroups={self.scan_warpgroups} at BV={self.BV}: one warpgroup, or two "
                              "where BV ≥ 32 (they split the columns of W·S; 8 each is not a wgmma layout "
@@ -116,7 +124,7 @@ class ShapeClass:
 
 def _dtype(d: str) -> str:
     return {"io": "IO", "float32": '"float32"', "int32": '"int32"', "tfloat32": "T.tfloat32", "state": "STATE",
-            "scalars": "SCALARS"}[d]
+            "gates": "GATES", "scalars": "SCALARS"}[d]
 
 
 def _shape(shape, tiles: dict | None = None) -> str:
@@ -491,14 +499,15 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         a = s.attr
         if s.op == "load_token":
             p = r.params[s.srcs[0]]
-            widen = (lambda x: f'T.cast({x}, "float32")') if p.dtype == "scalars" else (lambda x: x)
+            widened = p.dtype in ("gates", "scalars")  # (held in float32 once loaded)
+            widen = (lambda x: f'T.cast({x}, "float32")') if widened else (lambda x: x)
             if len(p.shape) == 3:  # a scalar of the token
                 return ["for i in T.Parallel(1):", f"    {s.dst}[i] = {widen(f'{s.srcs[0]}[0, bos + t, i_hv]')}"]
             head = "i_h" if p.shape[2] == "H" else "i_hv"
             col, width, dim = ("v0 + i", "BV", "V") if p.shape[3] == "V" else ("i", K, "K")
             ok = f"{col} < {dim}" if dim in r.tiles else None
             value = widen(f"{s.srcs[0]}[0, bos + t, {head}, {col}]")
-            zero = _dtype("float32" if p.dtype == "scalars" else p.dtype)
+            zero = _dtype("float32" if widened else p.dtype)
             value = f"T.if_then_else({ok}, {value}, T.cast(0, {zero}))" if ok else value
             return [f"for i in T.Parallel({width}):", f"    {s.dst}[i] = {value}"]
         if s.op == "store_token":
@@ -682,8 +691,8 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
           if any(p.dtype == "state" for k in kir.kernels for p in k.params) else []),
         *(['Words = T.dynamic("Words")  # int32 words of a cu_seqlens entry: 1, or 2 (an int64\'s, low first)']
           if any("W" in p.shape for k in kir.kernels for p in k.params) else []),
-        *([f'SCALARS = "{shape.scalars}"  # the dtype the token step reads its per-token gates and scalars in']
-          if any(p.dtype == "scalars" for k in kir.kernels for p in k.params) else []),
+        *([f'{_dtype(kind)} = "{getattr(shape, kind)}"  # the dtype the token step reads its per-token {kind} in'
+           for kind in PER_CALL_DTYPES if any(p.dtype == kind for k in kir.kernels for p in k.params)]),
     ]
     for k in kir.kernels:
         lines += ["", ""] + lower_kernel(k, shape)

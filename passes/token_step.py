@@ -30,11 +30,12 @@ from qla_compiler.ir.kernel import Buffer, Kernel, KernelIR, Stmt, Tensor
 from qla_compiler.ir.recurrence import RecurrenceIR
 
 # per-token tensors as the op packs them: keys per query/key head, values and scalars per value head;
-# gates and scalars in the shape class's `scalars` dtype (float32, or the io dtype where a call
-# passes them so: read as given, no conversion launched), held in float32 once loaded
+# gates in the shape class's `gates` dtype and scalars in its `scalars` dtype, each float32 or the
+# io dtype as a call passes them (read as given, no conversion launched: vLLM passes g in float32
+# beside β in bf16), held in float32 once loaded
 _LAYOUT = {"key": (("1", "T", "H", "K"), "io"), "value": (("1", "T", "HV", "V"), "io"),
-           "scalar": (("1", "T", "HV"), "scalars"), "gate": (("1", "T", "HV"), "scalars"),
-           "key_gate": (("1", "T", "HV", "K"), "scalars")}
+           "scalar": (("1", "T", "HV"), "scalars"), "gate": (("1", "T", "HV"), "gates"),
+           "key_gate": (("1", "T", "HV", "K"), "gates")}
 _SHAPE = {"key": ("K",), "value": ("BV",), "scalar": ("1",), "gate": ("1",), "key_gate": ("K",)}
 
 READ_SLOT = Tensor("read_slot", ("N",), "int32", "in",

@@ -7,6 +7,7 @@
     qla-bench --fused                # also the fused, warp-specialised forward (qla-fused)
     qla-bench --decode               # the token step (op.recurrent) beside FLA's fused_recurrent, one token
                                      # per sequence; each row also prints the time to move the states once
+    qla-bench --decode --beta-dtype bfloat16   # β in bf16 beside g in float32, as vLLM passes them
     qla-bench --spec kda --rows 16/16:1x32768 16/16:8x4096   # a per-key gate beside FLA's chunk_kda
                                      # (gla: chunk_gla; FlashQLA has neither); h_qk = h_v there
     python benchmarks/bench_gdn.py   # the same
@@ -59,7 +60,7 @@ FLA_OPS = {"gdn": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), "gla":
 SPECS = tuple(FLA_OPS)
 
 
-def make_inputs(H, HV, lens, K=128, V=128, seed=0, spec="gdn"):
+def make_inputs(H, HV, lens, K=128, V=128, seed=0, spec="gdn", beta_dtype="float32"):
     import torch
     import torch.nn.functional as F
 
@@ -70,7 +71,7 @@ def make_inputs(H, HV, lens, K=128, V=128, seed=0, spec="gdn"):
     v = torch.randn(1, T, HV, V, device="cuda", generator=gen).to(torch.bfloat16)
     per_key = (K,) if spec in ("gla", "kda") else ()  # a gate per key dimension
     g = F.logsigmoid(torch.randn(1, T, HV, *per_key, device="cuda", generator=gen) + 3.0)
-    beta = torch.rand(1, T, HV, device="cuda", generator=gen)
+    beta = torch.rand(1, T, HV, device="cuda", generator=gen).to(getattr(torch, beta_dtype))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.long)
     h0 = torch.randn(len(lens), HV, K, V, device="cuda", generator=gen) * 0.1
     return dict(q=q, k=k, v=v, g=g, **({} if spec == "gla" else {"beta": beta}), initial_state=h0,
@@ -201,17 +202,19 @@ def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
     return libs
 
 
-def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused=False, spec="gdn"):
+def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused=False, spec="gdn",
+        beta_dtype="float32"):
     import torch
 
     libs = decode_libraries(only) if decode else libraries(cp, only, backward, fused, spec)
     results = []
     what = "token step (decode)" if decode else "forward + backward" if backward else "forward"
-    print(f"# {spec.upper()} {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, ms per call")
+    print(f"# {spec.upper()} {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, β in {beta_dtype}, "
+          "ms per call")
     for row in rows:
         H, HV, lens = parse_row(row)
         K, V = parse_dims(row)
-        args = make_inputs(H, HV, lens, K, V, spec=spec)
+        args = make_inputs(H, HV, lens, K, V, spec=spec, beta_dtype=beta_dtype)
         res = {"row": row}
         for name, fn in libs.items():
             def call(f=fn, a=args):
@@ -300,6 +303,8 @@ def main(argv=None) -> int:
                          "rows default to batches of 1, 32 and 256 one-token sequences")
     ap.add_argument("--block-v", type=int, choices=(16, 32, 64),
                     help="the scan's V-block, for every row (default: kernels/forward.py's block_v choice)")
+    ap.add_argument("--beta-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="β's dtype (g stays float32): bfloat16 as vLLM passes it")
     ap.add_argument("--spec", choices=SPECS, default="gdn",
                     help="the op to time beside FLA's: gdn (default), gla or kda (per-key gates)")
     args = ap.parse_args(argv)
@@ -309,7 +314,7 @@ def main(argv=None) -> int:
 
     rows = args.rows or (DECODE_ROWS if args.decode else ROWS)
     with forward.launch_policy(scan_stages=args.scan_stages, block_v=args.block_v):
-        run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused, args.spec)
+        run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused, args.spec, args.beta_dtype)
     return 0
 
 

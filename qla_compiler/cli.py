@@ -45,7 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default=DEFAULT_SHAPE,
                     help=f"shape class for --emit kernel/tilelang/cuda (default: {DEFAULT_SHAPE}); "
                          "the fields not given (BV, stages, scan_warpgroups) are what the runtime picks "
-                         "for one sequence on an H200")
+                         "for one sequence on an H200; the token step's state, gates and scalars "
+                         "(dtypes: float32 by default, or the io dtype) are what a call's pools, gates and "
+                         "scalars come in")
     ap.add_argument("--backward", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the backward program's kernels")
     ap.add_argument("--token-step", action="store_true",
@@ -156,7 +158,8 @@ def main(argv=None) -> int:
     return 0
 
 
-FIELDS = ("H", "HV", "K", "V", "BV", "io", "stages", "scan_warpgroups")
+FIELDS = ("H", "HV", "K", "V", "BV", "io", "stages", "scan_warpgroups", "state", "gates", "scalars")
+_NAMED = ("io", "state", "gates", "scalars")  # (dtype names; the other fields are integers)
 
 
 def parse_shape(text: str, token_step: bool = False):
@@ -178,7 +181,7 @@ def parse_shape(text: str, token_step: bool = False):
     fields = {}
     for key, value in option_fields(text, FIELDS, "--shape"):
         try:
-            fields[key] = value if key == "io" else int(value)
+            fields[key] = value if key in _NAMED else int(value)
         except ValueError:
             raise ValueError(f"--shape: {key} must be an integer, got {value!r}") from None
     missing = [f for f in ("H", "HV", "K", "V") if f not in fields]
@@ -198,7 +201,8 @@ def parse_shape(text: str, token_step: bool = False):
     try:
         shape = scan_class(H, HV, K, V, 1, fields.get("io", "bfloat16"), H200_SMS, BV=BV,
                            block_v_max=max(BV or 0, 64))
-        return dataclasses.replace(shape, **{f: fields[f] for f in ("stages", "scan_warpgroups") if f in fields})
+        return dataclasses.replace(shape, **{f: fields[f] for f in ("stages", "scan_warpgroups", *_NAMED[1:])
+                                             if f in fields})
     except ValueError as e:
         raise ValueError(f"--shape: {e}") from None
 

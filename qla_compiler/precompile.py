@@ -15,8 +15,12 @@ also loads them (and the spec's compile), so its first call does no host-side co
     qla-compile gdn --precompile H=16,HV=64,K=128,V=128,io=bfloat16 [--training]
 
     >>> import qla_compiler
-    >>> [(s.part, s.shape.BV) for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8], context_parallel=1)]
-    [('forward', 16), ('forward', 64), ('token_step', 8), ('token_step', 8), ('token_step', 16), ('token_step', 16)]
+    >>> [(s.part, s.shape.BV) for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8], context_parallel=1)
+    ...  if s.part == "forward"]
+    [('forward', 16), ('forward', 64)]
+    >>> sorted({(s.shape.BV, s.shape.gates, s.shape.scalars) for s in shape_classes("gdn", H=2, HV=8, K=128)
+    ...         if s.part == "token_step"})[:3]  # (V-blocks 8 and 16; g and β each in float32 or bf16)
+    [(8, 'bfloat16', 'bfloat16'), (8, 'bfloat16', 'float32'), (8, 'float32', 'bfloat16')]
     >>> sorted({s.kernels for s in shape_classes("gdn", H=2, HV=8, K=128, n_seqs=[1, 8])})  # the default cuts one
     ['all', 'parallel', 'scan', 'windows']
     >>> qla_compiler.warmup("gdn", [dict(H=2, HV=8, K=128, V=128)])     # doctest: +SKIP
@@ -129,8 +133,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
         out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))
                    if cap < c.shape.BV or cap > 64 else c)
-    if state:  # (both V-blocks, both gate dtypes: any batch, any call: kernels/token_step.block_v)
-        out += [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(H, HV, K, V, io, state, scale)]
+    if state:  # (both V-blocks, every gate and scalar dtype: any batch, any call: kernels/token_step.block_v)
+        out += [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(str(spec), H, HV, K, V, io, state, scale)]
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
         for c, (_, launched, _) in zip(classes, seqs):
@@ -210,8 +214,10 @@ def compile_classes(todo: list, log=print) -> list:
             compiled = _tilelang_entries() != before
             done.append((name, c, time.time() - t, compiled))
             s = c.shape
+            # (the token step's: the pools' dtype and the dtypes it reads gates and scalars in)
+            reads = f" state={s.state} gates={s.gates} scalars={s.scalars}" if c.part == "token_step" else ""
             log(f"[{len(done)}/{total}] {name:<{max(len(name), 24)}} {c.part} H={s.H} HV={s.HV} K={s.K} V={s.V} "
-                f"BV={s.BV} {s.io}: {'compiled' if compiled else 'cached'} in {done[-1][2]:.1f}s")
+                f"BV={s.BV} {s.io}{reads}: {'compiled' if compiled else 'cached'} in {done[-1][2]:.1f}s")
         if c.kernels == "windows":  # and what runs beside that scan: the search before, the chain after
             s, reverse = c.shape, program.kernels.kernels[0].reverse
             rev, V = "reverse " if reverse else "", s.V - s.K  # (the windows scan's state is [M | H]: K + V wide)
@@ -283,19 +289,27 @@ def _program(c: Compile):
     return program.windows_program if c.kernels == "windows" else program
 
 
-def _token_step_classes(H: int, HV: int, K: int, V: int, io: str, state: str, scale: float) -> list:
-    """The classes a decoding call's token step launches at, whatever its batch and its gates'
-    dtype: one per V-block kernels/token_step.block_v chooses between and per dtype the kernel
-    reads gates and scalars in, float32 or the io dtype (token_step.scalar_dtype).
-    (token_step.shape_class, from a call's dims and dtypes)."""
+def _token_step_classes(spec: str, H: int, HV: int, K: int, V: int, io: str, state: str, scale: float) -> list:
+    """The classes a decoding call's token step launches at, whatever its batch and its gates' and
+    scalars' dtypes: one per V-block kernels/token_step.block_v chooses between and per dtype the
+    kernel may read each of its per-call dtype fields in, float32 or the io dtype
+    (token_step.read_dtypes; a spec without gates or without scalars has that field at float32
+    only). (token_step.shape_class, from a call's dims and dtypes.)"""
+    import itertools
+
     import torch
 
     from .checks import Dims
     from .kernels import token_step
+    from .passes.lower_tilelang import PER_CALL_DTYPES
 
     dims = Dims(1, 1, H, HV, K, V, 1)
-    return [token_step.shape_class(dims, getattr(torch, io), getattr(torch, state), scale, 0, BV=bv, scalars=scalars)
-            for bv in token_step.V_BLOCKS for scalars in (torch.float32, getattr(torch, io))]
+    (kernel,) = _variant(Compile(spec, "token_step", None, None)).token_step_program.kernels.kernels
+    fields = [f for f in PER_CALL_DTYPES if any(p.dtype == f for p in kernel.params)]
+    return [token_step.shape_class(dims, getattr(torch, io), getattr(torch, state), scale, 0, BV=bv,
+                                   read_in=dict(zip(fields, dtypes)))
+            for bv in token_step.V_BLOCKS
+            for dtypes in itertools.product((torch.float32, getattr(torch, io)), repeat=len(fields))]
 
 
 def _kernel_names(c: Compile, program=None) -> list:

@@ -89,14 +89,17 @@ def test_cu_seqlens_int32_and_int64_are_read_in_place():
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_gates_in_the_io_dtype_are_read_as_they_are():
-    """g and β in bf16 beside bf16 q, k, v (FLA's own examples pass them so): the kernel reads them
-    as they are, one launch a call, and gives bitwise what the same values in float32 give."""
+@pytest.mark.parametrize("g_dtype, beta_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32)])
+def test_gates_in_the_io_dtype_are_read_as_they_are(g_dtype, beta_dtype):
+    """g and β in bf16 beside bf16 q, k, v (FLA's own examples pass them so), or one of them in
+    float32 (vLLM: g in float32, β in bf16): the kernel reads each as it is, one launch a call, and
+    gives bitwise what the same values in float32 give."""
     from torch.profiler import ProfilerActivity, profile
 
     op = qla_compiler.compile("gdn")
     args = _args(op, [0, 1, 3, 7])
-    low = dict(args, g=args["g"].to(torch.bfloat16), beta=args["beta"].to(torch.bfloat16))
+    low = dict(args, g=args["g"].to(g_dtype), beta=args["beta"].to(beta_dtype))
     same = dict(args, g=low["g"].float(), beta=low["beta"].float())
     op.recurrent(**low)
     torch.cuda.synchronize()

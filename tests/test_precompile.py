@@ -57,38 +57,51 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads,
 @pytest.mark.parametrize("state", [torch.float32, torch.bfloat16])
 def test_the_warmup_compiles_the_token_step_decoding_calls_launch(monkeypatch, state):
     """A decoding call (op.recurrent, or a decode-shaped chunk call) launches the token step at one
-    of two classes, by its batch (kernels/token_step.block_v: 8 columns where 16-column blocks would
-    leave SMs idle or sequences are several tokens long, else 16): those the warm-up of its
-    deployment compiles (`state=`: the pools' dtype)."""
+    of two V-blocks, by its batch (kernels/token_step.block_v: 8 columns where 16-column blocks would
+    leave SMs idle or sequences are several tokens long, else 16), reading its gates and its scalars
+    each as the call passes them (float32, or bf16 beside bf16 values): the classes the warm-up of
+    its deployment compiles (`state=`: the pools' dtype). The kernel gets the caller's g and β
+    themselves wherever it reads them as given, and float32 copies only of the others."""
     from qla_compiler.checks import Dims
     from qla_compiler.kernels import runtime
     from qla_compiler.kernels import token_step as host
 
     op = ops._op("gdn")
     H, HV, K = 2, 8, 128
-    launched = []
+    launched, handed = [], []
+    (kernel,) = op.program.token_step_program.kernels.kernels
 
     def recording(program, shape):
         launched.append((id(program.kernels), shape))
-        return {k.name: (lambda *tensors: None) for k in program.kernels.kernels}
+        return {k.name: (lambda *tensors: handed.append(dict(zip([p.name for p in k.params], tensors))))
+                for k in program.kernels.kernels}
 
     monkeypatch.setattr(runtime, "load_kernels", recording)
-    # 2·8 value heads' 16-column blocks leave SMs idle at 132 (8 columns), 3·8 do not (16); the
-    # gates and β in float32, or in the io dtype (read as they are)
+    f32, bf16 = torch.float32, torch.bfloat16
+    # 2·8 value heads' 16-column blocks leave SMs idle at 132 (8 columns), 3·8 do not (16); g and β
+    # each in float32 or in the io dtype (vLLM: g in float32, β in bf16)
     for N in (2, 3):
-        for scalars in (torch.float32, torch.bfloat16):
-            a = random_inputs(op, T=N, H=H, HV=HV, K=K, V=K, cu_seqlens=list(range(N + 1)), dtype=torch.bfloat16)
-            a = {n: (x.to(scalars) if op.kinds.get(n) in ("gate", "scalar") else x) for n, x in a.items()}
+        for g_dtype, beta_dtype in ((f32, f32), (f32, bf16), (bf16, f32), (bf16, bf16)):
+            a = random_inputs(op, T=N, H=H, HV=HV, K=K, V=K, cu_seqlens=list(range(N + 1)), dtype=bf16)
+            a["g"], a["beta"] = a["g"].to(g_dtype), a["beta"].to(beta_dtype)
             dims = Dims(1, N, H, HV, K, K, N)
             pool = torch.zeros(N, HV, K, K, dtype=state)
             slot_tensors = host.slots(N, dims, "cpu", pool, None, None, False, True)[:5]
             host.run(op.program.token_step_program, {n: a[n] for n in op.input_names}, op.kinds, dims, K ** -0.5,
                      op._head_logs(HV), a["cu_seqlens"], slot_tensors)
-    assert [(shape.BV, shape.scalars) for _, shape in launched] == \
-        [(8, "float32"), (8, "bfloat16"), (16, "float32"), (16, "bfloat16")]
+            for name, given in (("g", g_dtype), ("beta", beta_dtype)):
+                got = handed[-1][name]
+                assert got.dtype == given and got.data_ptr() == a[name].data_ptr() if given == bf16 else \
+                    got.dtype == f32, (name, given, got.dtype)
+    assert [(shape.BV, shape.gates, shape.scalars) for _, shape in launched] == \
+        [(bv, g, b) for bv in (8, 16) for g, b in (("float32", "float32"), ("float32", "bfloat16"),
+                                                   ("bfloat16", "float32"), ("bfloat16", "bfloat16"))]
+    assert {p.dtype for p in kernel.params if p.name in ("g", "beta")} == {"gates", "scalars"}
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
     todo = [c for c in shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=[1, 64], state=names[state])
             if c.part == "token_step"]
+    assert sorted((c.shape.BV, c.shape.gates, c.shape.scalars) for c in todo) == \
+        sorted(shape for shape in {(s.BV, s.gates, s.scalars) for _, s in launched})
     assert [(id(_program(c).kernels), c.shape) for c in todo] == launched
     assert parse_deployment("H=2,HV=8,K=128,state=bfloat16")["state"] == "bfloat16"
 
@@ -99,8 +112,9 @@ def test_every_number_of_sequences_by_default():
     fused forward's wide kernel, which inference calls run by default there)."""
     every = shape_classes("gdn", H=2, HV=8, K=128)
     assert {c.shape.BV for c in every if c.part != "token_step"} == {16, 32, 64, 128}
-    assert {(c.shape.BV, c.shape.scalars) for c in every if c.part == "token_step"} == \
-        {(8, "float32"), (16, "float32"), (8, "bfloat16"), (16, "bfloat16")}  # (any batch, either gate dtype)
+    dtypes = ("float32", "bfloat16")  # (any batch; the gates and the scalars each in either dtype)
+    assert {(c.shape.BV, c.shape.gates, c.shape.scalars) for c in every if c.part == "token_step"} == \
+        {(bv, g, b) for bv in (8, 16) for g in dtypes for b in dtypes}
     assert {c.fused for c in every if c.shape.BV == 128} == {"wide"}
     assert set(shape_classes("gdn", H=2, HV=8, K=128, n_seqs=list(range(1, 1000)))) == set(every)
 

@@ -204,10 +204,12 @@ def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
     from qla_compiler.checks import Dims
 
     program = qla_compiler.compile_spec(spec).token_step_program
-    for bv, scalars in [(8, torch.float32), (16, torch.float32), (16, torch.bfloat16)]:  # both V-blocks; gates in bf16
+    # both V-blocks; the gates and scalars in float32, both in bf16, and g in float32 beside β in bf16
+    f32, bf16 = torch.float32, torch.bfloat16
+    for bv, gates, scalars in [(8, f32, f32), (16, f32, f32), (16, bf16, bf16), (8, f32, bf16)]:
         assert bv in V_BLOCKS
         shape = shape_class(Dims(1, 1, 16, 64, K, K, 1), torch.bfloat16, getattr(torch, state), 0.1, 132, BV=bv,
-                            scalars=scalars)
+                            read_in=dict(gates=gates, scalars=scalars))
         assert isinstance(shape, ShapeClass) and shape.state == state
         src = "\n".join(lower_to_cuda(program, shape).values())
         assert f"__launch_bounds__({4 * shape.BV}" in src
