@@ -116,6 +116,10 @@ class Buffer:
     # a row of 64 floats is 256 bytes, so the same column of different rows falls in one bank, and
     # threads that store a wgmma accumulator's rows, or read one column across rows, serialise
     row_pad: int = 0
+    # a 2-D fragment's columns dealt to the warps, this many each with every row of them
+    # (kernels/warp_columns.py): a sum over its rows is shuffles inside a warp, no block barrier;
+    # 0: TileLang's own layout
+    warp_columns: int = 0
 
     def alloc_shape(self) -> tuple:
         """Its shape as allocated: the last dim padded by row_pad."""
@@ -180,7 +184,10 @@ class Stmt:
     reduce | inverse | decayed_product | store | store_vec | store_chunk_state | store_state | load_state, and in a
     token step load_token | store_token (one token's row, or its scalar). A load with attribute
     async only starts the copy; wait_load (same dst) waits for it. A state load or store with
-    attribute slot takes the state's slot in its pool from that tensor (the token step). In a
+    attribute slot takes the state's slot in its pool from that tensor (the token step); a token
+    step's state load in the prologue with attribute with_first_token is issued beside the first
+    token's loads, after the body's leading load_token statements at the first token (one memory
+    latency for both), or before the epilogue in a sequence of no tokens. In a
     warp-specialised kernel also: wait (dst: a barrier, at the chunk's stage and phase), arrive
     (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA before the
     arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
@@ -298,6 +305,17 @@ class Kernel:
     # state) runs for each of its tokens instead: its outputs' zeros, which nothing else writes
     padding: tuple = ()
 
+    @property
+    def token_loads(self) -> int:
+        """A token step's: how many of its body's first statements load the token."""
+        return next((i for i, s in enumerate(self.body) if s.op != "load_token"), len(self.body))
+
+    @property
+    def deferred_state_load(self) -> Stmt | None:
+        """A token step's state load issued beside the first token's loads (attribute
+        with_first_token), or None where the prologue runs it before the loop."""
+        return next((s for s in self.prologue if s.op == "load_state" and s.attr.get("with_first_token")), None)
+
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
 
@@ -307,6 +325,9 @@ class Kernel:
         its threads; their register budgets are setmaxnreg's (multiples of 8 in [24, 256]) and fit
         the SM; every wait and arrival names a barrier; every ring has an owner among the roles; a
         decayed product's scratch is a float32 shared block of the kernel."""
+        if self.deferred_state_load and (self.kind != "token_step" or not self.token_loads):
+            raise ValueError(f"{self.name}: its state load waits for the first token's loads, and only a token "
+                             "step whose body begins with them has those")
         axes = tuple(sorted(a for a, _ in self.grid))
         if axes not in GRID_AXES:
             raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "
@@ -333,6 +354,9 @@ class Kernel:
             if st.op == "decayed_product" and st.attr.get("scratch") and st.attr["scratch"][1] not in shared:
                 raise ValueError(f"{self.name}: `{st}` stages its sums in no float32 shared block of the kernel")
         for b in self.buffers:
+            if b.warp_columns and (b.scope != "fragment" or len(b.shape) != 2 or b.warp_columns % 4):
+                raise ValueError(f"{self.name}: {b.name} deals {b.warp_columns} columns a warp: only a 2-D "
+                                 "fragment's columns are dealt to warps, a multiple of 4 each")
             if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
                 raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")
         if not self.warp_roles:
@@ -385,6 +409,7 @@ class Kernel:
             owner = f"  (written by {b.owner})" if b.owner else ""
             shares = f"  (in {b.shares}'s memory)" if b.shares else ""
             pad = f"  (rows padded by {b.row_pad})" if b.row_pad else ""
+            pad += f"  ({b.warp_columns} columns a warp, all their rows)" if b.warp_columns else ""
             lines.append(f"  {b.scope:<8} {b.name}: {b.dtype}[{'×'.join(b.shape)}]{ring}{owner}{shares}{pad}")
         lines += [f"  {b}" for b in self.barriers]
         skip = (f", past the first {self.walk_skip}[sequence, value head] of its walk" if self.walk_skip else "")

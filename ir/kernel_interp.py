@@ -331,7 +331,9 @@ class _Run:
 
 def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:
     """Every (V-block, value head, sequence) walks its sequence's tokens; a padding entry
-    (read_slot −2) runs the kernel's padding statements instead."""
+    (read_slot −2) runs the kernel's padding statements instead. A state load issued beside the
+    first token's loads (Kernel.deferred_state_load) runs where the lowering puts it: after those
+    loads at the first token, or before the epilogue in a sequence of no tokens."""
     dev = tensors["cu_seqlens"].device
     cu = tensors["cu_seqlens"]
     cu = (cu[:, 0] if cu.dim() == 2 else cu).long()  # ([N+1, W]: an int64's words, the low one first)
@@ -344,20 +346,32 @@ def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -
     at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, token=torch.zeros_like(i_n),
                 n_valid=torch.ones_like(i_n), active=runs)
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))
-    run.block(kernel.prologue)
-    for step in range(int(seq_len.max()) if len(grid) else 0):
-        at.active = runs & (step < seq_len)
-        at.token, at.t0 = torch.full_like(i_n, step), bos + step
-        kept = {name: x.clone() for name, x in run.buf.items()}
-        run.block(kernel.body)
-        for name, x in run.buf.items():
-            run.buf[name] = torch.where(at.active.view(-1, *[1] * (x.dim() - 1)), x, kept[name])
+    deferred = kernel.deferred_state_load
+    run.block([s for s in kernel.prologue if s is not deferred])
+    tokens = int(seq_len.max()) if len(grid) else 0
+
+    def token_by_token(points, stmts_at):
+        # the points whose sequence has this token run it; the others' buffers keep their values
+        for step in range(tokens):
+            at.active = points & (step < seq_len)
+            at.token, at.t0 = torch.full_like(i_n, step), bos + step
+            kept = {name: x.clone() for name, x in run.buf.items()}
+            run.block(stmts_at(step))
+            for name, x in run.buf.items():
+                run.buf[name] = torch.where(at.active.view(-1, *[1] * (x.dim() - 1)), x, kept[name])
+
+    n = kernel.token_loads
+    token_by_token(runs, lambda step: kernel.body[:n] + [deferred] + kernel.body[n:] if deferred and step == 0
+                   else kernel.body)
+    if deferred:  # a sequence of no tokens: its state passes through to the epilogue
+        at.active = runs & (seq_len == 0)
+        kept = run.buf[deferred.dst].clone()
+        run.block([deferred])
+        run.buf[deferred.dst] = torch.where(at.active.view(-1, *[1] * (kept.dim() - 1)), run.buf[deferred.dst], kept)
     at.active = runs
     run.block(kernel.epilogue)
-    for step in range(int(seq_len.max()) if len(grid) and kernel.padding else 0):
-        at.active = ~runs & (step < seq_len)
-        at.token, at.t0 = torch.full_like(i_n, step), bos + step
-        run.block(kernel.padding)
+    if kernel.padding:
+        token_by_token(~runs, lambda step: kernel.padding)
 
 
 def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:

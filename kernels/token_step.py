@@ -124,11 +124,12 @@ V_BLOCKS = (8, 16)
 def block_v(V_tile: int, HV: int, N: int, tokens: int, sms: int) -> int:
     """The V-block of a call of N sequences, `tokens` in all, on a GPU of `sms` SMs; the kernel
     runs a warp per 8 of its columns (TOKEN_THREADS). 16 (two warps) where one token a sequence
-    fills the GPU; 8 (one warp, whose sums over K are shuffles: one block barrier a token instead
-    of several) where sequences average MANY_TOKENS or more, which the per-token barriers pace,
-    or where 16-column blocks would leave SMs idle. Measured on the H200 (benchmarks/
-    token_step_bv.py, session 30, 16/64 and 2/8 heads, 1 to 256 sequences of 1 to 16 tokens):
-    the fastest of 8, 16 and 32 on every row; 32 was nowhere the fastest.
+    fills the GPU; 8 (one warp) where sequences average MANY_TOKENS or more, or where 16-column
+    blocks would leave SMs idle. Measured on the H200 (benchmarks/token_step_bv.py, session 30,
+    16/64 and 2/8 heads, 1 to 256 sequences of 1 to 16 tokens): the fastest of 8, 16 and 32 on
+    every row; 32 was nowhere the fastest. (Then the two-warp block summed over K through shared
+    memory behind block barriers, 24 a token, and the one-warp block took two; since session 31
+    neither takes any, passes/token_step.py, and the rule is to be measured again.)
 
         >>> block_v(128, 64, 1, 1, 132), block_v(128, 8, 1, 1, 132), block_v(128, 64, 256, 1024, 132)
         (16, 8, 8)

@@ -538,14 +538,27 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
     for b in kernel.buffers:
         alloc = "T.alloc_shared" if b.scope == "shared" else "T.alloc_fragment"
         out.append(f"        {b.name} = {alloc}({_shape(b.alloc_shape(), r.tiles)}, {_dtype(b.dtype)})")
+    dealt = [b for b in kernel.buffers if b.warp_columns]
+    if dealt:
+        out += ["        # each warp holds whole columns of these: their sums over K are shuffles in the warp",
+                "        T.annotate_layout({" + ", ".join(f"{b.name}: warp_columns({b.name}, {b.warp_columns})"
+                                                      for b in dealt) + "})"]
     slot = next(s for s in kernel.prologue if s.op == "load_state").attr["slot"]
     out += [f"        slot = {slot}[i_n]",
             "        if slot != -2:  # -2: a padding entry of the batch, which reads and writes nothing"]
+    deferred = kernel.deferred_state_load
     for s in kernel.prologue:
-        out += [f"            {ln}" for ln in stmt(s)]
+        if s is not deferred:
+            out += [f"            {ln}" for ln in stmt(s)]
     out.append("            for t in T.serial(seq_len):")
-    for s in kernel.body:
+    for i, s in enumerate(kernel.body):
+        if deferred and i == kernel.token_loads:
+            out += ["                if t == 0:  # the state's loads beside the first token's: one memory latency"]
+            out += [f"                    {ln}" for ln in stmt(deferred)]
         out += [f"                {ln}" for ln in stmt(s)]
+    if deferred:
+        out.append("            if seq_len == 0:  # no token: the state passes through")
+        out += [f"                {ln}" for ln in stmt(deferred)]
     for s in kernel.epilogue:
         out += [f"            {ln}" for ln in stmt(s)]
     if kernel.padding:
@@ -667,6 +680,8 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         "import tilelang.language as T",
         "",
         "from qla_compiler.kernels.tri_inverse import unit_lower_inverse",
+        *(["from qla_compiler.kernels.warp_columns import warp_columns"]
+          if any(b.warp_columns for k in kir.kernels for b in k.buffers) else []),
         "",
         f"H, HV, K, V, BV, C = {shape.H}, {shape.HV}, {shape.K}, {shape.V}, {shape.BV}, {kir.chunk_size}",
         *([f"{', '.join(shape.padded.values())} = {', '.join(str(getattr(shape, t)) for t in shape.padded.values())}"
@@ -678,9 +693,9 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         f"STAGES = {shape.stages}",
         *([f"SCAN_THREADS = {128 * shape.scan_warpgroups}  # the forward scan's consumer threads"]
           if any(k.threads == "SCAN_THREADS" for k in kir.kernels) else []),
-        # (at BV = 8, one warp: the sums over K are shuffles and a token takes one block barrier)
-        *([f"TOKEN_THREADS = {4 * shape.BV}  # the token step's: a warp per 8 columns of the V-block"]
-          if any(k.threads == "TOKEN_THREADS" for k in kir.kernels) else []),
+        *([f"TOKEN_THREADS = {32 * shape.BV // n}  # the token step's: a warp per {n} columns of the V-block"
+           for n in {b.warp_columns for k in kir.kernels if k.threads == "TOKEN_THREADS" for b in k.buffers
+                     if b.warp_columns}]),
         'Tok = T.dynamic("T")  # tokens of the packed batch',
         'N = T.dynamic("N")  # sequences',
         'NP1 = T.dynamic("NP1")  # len(cu_seqlens)',

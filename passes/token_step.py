@@ -38,6 +38,8 @@ _LAYOUT = {"key": (("1", "T", "H", "K"), "io"), "value": (("1", "T", "HV", "V"),
            "key_gate": (("1", "T", "HV", "K"), "gates")}
 _SHAPE = {"key": ("K",), "value": ("BV",), "scalar": ("1",), "gate": ("1",), "key_gate": ("K",)}
 
+WARP_COLUMNS = 8  # the V-block's columns a warp holds (TOKEN_THREADS = 32 · BV / 8)
+
 READ_SLOT = Tensor("read_slot", ("N",), "int32", "in",
                    "the pool slot each sequence starts from; -1: the zero state; -2: padding (no state; o's zeros)")
 WRITE_SLOT = Tensor("write_slot", ("N", "L"), "int32", "in",
@@ -85,7 +87,9 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
         shape, dtype = _LAYOUT[inp.kind]
         params.append(Tensor(inp.name, shape, dtype, "in", f"{inp.kind} per token"))
         b = f"{inp.name}_t"
-        buffers.append(Buffer(b, _SHAPE[inp.kind], dtype if inp.kind in ("key", "value") else "float32", "shared"))
+        # (in registers: each thread loads the rows or columns of the token it holds of the state
+        # block, where a shared copy took a block barrier before its reads and one after them)
+        buffers.append(Buffer(b, _SHAPE[inp.kind], dtype if inp.kind in ("key", "value") else "float32", "fragment"))
         bufs[inp.name] = b
         body.append(Stmt("load_token", b, (inp.name,)))
     head = [Tensor(f"log_{c.name}", ("HV",), "float32", "in", "log of the per-head decay") for c in rec.constants]
@@ -94,11 +98,14 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
                        "where the states after the tokens go, by slot (the same tensor as state_pool in place)")
     o = Tensor("o", ("1", "T", "HV", "V"), "io", "out", "per token, per value head")
     params = params + head + [CU_SEQLENS, READ_SLOT, WRITE_SLOT, FINAL_SLOT, state_in, state_out, o]
-    buffers += [Buffer("state", ("K", "BV"), "float32", "fragment"),
-                Buffer("xS", ("K", "BV"), "float32", "fragment"),
+    # the state block and its products by a warp per WARP_COLUMNS columns: the sums over K (u, o_t)
+    # are shuffles inside each warp, no block barrier in a token
+    block = dict(scope="fragment", warp_columns=WARP_COLUMNS)
+    buffers += [Buffer("state", ("K", "BV"), "float32", **block),
+                Buffer("xS", ("K", "BV"), "float32", **block),
                 Buffer("u", ("BV",), "float32", "fragment"),
                 Buffer("o_t", ("BV",), "float32", "fragment"),
-                Buffer("qS", ("K", "BV"), "float32", "fragment")]
+                Buffer("qS", ("K", "BV"), "float32", **block)]
     S, x, y, q = ("buf", "state", "i", "j"), bufs[st.write_key], bufs[st.write_value], bufs[st.query]
     ij = ("index", ("i", "j"))
     if st.decay == "gate":
@@ -128,10 +135,12 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
                Stmt("store_token", "o", ("o_t",)))
     kernel = Kernel(f"{rec.name}_token_step", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")),
                     "TOKEN_THREADS", params, buffers,
-                    [Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"),))],
+                    # (the state's loads wait for its slot, the token's for cu_seqlens: issued
+                    # together, a one-token decode waits one memory latency for both, not two)
+                    [Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"), ("with_first_token", True)))],
                     body, epilogue, loop="tokens of the sequence", kind="token_step",
-                    roles=("a warp per 8 columns of the V-block (TOKEN_THREADS = 4 BV): the state block in registers, "
-                           "one token after another",),
+                    roles=(f"a warp per {WARP_COLUMNS} columns of the V-block (TOKEN_THREADS = 32 BV / {WARP_COLUMNS}): "
+                           "the state block in registers, one token after another",),
                     doc=f"sequential over tokens: the recurrence's own step ({st.family}), for decoding",
                     padding=padding)
     return KernelIR(f"{rec.name}_token_step", 1, [kernel],

@@ -217,6 +217,32 @@ def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
         assert len(spills) == 1 and spills[0] == ("0", "0"), (shape.BV, spills)
 
 
+@pytest.mark.parametrize("spec, K", [("gdn", 128), ("gdn", 100), ("kda", 128), ("retnet", 64)])
+def test_a_token_waits_on_no_block_barrier(spec, K):
+    """Each warp holds whole columns of the state block (Buffer.warp_columns, in the KernelIR) and
+    the token's inputs load into registers, so the sums over K are shuffles inside a warp and a
+    token waits on no block barrier, at either V-block. (TileLang's own layout spread K over both
+    warps at BV = 16, and each sum went through shared memory: 24 barriers a token.)"""
+    import re
+
+    from qla_compiler.checks import Dims
+    from qla_compiler.kernels.token_step import V_BLOCKS, shape_class
+    from qla_compiler.passes.token_step import WARP_COLUMNS
+
+    program = qla_compiler.compile_spec(spec).token_step_program
+    (kernel,) = program.kernels.kernels
+    blocks = [b for b in kernel.buffers if b.shape == ("K", "BV")]
+    assert blocks and all(b.warp_columns == WARP_COLUMNS for b in blocks)
+    assert all(b.scope == "fragment" for b in kernel.buffers)
+    for bv in V_BLOCKS:
+        shape = shape_class(Dims(1, 1, 2, 8, K, K, 1), torch.bfloat16, torch.float32, 0.1, 132, BV=bv)
+        src = "\n".join(lower_to_cuda(program, shape).values())
+        assert "__syncthreads" not in src and "bar.sync" not in src, bv
+        sums = re.findall(r"AllReduce<tl::SumOp, (\d+),", src)
+        assert sums and set(sums) == {"32"}, (bv, sums)  # (a butterfly of 32 lanes or fewer: shuffles)
+        assert f"__launch_bounds__({32 * bv // WARP_COLUMNS}" in src
+
+
 def test_l2norm_in_kernel_as_the_chunk_op_does_it(ops):
     """FLA's x·rsqrt(Σx² + 1e-6), as the chunk op and the reference normalise: keys of norm 1e-3
     tell it from x / max(‖x‖, ε)."""
