@@ -1,11 +1,12 @@
-"""A fragment layout that deals a block's columns to the warps: `warp_columns(n)` for a [rows ×
-columns] fragment gives warp w the columns n·w … n·w + n − 1 and every row of them, so that a sum
-over the rows (T.reduce_sum(..., dim=0)) is shuffles inside each warp, with no block barrier.
+"""A fragment layout that deals a block's columns to the warps: `warp_columns(buffer, n)` for a
+[rows × columns] fragment gives warp w the columns n·w … n·w + n − 1 and every row of them, so
+that a sum over the rows (T.reduce_sum(..., dim=0)) is shuffles inside each warp, with no block
+barrier.
 
 Why: TileLang's own layout for the token step's [K × BV] state at BV = 16 (64 threads) spread the
-rows over both warps, and each sum over K went through shared memory behind a block barrier,
-eight of them a token, on the critical path of a one-token decode (the KernelIR's Buffer.
-warp_columns says which fragments take this layout; passes/token_step.py).
+rows over both warps, and each sum over K went through shared memory behind block barriers, 24 of
+them a token, on the critical path of a one-token decode (the KernelIR's Buffer.warp_columns says
+which fragments take this layout; passes/token_step.py).
 
 Within a warp each lane holds 4 adjacent columns of n / 4 column groups, and rows 32 / (n / 4)
 apart: at n = 8, lane l holds columns 4 (l % 2) … 4 (l % 2) + 3 of rows l // 2, l // 2 + 16, ….

@@ -551,11 +551,15 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         if s is not deferred:
             out += [f"            {ln}" for ln in stmt(s)]
     out.append("            for t in T.serial(seq_len):")
-    for i, s in enumerate(kernel.body):
-        if deferred and i == kernel.token_loads:
+    body = list(kernel.body)
+    if deferred:  # (after the token's loads, as the interpreter runs it)
+        body.insert(kernel.token_loads, deferred)
+    for s in body:
+        if s is deferred:
             out += ["                if t == 0:  # the state's loads beside the first token's: one memory latency"]
-            out += [f"                    {ln}" for ln in stmt(deferred)]
-        out += [f"                {ln}" for ln in stmt(s)]
+            out += [f"                    {ln}" for ln in stmt(s)]
+        else:
+            out += [f"                {ln}" for ln in stmt(s)]
     if deferred:
         out.append("            if seq_len == 0:  # no token: the state passes through")
         out += [f"                {ln}" for ln in stmt(deferred)]
