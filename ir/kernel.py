@@ -184,10 +184,10 @@ class Stmt:
     reduce | inverse | decayed_product | store | store_vec | store_chunk_state | store_state | load_state, and in a
     token step load_token | store_token (one token's row, or its scalar). A load with attribute
     async only starts the copy; wait_load (same dst) waits for it. A state load or store with
-    attribute slot takes the state's slot in its pool from that tensor (the token step); a token
-    step's state load in the prologue with attribute with_first_token is issued beside the first
-    token's loads, after the body's leading load_token statements at the first token (one memory
-    latency for both), or before the epilogue in a sequence of no tokens. In a
+    attribute slot takes the state's slot in its pool from that tensor (the token step). A
+    load_token loads the current token's row (in the prologue the current token is the first),
+    or with attribute ahead the one that many tokens later; a token past the sequence's end loads
+    nothing (the buffer keeps its value). In a
     warp-specialised kernel also: wait (dst: a barrier, at the chunk's stage and phase), arrive
     (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA before the
     arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
@@ -305,17 +305,6 @@ class Kernel:
     # state) runs for each of its tokens instead: its outputs' zeros, which nothing else writes
     padding: tuple = ()
 
-    @property
-    def token_loads(self) -> int:
-        """A token step's: how many of its body's first statements load the token."""
-        return next((i for i, s in enumerate(self.body) if s.op != "load_token"), len(self.body))
-
-    @property
-    def deferred_state_load(self) -> Stmt | None:
-        """A token step's state load issued beside the first token's loads (attribute
-        with_first_token), or None where the prologue runs it before the loop."""
-        return next((s for s in self.prologue if s.op == "load_state" and s.attr.get("with_first_token")), None)
-
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
 
@@ -325,9 +314,8 @@ class Kernel:
         its threads; their register budgets are setmaxnreg's (multiples of 8 in [24, 256]) and fit
         the SM; every wait and arrival names a barrier; every ring has an owner among the roles; a
         decayed product's scratch is a float32 shared block of the kernel."""
-        if self.deferred_state_load and (self.kind != "token_step" or not self.token_loads):
-            raise ValueError(f"{self.name}: its state load waits for the first token's loads, and only a token "
-                             "step whose body begins with them has those")
+        if any(s.op == "load_token" for s in self.prologue + self.body) and self.kind != "token_step":
+            raise ValueError(f"{self.name}: loads a token's row, and only a token step walks tokens")
         axes = tuple(sorted(a for a, _ in self.grid))
         if axes not in GRID_AXES:
             raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "

@@ -215,15 +215,18 @@ class _Run:
             else:
                 pad = torch.zeros((), dtype=F64, device=self.dev)
             b[s.dst] = torch.where(self._valid_rows(), v, pad)
-        elif s.op == "load_token":
+        elif s.op == "load_token":  # (the current token's row, or a later one's: attribute ahead)
             x = self.g[s.srcs[0]][0].to(F64)
-            row = self.at.t0.clamp(max=x.shape[0] - 1)
+            ahead = a.get("ahead", 0)
+            row = (self.at.t0 + ahead).clamp(max=x.shape[0] - 1)
             if x.dim() == 2:  # a scalar of the token
-                b[s.dst] = x[row, self.at.i_hv][:, None]
+                value = x[row, self.at.i_hv][:, None]
             else:
                 cols = self._columns(s.srcs[0])
                 ok = cols < x.shape[2]
-                b[s.dst] = torch.where(ok, x[row[:, None], self._head(s.srcs[0])[:, None], cols.clamp(max=x.shape[2] - 1)], 0.0)
+                value = torch.where(ok, x[row[:, None], self._head(s.srcs[0])[:, None], cols.clamp(max=x.shape[2] - 1)], 0.0)
+            within = (self.at.token + ahead < self.at.seq_len)[:, None]  # past the sequence: nothing loaded
+            b[s.dst] = torch.where(within, value, b[s.dst])
         elif s.op == "store_token":
             x = self.g[s.dst]
             cols = self._columns(s.dst)
@@ -331,9 +334,8 @@ class _Run:
 
 def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:
     """Every (V-block, value head, sequence) walks its sequence's tokens; a padding entry
-    (read_slot −2) runs the kernel's padding statements instead. A state load issued beside the
-    first token's loads (Kernel.deferred_state_load) runs where the lowering puts it: after those
-    loads at the first token, or before the epilogue in a sequence of no tokens."""
+    (read_slot −2) runs the kernel's padding statements instead. The prologue runs at the first
+    token (its token loads load it, where the sequence has one)."""
     dev = tensors["cu_seqlens"].device
     cu = tensors["cu_seqlens"]
     cu = (cu[:, 0] if cu.dim() == 2 else cu).long()  # ([N+1, W]: an int64's words, the low one first)
@@ -344,34 +346,25 @@ def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -
     bos, seq_len = cu[i_n], cu[i_n + 1] - cu[i_n]
     runs = tensors["read_slot"].long()[i_n] != -2
     at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, token=torch.zeros_like(i_n),
-                n_valid=torch.ones_like(i_n), active=runs)
+                seq_len=seq_len, n_valid=torch.ones_like(i_n), active=runs)
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))
-    deferred = kernel.deferred_state_load
-    run.block([s for s in kernel.prologue if s is not deferred])
-    tokens = int(seq_len.max()) if len(grid) else 0
+    run.block(kernel.prologue)
 
-    def token_by_token(points, stmts_at):
+    def token_by_token(points, stmts):
         # the points whose sequence has this token run it; the others' buffers keep their values
-        for step in range(tokens):
+        for step in range(int(seq_len.max()) if len(grid) else 0):
             at.active = points & (step < seq_len)
             at.token, at.t0 = torch.full_like(i_n, step), bos + step
             kept = {name: x.clone() for name, x in run.buf.items()}
-            run.block(stmts_at(step))
+            run.block(stmts)
             for name, x in run.buf.items():
                 run.buf[name] = torch.where(at.active.view(-1, *[1] * (x.dim() - 1)), x, kept[name])
 
-    n = kernel.token_loads
-    token_by_token(runs, lambda step: kernel.body[:n] + [deferred] + kernel.body[n:] if deferred and step == 0
-                   else kernel.body)
-    if deferred:  # a sequence of no tokens: its state passes through to the epilogue
-        at.active = runs & (seq_len == 0)
-        kept = run.buf[deferred.dst].clone()
-        run.block([deferred])
-        run.buf[deferred.dst] = torch.where(at.active.view(-1, *[1] * (kept.dim() - 1)), run.buf[deferred.dst], kept)
+    token_by_token(runs, kernel.body)
     at.active = runs
     run.block(kernel.epilogue)
     if kernel.padding:
-        token_by_token(~runs, lambda step: kernel.padding)
+        token_by_token(~runs, kernel.padding)
 
 
 def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> None:

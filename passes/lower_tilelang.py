@@ -495,18 +495,20 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
     K, V = r.tiles.get("K", "K"), r.tiles.get("V", "V")
     inside = ("i < K and v0 + j < V" if r.tiles else None)  # the op's state in a wider tile
 
-    def stmt(s: Stmt) -> list[str]:
+    def stmt(s: Stmt, token: str = "t") -> list[str]:
+        # (`token`: the current token's index in the sequence, as the load statements read it)
         a = s.attr
         if s.op == "load_token":
             p = r.params[s.srcs[0]]
             widened = p.dtype in ("gates", "scalars")  # (held in float32 once loaded)
             widen = (lambda x: f'T.cast({x}, "float32")') if widened else (lambda x: x)
+            row = " + ".join(["bos", *(x for x in (token, str(a.get("ahead", 0))) if x != "0")])
             if len(p.shape) == 3:  # a scalar of the token
-                return ["for i in T.Parallel(1):", f"    {s.dst}[i] = {widen(f'{s.srcs[0]}[0, bos + t, i_hv]')}"]
+                return ["for i in T.Parallel(1):", f"    {s.dst}[i] = {widen(f'{s.srcs[0]}[0, {row}, i_hv]')}"]
             head = "i_h" if p.shape[2] == "H" else "i_hv"
             col, width, dim = ("v0 + i", "BV", "V") if p.shape[3] == "V" else ("i", K, "K")
             ok = f"{col} < {dim}" if dim in r.tiles else None
-            value = widen(f"{s.srcs[0]}[0, bos + t, {head}, {col}]")
+            value = widen(f"{s.srcs[0]}[0, {row}, {head}, {col}]")
             zero = _dtype("float32" if widened else p.dtype)
             value = f"T.if_then_else({ok}, {value}, T.cast(0, {zero}))" if ok else value
             return [f"for i in T.Parallel({width}):", f"    {s.dst}[i] = {value}"]
@@ -543,28 +545,35 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         out += ["        # each warp holds whole columns of these: their sums over K are shuffles in the warp",
                 "        T.annotate_layout({" + ", ".join(f"{b.name}: warp_columns({b.name}, {b.warp_columns})"
                                                       for b in dealt) + "})"]
+    def block(stmts, ind: str, token: str) -> list[str]:
+        # each run of token loads under one guard that their token is in the sequence (a load of
+        # the current token in the loop needs none)
+        lines, i = [], 0
+        while i < len(stmts):
+            s = stmts[i]
+            ahead = s.attr.get("ahead", 0)
+            if s.op != "load_token" or (token == "t" and not ahead):
+                lines += [ind + ln for ln in stmt(s, token)]
+                i += 1
+                continue
+            loads = []
+            while i < len(stmts) and stmts[i].op == "load_token" and stmts[i].attr.get("ahead", 0) == ahead:
+                loads += stmt(stmts[i], token)
+                i += 1
+            which = ("the first token's inputs, their loads beside the state's: one memory latency for both"
+                     if token == "0" and not ahead else "the next token's inputs, loaded while this one computes"
+                     if ahead == 1 else f"the inputs of the token {ahead} on, loaded while this one computes")
+            guard = " + ".join(x for x in (token, str(ahead)) if x != "0") or "0"
+            lines += [f"{ind}if {guard} < seq_len:  # {which}"] + [f"{ind}    {ln}" for ln in loads]
+        return lines
+
     slot = next(s for s in kernel.prologue if s.op == "load_state").attr["slot"]
     out += [f"        slot = {slot}[i_n]",
             "        if slot != -2:  # -2: a padding entry of the batch, which reads and writes nothing"]
-    deferred = kernel.deferred_state_load
-    for s in kernel.prologue:
-        if s is not deferred:
-            out += [f"            {ln}" for ln in stmt(s)]
+    out += block(kernel.prologue, " " * 12, "0")
     out.append("            for t in T.serial(seq_len):")
-    body = list(kernel.body)
-    if deferred:  # (after the token's loads, as the interpreter runs it)
-        body.insert(kernel.token_loads, deferred)
-    for s in body:
-        if s is deferred:
-            out += ["                if t == 0:  # the state's loads beside the first token's: one memory latency"]
-            out += [f"                    {ln}" for ln in stmt(s)]
-        else:
-            out += [f"                {ln}" for ln in stmt(s)]
-    if deferred:
-        out.append("            if seq_len == 0:  # no token: the state passes through")
-        out += [f"                {ln}" for ln in stmt(deferred)]
-    for s in kernel.epilogue:
-        out += [f"            {ln}" for ln in stmt(s)]
+    out += block(kernel.body, " " * 16, "t")
+    out += block(kernel.epilogue, " " * 12, "t")
     if kernel.padding:
         out += ["        else:", "            for t in T.serial(seq_len):"]
         for s in kernel.padding:

@@ -83,15 +83,25 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
         raise PassError("token_step", "the recurrence is not classified (run classify first)")
     params, buffers, body = [], [], []
     bufs = {}
+    # Each token's inputs are loaded one token ahead: the first token's in the prologue, beside the
+    # state's loads (the state's wait for read_slot, the token's for cu_seqlens: issued together, a
+    # one-token decode waits one memory latency for both, not two), and token t + 1's at the top of
+    # token t, into a second set of registers, so that their latency hides behind t's arithmetic
+    # (several tokens a sequence: speculative decoding). In registers: each thread loads the rows
+    # or columns it holds of the state block (through shared memory, a block barrier before the
+    # reads and one after them)
+    first, ahead, advance = [], [], []
     for inp in rec.inputs:
         shape, dtype = _LAYOUT[inp.kind]
         params.append(Tensor(inp.name, shape, dtype, "in", f"{inp.kind} per token"))
-        b = f"{inp.name}_t"
-        # (in registers: each thread loads the rows or columns of the token it holds of the state
-        # block, where a shared copy took a block barrier before its reads and one after them)
-        buffers.append(Buffer(b, _SHAPE[inp.kind], dtype if inp.kind in ("key", "value") else "float32", "fragment"))
+        b, nb = f"{inp.name}_t", f"{inp.name}_next"
+        held = dtype if inp.kind in ("key", "value") else "float32"
+        buffers += [Buffer(b, _SHAPE[inp.kind], held, "fragment"), Buffer(nb, _SHAPE[inp.kind], held, "fragment")]
         bufs[inp.name] = b
-        body.append(Stmt("load_token", b, (inp.name,)))
+        first.append(Stmt("load_token", b, (inp.name,)))
+        ahead.append(Stmt("load_token", nb, (inp.name,), (("ahead", 1),)))
+        advance.append(Stmt("copy", b, (nb,)))
+    body += ahead
     head = [Tensor(f"log_{c.name}", ("HV",), "float32", "in", "log of the per-head decay") for c in rec.constants]
     state_in = Tensor("state_pool", ("S", "HV", "K", "V"), "state", "in", "the states the sequences start from, by slot")
     state_out = Tensor("state_out", ("S", "HV", "K", "V"), "state", "out",
@@ -127,7 +137,8 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
              Stmt("ewise", "o_t", (), (("expr", _mul(("param", "scale"), _coeff(st.output_coeff, bufs),
                                                       ("buf", "o_t", "j"))), ("index", ("j",)))),
              Stmt("store_token", "o", ("o_t",)),
-             Stmt("store_state", "state_out", ("state",), (("slot", "write_slot"),))]
+             Stmt("store_state", "state_out", ("state",), (("slot", "write_slot"),)),
+             *advance]
     epilogue = [Stmt("store_state", "state_out", ("state",), (("slot", "final_slot"),))]
     # (o is allocated, not zeroed: a padding entry's tokens get zeros from the kernel, one launch
     # less a call)
@@ -135,9 +146,7 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
                Stmt("store_token", "o", ("o_t",)))
     kernel = Kernel(f"{rec.name}_token_step", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")),
                     "TOKEN_THREADS", params, buffers,
-                    # (the state's loads wait for its slot, the token's for cu_seqlens: issued
-                    # together, a one-token decode waits one memory latency for both, not two)
-                    [Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"), ("with_first_token", True)))],
+                    [*first, Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"),))],
                     body, epilogue, loop="tokens of the sequence", kind="token_step",
                     roles=(f"a warp per {WARP_COLUMNS} columns of the V-block (TOKEN_THREADS = 32 BV / {WARP_COLUMNS}): "
                            "the state block in registers, one token after another",),

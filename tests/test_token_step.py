@@ -222,7 +222,8 @@ def test_a_token_waits_on_no_block_barrier(spec, K):
     """Each warp holds whole columns of the state block (Buffer.warp_columns, in the KernelIR) and
     the token's inputs load into registers, so the sums over K are shuffles inside a warp and a
     token waits on no block barrier, at either V-block. (TileLang's own layout spread K over both
-    warps at BV = 16, and each sum went through shared memory: 24 barriers a token.)"""
+    warps at BV = 16, and each sum went through shared memory: 24 barriers a token.) The inputs
+    are loaded a token ahead: the first token's beside the state's loads, in the prologue."""
     import re
 
     from qla_compiler.checks import Dims
@@ -234,6 +235,10 @@ def test_a_token_waits_on_no_block_barrier(spec, K):
     blocks = [b for b in kernel.buffers if b.shape == ("K", "BV")]
     assert blocks and all(b.warp_columns == WARP_COLUMNS for b in blocks)
     assert all(b.scope == "fragment" for b in kernel.buffers)
+    # the first token's inputs loaded with the state, each later one's a token ahead
+    loads = [s for s in kernel.prologue if s.op == "load_token"]
+    assert loads and kernel.prologue.index(next(s for s in kernel.prologue if s.op == "load_state")) == len(loads)
+    assert {s.srcs for s in kernel.body if s.op == "load_token" and s.attr.get("ahead") == 1} == {s.srcs for s in loads}
     for bv in V_BLOCKS:
         shape = shape_class(Dims(1, 1, 2, 8, K, K, 1), torch.bfloat16, torch.float32, 0.1, 132, BV=bv)
         src = "\n".join(lower_to_cuda(program, shape).values())
