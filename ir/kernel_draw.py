@@ -90,7 +90,7 @@ def _panel(k, order: str) -> dict:
         if bufs:
             n, d = max(len(b.name) for b in bufs), max(len(b.dtype) for b in bufs)
             rows = [f"{b.name:<{n}}  {b.dtype:<{d}}  {_shape(b.shape)}" + (f" ×{b.stages}" if b.stages > 1 else "")
-                    for b in bufs]
+                    + (f"  {b.warp_columns} cols a warp" if b.warp_columns else "") for b in bufs]
             need = max(max(_w(r) for r in rows), _w(title, FONT - 0.5, BOLD_EM)) + 2 * 0.1
             groups.append((scope, f"{title} ({len(bufs)})", rows, need))
     looped = bool(k.loop)
@@ -275,13 +275,15 @@ def draw(kernel_ir, ax=None):
     xs = [x + shift for x in xs]
     legend = [Patch(fc=COLOURS["in"], ec="#777777", label="read from global memory"),
               Patch(fc=COLOURS["out"], ec="#777777", label="written to global memory"),
-              Patch(fc=COLOURS["shared"], ec="#777777", label="shared-memory buffer"),
-              Patch(fc=COLOURS["fragment"], ec="#777777", label="register fragment")]
+              *[Patch(fc=COLOURS[scope], ec="#777777", label=label)
+                for scope, label in (("shared", "shared-memory buffer"), ("fragment", "register fragment"))
+                if any(b.scope == scope for k in ks for b in k.buffers)]]
     if any(not p["looped"] for p in panels):
         legend.append(Patch(fc=COLOURS["parallel"], label="kernel parallel over chunks"))
-    if any(p["looped"] for p in panels):
-        legend += [Patch(fc=COLOURS["loop"], label="kernel looping over chunks"),
-                   Line2D([], [], color=LOOP_COLOUR, lw=1.4, label="loop over chunks")]
+    if any(p["looped"] for p in panels):  # (a token step's loop walks tokens)
+        units = "tokens" if all(k.kind == "token_step" for k in kernel_ir.kernels) else "chunks"
+        legend += [Patch(fc=COLOURS["loop"], label=f"kernel looping over {units}"),
+                   Line2D([], [], color=LOOP_COLOUR, lw=1.4, label=f"loop over {units}")]
     if cross:
         legend.append(Line2D([], [], color=ARROW_COLOUR, lw=1.1, marker=">", markersize=4,
                              label="tensor passed to a later kernel"))
