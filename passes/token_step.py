@@ -88,8 +88,8 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
     # one-token decode waits one memory latency for both, not two), and token t + 1's at the top of
     # token t, into a second set of registers, so that their latency hides behind t's arithmetic
     # (several tokens a sequence: speculative decoding). In registers: each thread loads the rows
-    # or columns it holds of the state block (through shared memory, a block barrier before the
-    # reads and one after them)
+    # or columns it holds of the state block (staged in shared memory they took a block barrier
+    # before the reads and one after)
     first, ahead, advance = [], [], []
     for inp in rec.inputs:
         shape, dtype = _LAYOUT[inp.kind]

@@ -22,7 +22,8 @@ def _args(op, cu, K=128, V=128, seed=0):
 @pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn"])
 def test_token_step_matches_the_recurrence(spec):
     """Sequences of 1, 39, 1, 0 and 4 tokens: the empty one's state passes through (the kernel
-    loads a state beside its first token's inputs, and an empty sequence's before the epilogue)."""
+    loads each sequence's first token beside its state, and the next token ahead of each, where
+    there is one)."""
     op = qla_compiler.compile(spec)
     args = _args(op, [0, 1, 40, 41, 41, 45])
     o, final = op.recurrent(**args)
