@@ -243,6 +243,10 @@ def test_a_token_waits_on_no_block_barrier(spec, K):
         shape = shape_class(Dims(1, 1, 2, 8, K, K, 1), torch.bfloat16, torch.float32, 0.1, 132, BV=bv)
         src = "\n".join(lower_to_cuda(program, shape).values())
         assert "__syncthreads" not in src and "bar.sync" not in src, bv
+        # the first token's loads, then the state's, both before the loop over tokens
+        kernel_src = src[src.index("__global__ void __launch_bounds__"):]
+        first_load, state_load, loop = (kernel_src.index(x) for x in ("= k[", "state_pool + ", "for (int t = 0"))
+        assert first_load < state_load < loop, (bv, first_load, state_load, loop)
         sums = re.findall(r"AllReduce<tl::SumOp, (\d+),", src)
         assert sums and set(sums) == {"32"}, (bv, sums)  # (a butterfly of 32 lanes or fewer: shuffles)
         assert f"__launch_bounds__({32 * bv // WARP_COLUMNS}" in src
