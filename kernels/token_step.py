@@ -178,19 +178,18 @@ def run(program, inputs: dict, kinds: dict, dims, scale: float, head_logs: dict,
     read, write, final, pool, out = slot_tensors
     (k,) = program.kernels.kernels
     v = inputs[next(n for n, kind in kinds.items() if kind == "value")]
-    read_in = read_dtypes(k.params, inputs, v.dtype)
     tensors = packed_inputs(inputs, kinds, dims, head_logs, exact=True)
-    if kernel is None:  # (a stand-in reads them as given)
-        for p in k.params:
-            if read_in.get(p.dtype) == torch.float32:
-                tensors[p.name] = tensors[p.name].to(torch.float32)
     # (every token's row is the kernel's, a padding entry's zeros too: allocated, not filled)
     o = forward.allocated((1, dims.B * dims.T, dims.HV, dims.V), v.dtype, v.device)
     tensors.update(cu_seqlens=index_words(cu), read_slot=read, write_slot=write, final_slot=final,
                    state_pool=pool, state_out=out, o=o)
-    if kernel is None:
+    if kernel is None:  # (a stand-in reads the gates and scalars as given)
         from .runtime import load_kernels
 
+        read_in = read_dtypes(k.params, inputs, v.dtype)
+        for p in k.params:
+            if read_in.get(p.dtype) == torch.float32:
+                tensors[p.name] = tensors[p.name].to(torch.float32)
         sms = sm_count(v.device) if v.is_cuda else forward.H200_SMS  # (on the CPU: a stand-in's launch)
         kernel = load_kernels(program, shape_class(dims, v.dtype, pool.dtype, scale, sms, read_in=read_in))[k.name]
     kernel(*[tensors[p.name] for p in k.params])

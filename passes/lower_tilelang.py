@@ -500,7 +500,7 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         a = s.attr
         if s.op == "load_token":
             p = r.params[s.srcs[0]]
-            widened = p.dtype in ("gates", "scalars")  # (held in float32 once loaded)
+            widened = p.dtype in PER_CALL_DTYPES  # (held in float32 once loaded)
             widen = (lambda x: f'T.cast({x}, "float32")') if widened else (lambda x: x)
             row = " + ".join(["bos", *(x for x in (token, str(a.get("ahead", 0))) if x != "0")])
             if len(p.shape) == 3:  # a scalar of the token
@@ -575,9 +575,7 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
     out += block(kernel.body, " " * 16, "t")
     out += block(kernel.epilogue, " " * 12, "t")
     if kernel.padding:
-        out += ["        else:", "            for t in T.serial(seq_len):"]
-        for s in kernel.padding:
-            out += [f"                {ln}" for ln in stmt(s)]
+        out += ["        else:", "            for t in T.serial(seq_len):"] + block(kernel.padding, " " * 16, "t")
     return out
 
 
