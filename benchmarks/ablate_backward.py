@@ -25,7 +25,7 @@ import sys
 from ablate import edited, time_us
 
 ROW = "16/16:8x4096"
-KERNELS = {"gla": ["gla_backward_out"], "kda": ["kda_backward_out_d_g", "kda_backward_out_d_q_d_k_d_v"]}
+KERNELS = {"gla": ["gla_backward_out"], "kda": ["kda_backward_out_d_q_d_k_d_g", "kda_backward_out_d_v_d_beta"]}
 # label -> (regex, replacement) edits of the generated module's lines
 VARIANTS = {
     "no VJP products (d P ⋆ Z, d P ⋆ X)": [(r"^for i_m in T\.serial\(16\):$", "for i_m in T.serial(0):")],

@@ -102,29 +102,29 @@ def _verified(kir: KernelIR) -> KernelIR:
     return kir
 
 
-def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: bool) -> list:
+def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: bool, groups=None) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
-    kernel per group of outputs, each recomputing what its outputs need, except the diagonal
-    sub-block products an earlier group's kernel holds, which it stores for the later ones
+    kernel per group of outputs (`groups`, else _out_groups'), each recomputing what its outputs need, except the
+    diagonal sub-block products an earlier group's kernel holds, which it stores for the later ones
     (_handed_over). What must fit is the peak
     of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
     not overlap share memory (GDN's backward: one kernel for all five gradients, ~145 KB at its
     peak, where the sum is ~310 KB; split five ways, ~45% of its matmuls ran more than once)."""
     roles = tuple(part.chunk.outputs)
+    built = {}
 
-    def suffix(group):
-        return "" if group == roles else "_" + "_".join(group)
+    def build_group(group):
+        if group not in built:
+            suffix = "" if group == roles else "_" + "_".join(group)
+            built[group] = _out_built(part, group, suffix, split_phase, dims, partial_keys)
+        return built[group]
 
     def fits(k):
         return max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) <= SMEM_BUDGET
 
-    def split(group):
-        k, held = _out_built(part, group, suffix(group), split_phase, dims, partial_keys)
-        if fits(k) or len(group) == 1:
-            return [(group, k, held)]
-        half = (len(group) + 1) // 2
-        return split(group[:half]) + split(group[half:])
-    parts = split(roles)
+    if groups is None:
+        groups = _out_groups(roles, lambda g: build_group(g)[0], fits)
+    parts = [(tuple(group), *build_group(tuple(group))) for group in groups]
     handed = _handed_over(part, parts)
     if not handed:
         return [k for _, k, _ in parts]
@@ -132,14 +132,60 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: b
     for i, (group, k, _) in enumerate(parts):
         hands = tuple(x for x, (owner, _) in handed.items() if owner == i)
         takes = tuple(x for x, (_, users) in handed.items() if i in users)
-        if not hands and not takes:  # (as built: KDA's d β kernel)
+        if not hands and not takes:
             out.append(k)
             continue
-        k, _ = _out_built(part, group, suffix(group), split_phase, dims, partial_keys, hands, takes)
+        suffix = "" if group == roles else "_" + "_".join(group)
+        k, _ = _out_built(part, group, suffix, split_phase, dims, partial_keys, hands, takes)
         if not fits(k):
             return [k for _, k, _ in parts]  # (a loaded block in place of work that needed more: recompute)
         out.append(k)
     return out
+
+
+def _out_groups(roles: tuple, kernel_of, fits) -> list:
+    """The groups of outputs that get an out kernel each: all in one where that kernel fits; else
+    the fewest kernels that all fit, and among those the one that does the least work twice
+    (_recomputed). Each group keeps the outputs' order. An output that does not fit even alone
+    gets its own kernel (KernelIR.over_budget says so). Halving the list, as this did before,
+    split KDA's backward into d q d k d v | d g | d β: the d g kernel then recomputed the whole
+    d k chain (15 matmuls), 6.5 of the training step's 24.6 ms on the H200 (session 29), where
+    d q d k d v d g | d β fits (200 KB) and does it once."""
+    if len(roles) == 1 or fits(kernel_of(roles)):
+        return [roles]
+    best = None
+    for groups in _set_partitions(roles):
+        if best is not None and len(groups) > len(best[0]):
+            break
+        kernels = [kernel_of(g) for g in groups]
+        if all(fits(k) or len(g) == 1 for g, k in zip(groups, kernels)):
+            cost = tuple(map(sum, zip(*(_recomputed(k) for k in kernels))))
+            if best is None or cost < best[1]:
+                best = (groups, cost)
+    return best[0]
+
+
+def _set_partitions(items: tuple) -> list:
+    """Every way to cut `items` into groups, fewest groups first; each group and the list of
+    groups in the items' order (so kernel names and parameters do not depend on the search)."""
+    def cuts(rest):
+        if not rest:
+            yield []
+            return
+        first, tail = rest[0], rest[1:]
+        for sub in cuts(tail):
+            yield [(first,)] + sub
+            for i in range(len(sub)):
+                yield sub[:i] + [(first,) + sub[i]] + sub[i + 1:]
+    return sorted(cuts(tuple(items)), key=len)
+
+
+def _recomputed(k: Kernel) -> tuple:
+    """What a kernel costs, for comparing groupings: its decayed products (CUDA-core loops over
+    C × K × the sub-block; four of them were 7.2 of KDA's d q d k d v kernel's 10.1 ms, session
+    27), then its matmuls, then its statements."""
+    ops = [st.op for st in k.body]
+    return ops.count("decayed_product"), ops.count("gemm"), len(ops)
 
 
 def _handed_over(part: Partition, parts: list) -> dict:

@@ -25,6 +25,8 @@ from qla_compiler.kernels import forward as fwd
 from qla_compiler.layout import gather, sequence_bounds, to_chunks
 from qla_compiler.ops import chunk_gla, chunk_kda
 from qla_compiler.passes.rewrite_subchunk import SUBCHUNK
+from qla_compiler.passes.schedule import _out_kernels
+from qla_compiler.passes.schedule_memory import SMEM_BUDGET, dim_sizes
 from qla_compiler.passes.verify_exponents import NEG, analyse, verify_exponents
 from qla_compiler.spec import K, DiagExp
 from qla_compiler.testing import input_grads, random_inputs, rel_err
@@ -476,12 +478,34 @@ def test_cli_check_reports_every_pass_within_tolerance(name, capsys):
     assert "after chunk" in out and "every pass within 1e-10" in out
 
 
+def test_the_backward_out_kernels_are_grouped_to_do_the_least_work_twice(ops):
+    """KDA's backward out kernel for all five gradients would not fit in shared memory (264 KB).
+    Halving the list of outputs gave d q d k d v | d g | d β, and the d g kernel recomputed d k's
+    whole chain. The grouping is now the fewest kernels that fit, then the fewest decayed products
+    and matmuls done twice: d q d k d g | d v d β, with d k's chain once."""
+    back = ops["kda"].program.backward_program.kernels
+    outs = [k for k in back.kernels if k.kind == "out"]
+    assert [k.outputs for k in outs] == [("d_q", "d_k", "d_g"), ("d_v", "d_beta")]
+    assert all(k.shared_peak <= SMEM_BUDGET for k in outs)
+    # each decayed product computed once, none stored for another kernel (d β's KKᵀ⊙R is its own)
+    assert [sum(st.op == "decayed_product" for st in k.body) for k in outs] == [4, 1]
+    assert all({p.name for p in k.params if p.role == "out"} == set(k.outputs) for k in outs)
+    # GDN's backward at K = V = 128 fits in one out kernel, as it did
+    gdn = ops["gdn"].program.backward_program.kernels
+    assert [k.outputs for k in gdn.kernels if k.kind == "out"] == [("d_q", "d_k", "d_v", "d_g", "d_beta")]
+
+
 def test_split_out_kernels_hand_the_diagonal_products_on(ops):
-    """KDA's backward out kernel is split three ways for shared memory. The d g kernel loads the
-    four diagonal sub-block products the d q, d k, d v kernel computed (float32 rows, stored right
-    after each is complete) instead of computing them again: it holds no decayed product of its
-    own. (test_the_backward_kernels_meet_autograd_of_the_reference runs the values.)"""
-    kernels = {k.name: k for k in ops["kda"].program.backward_program.kernels.kernels}
+    """Where the outputs are split so that a later kernel needs a decayed product an earlier one
+    holds (KDA's backward cut as d q d k d v | d g | d β, as it ran in sessions 28 to 31), the
+    d g kernel loads the four diagonal sub-block products the d q, d k, d v kernel computed
+    (float32 rows, stored right after each is complete) instead of computing them again: it holds
+    no decayed product of its own."""
+    prog = ops["kda"].program
+    part = prog.backward_program.stage("partition")
+    built = _out_kernels(part, True, dim_sizes(prog.head_dims), False,
+                         groups=[("d_q", "d_k", "d_v"), ("d_g",), ("d_beta",)])
+    kernels = {k.name: k for k in built}
     first, d_g = kernels["kda_backward_out_d_q_d_k_d_v"], kernels["kda_backward_out_d_g"]
     handed = {p.name for p in first.params if p.role == "out" and p.dtype == "float32"}
     assert len(handed) == 4
