@@ -1,6 +1,6 @@
 """FLA's own GDN tests, run against qla's op (issue 15: correct on real data).
 
-    python3 benchmarks/fla_gdn_tests.py                 # qla's op in place of FLA's chunk_gated_delta_rule
+    python3 benchmarks/fla_gdn_tests.py                 # qla's ops in place of FLA's (chunk_, fused_recurrent_)
     python3 benchmarks/fla_gdn_tests.py --op fla        # the same tests on FLA's own op (the baseline)
     python3 benchmarks/fla_gdn_tests.py --op both       # both, one process, side by side
     python3 benchmarks/fla_gdn_tests.py -k D64 -- -x    # a subset (pytest's -k); after --, pytest's own options
@@ -13,17 +13,19 @@
 
 The test file is FLA's `tests/ops/test_gdn.py`, unchanged and kept out of this repository: by
 default `.gpu/fla_tests/test_gdn.py` (git-ignored; .gpu/fla_tests/SOURCE.txt says which commit),
-else `--tests PATH`. Exactly three of its tests run, the acceptance: `test_chunk`,
-`test_chunk_varlen` and `test_chunk_varlen_prefill`. Each calls the module-level name
-`chunk_gated_delta_rule` for the op under test and compares it (FLA's `assert_close`: RMS error
-over RMS of the reference, below a per-quantity ratio) with FLA's float32 token-by-token
-`naive_recurrent_gated_delta_rule`. For every test the runner rebinds that one name to
-`qla_compiler.ops.chunk_gated_delta_rule` (a thin wrapper that only counts calls and the keyword
+else `--tests PATH`. Four of its tests run: `test_chunk`, `test_chunk_varlen` and
+`test_chunk_varlen_prefill` (the acceptance), which call the module-level name
+`chunk_gated_delta_rule` for the op under test, and `test_fused_recurrent`, which calls
+`fused_recurrent_gated_delta_rule` (q, k in float32 beside v and β in the test's dtype, every input
+requiring gradients; its forward only). Each compares the op (FLA's `assert_close`: RMS error over
+RMS of the reference, below a per-quantity ratio) with FLA's float32 token-by-token
+`naive_recurrent_gated_delta_rule`. For every test the runner rebinds those names to
+`qla_compiler.ops`' ops of the same names (thin wrappers that only count calls and the keyword
 arguments they pass), and wraps `assert_close` to record each comparison it makes, then prints
 one line per test: its outcome and every quantity's ratio against the test's bound.
 
-These three tests pass our op only q, k, v, g, beta and scale=, initial_state=,
-output_final_state=, use_qk_l2norm_in_kernel=, cu_seqlens= (all of which it takes); the summary
+These tests pass our ops only q, k, v, g, beta and scale=, initial_state=,
+output_final_state=, use_qk_l2norm_in_kernel=, cu_seqlens= (all of which they take); the summary
 lists the keywords actually seen, so a newer test file that passes more shows up there (and as the
 op's ValueError naming the unknown argument). Environment, set before fla is imported:
 FLA_DISABLE_BACKEND_DISPATCH=1 (test_chunk skips its grouped-head cases, HV != H, otherwise) and
@@ -49,14 +51,16 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own kernels when --op fla/b
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TESTS = REPO / ".gpu" / "fla_tests" / "test_gdn.py"
-SELECTED = ("test_chunk", "test_chunk_varlen", "test_chunk_varlen_prefill")
-# what these three tests pass the op, by keyword (q, k, v, g, beta included); anything else is news
+SELECTED = ("test_chunk", "test_chunk_varlen", "test_chunk_varlen_prefill", "test_fused_recurrent")
+# the names a selected test calls for the op under test (each rebound to qla's op of that name)
+OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+# what these tests pass the ops, by keyword (q, k, v, g, beta included); anything else is news
 EXPECTED_KWARGS = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
                    "use_qk_l2norm_in_kernel", "cu_seqlens"}
 
 
 class Swap:
-    """A pytest plugin: per test, the module's `chunk_gated_delta_rule` is the op under test, and
+    """A pytest plugin: per test, the module's OPS are the ops under test, and
     every `assert_close` is recorded (prefix, ratio, bound, max abs error) before it runs."""
 
     def __init__(self, which: str):
@@ -64,12 +68,12 @@ class Swap:
         self.results = {}  # nodeid -> {"outcome", "message", "calls", "closes": [(name, ratio, bound, abs)]}
         self.kwargs_seen = set()
 
-    def _op(self, module):
+    def _op(self, module, name):
         if self.which == "fla":
-            return module.chunk_gated_delta_rule
-        from qla_compiler.ops import chunk_gated_delta_rule
+            return getattr(module, name)
+        from qla_compiler import ops
 
-        return chunk_gated_delta_rule
+        return getattr(ops, name)
 
     def _entry(self, nodeid):
         return self.results.setdefault(nodeid, {"outcome": None, "message": "", "calls": 0, "closes": []})
@@ -78,13 +82,15 @@ class Swap:
     def pytest_runtest_call(self, item):
         module = item.module
         entry = self._entry(item.nodeid)
-        op, close = self._op(module), module.assert_close
+        close = module.assert_close
         from fla.utils import get_abs_err, get_err_ratio
 
-        def counted(*args, **kwargs):
-            entry["calls"] += 1
-            self.kwargs_seen.update(kwargs)
-            return op(*args, **kwargs)
+        def counted(op):
+            def call(*args, **kwargs):
+                entry["calls"] += 1
+                self.kwargs_seen.update(kwargs)
+                return op(*args, **kwargs)
+            return call
 
         def recorded(prefix, ref, tri, ratio, *rest, **kw):
             try:
@@ -94,12 +100,16 @@ class Swap:
             entry["closes"].append((prefix.strip(), rate, ratio, abs_err))
             return close(prefix, ref, tri, ratio, *rest, **kw)
 
-        saved = module.chunk_gated_delta_rule, module.assert_close
-        module.chunk_gated_delta_rule, module.assert_close = counted, recorded
+        names = [n for n in OPS if hasattr(module, n)]
+        saved = {n: getattr(module, n) for n in (*names, "assert_close")}
+        for n in names:
+            setattr(module, n, counted(self._op(module, n)))
+        module.assert_close = recorded
         try:
             yield
         finally:
-            module.chunk_gated_delta_rule, module.assert_close = saved
+            for n, f in saved.items():
+                setattr(module, n, f)
 
     def pytest_runtest_logreport(self, report):
         entry = self._entry(report.nodeid)
@@ -211,6 +221,9 @@ def fla_classes(params: dict) -> list:
         out.append((p["H"], p["HV"], p["D"], p["D"], len(p["cu_seqlens"]) - 1, p["dtype"], None, True))
     for p in params["test_chunk_varlen_prefill"]:  # packed, HV = H, inference mode
         out.append((p["H"], p["H"], p["D"], p["D"], len(p["cu_seqlens"]) - 1, p["dtype"], None, False))
+    for p in params["test_fused_recurrent"]:  # inputs that need gradients: the chunk op's training
+        if p["dtype"] in ("float16", "bfloat16"):  # forward (float32 runs no kernels)
+            out.append((p["H"], p["HV"], p["D"], p["D"], p["B"], p["dtype"], p["scale"], True))
     return out
 
 
@@ -294,8 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tests", type=Path, default=DEFAULT_TESTS, help="FLA's tests/ops/test_gdn.py "
                     f"(default {DEFAULT_TESTS.relative_to(REPO)})")
     ap.add_argument("--op", choices=("qla", "fla", "both"), default="qla",
-                    help="whose chunk_gated_delta_rule the tests call (both: qla, then FLA)")
-    ap.add_argument("-k", dest="keyword", help="pytest -k expression, within the three tests")
+                    help="whose ops the tests call (both: qla, then FLA)")
+    ap.add_argument("-k", dest="keyword", help="pytest -k expression, within the selected tests")
     ap.add_argument("--collect-only", action="store_true", help="list the selected tests, run none")
     ap.add_argument("--classes", action="store_true", help="print the shape classes the tests compile, run none")
     ap.add_argument("--precompile", action="store_true", help="compile those classes here (no GPU or FLA needed)")

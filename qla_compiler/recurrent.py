@@ -20,7 +20,13 @@ to, with `num_accepted_tokens` [N]: the step starts from slot [n, num_accepted_t
 `inplace_final_state` (write each sequence's new state into its own slot; no other slot changes).
 Returns (o, final): o like the chunk op's; final is the pool itself when in place, else
 [N, HV, K, V] in the state's dtype (float32 without an initial state), or None without
-`output_final_state`. Not differentiable: train with the chunk op.
+`output_final_state`.
+
+As FLA's `fused_recurrent_*`, q and k may come in float32 beside bf16/fp16 values (its tests pass
+them so): they are normalised in their own dtype (with `use_qk_l2norm_in_kernel`), then rounded to
+the values' dtype the kernel reads, which is what FLA's reference does to them. A call whose inputs
+need gradients (FLA's takes such inputs, and raises only in backward) runs the chunk op, the same
+recurrence chunk by chunk, and is differentiable; with a state pool it is refused.
 
 CUDA bf16/fp16 inputs run the generated token-step kernel (passes/token_step.py); anything else
 runs the same host code with the KernelIR interpreter in place of the kernel.
@@ -30,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from . import custom_ops
-from .checks import check_inputs
-from .op import _l2norm
+from .checks import FLOATS, check_inputs
+from .op import _l2norm, _wants_grad
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -106,15 +112,18 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
               num_accepted_tokens=None, **named):
     from .kernels import token_step as host
 
-    inputs = op._bind(args, named)
+    inputs, use_qk_l2norm_in_kernel = _keys_in_values_dtype(op, op._bind(args, named), use_qk_l2norm_in_kernel)
     compiling = torch.compiler.is_compiling()  # (then the custom op reads the values)
     dims = check_inputs(inputs, op.kinds, None, cu_seqlens, scale, read_values=not compiling)
     device = inputs[op.value_name].device
     _check_pool(initial_state, ssm_state_indices, num_accepted_tokens, inplace_final_state, dims, device)
-    if torch.is_grad_enabled() and any(torch.is_tensor(x) and x.requires_grad
-                                       for x in (*inputs.values(), initial_state)):
-        raise ValueError(f"{op.name}.recurrent: the token step is not differentiable (it is for decoding); "
-                         "train with the chunk op, or call under torch.no_grad()")
+    if _wants_grad(*inputs.values(), initial_state):
+        if ssm_state_indices is not None or inplace_final_state:
+            raise ValueError(f"{op.name}.recurrent: a state pool (ssm_state_indices, inplace_final_state) is for "
+                             "decoding and takes no gradients; call under torch.no_grad(), or without the pool")
+        o, final = op(**inputs, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o, (final.to(initial_state.dtype) if final is not None and initial_state is not None else final)
     if use_qk_l2norm_in_kernel:  # FLA's normalisation, as the chunk op and the reference do it
         inputs = {n: (_l2norm(x) if op.kinds[n] == "key" else x) for n, x in inputs.items()}
     scale = dims.K ** -0.5 if scale is None else float(scale)
@@ -129,6 +138,20 @@ def recurrent(op, *args, scale=None, initial_state=None, output_final_state=Fals
         out = pool.new_empty(1, *pool.shape[1:]) if out is pool else out
         o = custom_ops.call("token_step", op.key, xs, cu, read, write, final, pool, out, scale, compiling)
     return o, returned
+
+
+def _keys_in_values_dtype(op, inputs: dict, l2norm: bool) -> tuple:
+    """(inputs, whether the keys are still to be normalised): keys in a floating dtype other than the
+    values' normalised (if asked) in their own, then rounded to the values'; else as they came (a
+    dtype check_inputs refuses, or one dtype for all: normalised later, once checked)."""
+    v = inputs.get(op.value_name)
+    keys = [n for n in op.input_names if op.kinds[n] == "key"]
+    if not (torch.is_tensor(v) and v.dtype in FLOATS and all(torch.is_tensor(inputs[n]) and inputs[n].dtype in FLOATS
+                                                             for n in keys if n in inputs)):
+        return inputs, l2norm
+    if all(inputs[n].dtype == v.dtype for n in keys if n in inputs):
+        return inputs, l2norm
+    return {n: ((_l2norm(x) if l2norm else x).to(v.dtype) if n in keys else x) for n, x in inputs.items()}, False
 
 
 def _interpreted(program, dims, scale, head_logs):

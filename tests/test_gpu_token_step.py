@@ -49,6 +49,28 @@ def test_gdn_token_step_within_flas_error(K, V):
         assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + 1e-4, (rel_err(ours, ref), rel_err(theirs, ref))
 
 
+def test_fla_fused_recurrent_conventions_on_the_gpu():
+    """q, k in float32 beside bf16 v and β with use_qk_l2norm_in_kernel, as FLA's own
+    test_fused_recurrent passes them: without gradients the token-step kernel runs on the keys
+    normalised in float32 and rounded to bf16 (bitwise what it gives those keys passed so); with
+    inputs that need gradients the chunk op runs, within bf16's tolerance of the reference, and
+    backward gives every input a gradient."""
+    op = qla_compiler.compile("gdn")
+    args = _args(op, [0, 1, 3, 35], seed=6)
+    keys = {n: args[n].float() for n in ("q", "k")}
+    rounded = {n: (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) for n, x in keys.items()}
+    o, final = op.recurrent(**{**args, **keys}, use_qk_l2norm_in_kernel=True)
+    o_same, final_same = op.recurrent(**{**args, **rounded})
+    assert torch.equal(o, o_same) and torch.equal(final, final_same)
+    leaves = {n: x.clone().requires_grad_() for n, x in {**args, **keys}.items()
+              if torch.is_tensor(x) and x.is_floating_point()}
+    o_grad, final_grad = op.recurrent(**{**args, **leaves}, use_qk_l2norm_in_kernel=True)
+    o_ref, final_ref = op.reference(**{**args, **rounded})
+    assert rel_err(o_grad.detach(), o_ref) <= TOL and rel_err(final_grad.detach(), final_ref) <= TOL
+    (o_grad.float().square().sum() + final_grad.square().sum()).backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves.values())
+
+
 @pytest.mark.parametrize("block_v", [8, 16])
 def test_pool_semantics_on_the_gpu(block_v):
     """In place into slots 7, 2, 0, 5 of a float32 pool with a padding entry: the named slots at the

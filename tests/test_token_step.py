@@ -160,7 +160,7 @@ def test_bad_pool_arguments_are_named(ops, call, message):
         op.recurrent(**args, initial_state=pool, **call)
 
 
-def test_missing_pool_and_gradients_are_refused(ops):
+def test_missing_pool_and_a_pool_with_gradients_are_refused(ops):
     op = ops["gdn"]
     args, pool = _decode_batch(op)
     with pytest.raises(ValueError, match="initial_state: ssm_state_indices names slots"):
@@ -168,8 +168,38 @@ def test_missing_pool_and_gradients_are_refused(ops):
     with pytest.raises(ValueError, match="initial_state: expected 5 states \\(one per sequence\\) without ssm_state_indices"):
         op.recurrent(**args, initial_state=pool)
     args["q"].requires_grad_()
-    with pytest.raises(ValueError, match="not differentiable"):
-        op.recurrent(**args)
+    with pytest.raises(ValueError, match="a state pool .* takes no gradients"):
+        op.recurrent(**args, initial_state=pool, ssm_state_indices=torch.arange(5), inplace_final_state=True)
+
+
+def test_fla_fused_recurrent_conventions(ops):
+    """What FLA's own test_fused_recurrent passes its op (tests/ops/test_gdn.py): q, k in float32
+    beside bf16 values and β, use_qk_l2norm_in_kernel, and every input requiring gradients. The
+    keys are normalised in float32 and rounded to the values' dtype (what FLA's reference does to
+    them); the call runs the chunk op and is differentiable: the gradients are autograd's through
+    the float64 reference on the same rounded keys. (Before, mixed dtypes and inputs that need
+    gradients were both refused, so FLA's test could not run against this op.)"""
+    op = ops["gdn"]
+    args = _inputs(op, [0, 1, 6, 6, 40], seed=5)
+    leaves = {n: (x.float() if n in ("q", "k") else x.to(torch.bfloat16) if n in ("v", "beta") else x.float())
+              for n, x in args.items() if torch.is_tensor(x)}
+    call = {n: x.clone().requires_grad_() for n, x in leaves.items() if n != "cu_seqlens"}
+    cu = args["cu_seqlens"]
+    o, final = op.recurrent(**call, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32 and o.requires_grad
+    d_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    d_final = torch.randn(final.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    ((o.double() * d_o).sum() + (final.double() * d_final).sum()).backward()
+
+    ref = {n: x.clone().requires_grad_() for n, x in leaves.items() if n != "cu_seqlens"}
+    keys = {n: (ref[n] * torch.rsqrt((ref[n] * ref[n]).sum(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).double()
+            for n in ("q", "k")}
+    o_ref, final_ref = op.reference(**{n: (keys[n] if n in keys else x.double()) for n, x in ref.items()},
+                                    cu_seqlens=cu, output_final_state=True)
+    ((o_ref * d_o).sum() + (final_ref * d_final).sum()).backward()
+    errs = {"o": rel_err(o.detach(), o_ref.detach()), "final": rel_err(final.detach(), final_ref.detach())}
+    errs.update({f"d {n}": rel_err(call[n].grad, ref[n].grad) for n in call})
+    assert max(errs.values()) <= 1e-2, errs
 
 
 def test_fla_names_take_keywords():
