@@ -254,8 +254,9 @@ def compile_items(classes: list) -> list:
             todo.append(("gdn", shape, runs_as))
             continue
         todo.append(("gdn.training", shape, runs_as))
-        width = program.for_shape(runs_as).backward_columns()[0]
+        _, width, _ = program.for_shape(runs_as).backward_blocks()
         # a backward on column blocks of V (kernels/backward.py): each block a class of its width
+        # (GDN never splits over keys: its inverse sums over K)
         if width >= V:
             todo.append(("gdn.backward", shape, runs_as))
             continue
@@ -285,7 +286,7 @@ def precompile(todo: list, tar: str | None) -> int:
         program = programs[name].for_shape(runs_as)
         program = {"": lambda: program, "training": lambda: program.training_program,
                    "backward": lambda: program.backward_program,
-                   "backward_columns": lambda: program.backward_columns()[1].backward_program}[variant]()
+                   "backward_columns": lambda: program.backward_blocks()[2].backward_program}[variant]()
         try:
             kernels = load_kernels(program, shape)
             for k in program.kernels.kernels:

@@ -39,43 +39,65 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     dtype, the out kernel's, a key's summed over its group; gates and scalars float32) and of the
     initial state [N, HV, K, V], from the cotangents of o [B, T, HV, V] and of the final state.
     With `segments` the reverse scan runs context-parallel, as the forward's can. Where the
-    backward's kernels do not fit at V's tile (Program.backward_columns: K = V = 256), it runs on
-    column blocks of V, each a problem of its own columns. `cache`: as forward.run_kernels'."""
-    width, each = program.backward_columns()
+    backward's kernels do not fit at the head dims' tiles (Program.backward_blocks), it runs on
+    blocks of V's columns (K = V = 256 GDN), or of K's (K = 256 GLA), each a problem of its own
+    columns. `cache`: as forward.run_kernels'."""
+    keys, width, each = program.backward_blocks()
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = kept[v_name].dtype if v_name in kept else d_o.dtype  # the forward's io dtype
     t = {n: kept[n] for n in reads_from_forward(each) | {"cu_seqlens"} if n in kept}
     t["d_o"] = d_o.reshape(1, dims.B * dims.T, dims.HV, dims.V).to(io).contiguous()
     d_final = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=d_o.device, dtype=torch.float32)
                if d_final is None else d_final.to(torch.float32).contiguous())
+    params = {p.name: p for k in each.backward_program.kernels.kernels for p in k.params}
+    if keys >= dims.K:
+        return _on_columns(width, each, params, t, kinds, dims, scale, io, d_final, segments, cache)
+    parts = []
+    for k0, w in column_blocks(dims.K, keys):
+        sub = dataclasses.replace(dims, K=w)
+        block = {n: _block(x, params.get(n), "K", k0, w) for n, x in t.items()}
+        parts.append(_on_columns(width, each, params, block, kinds, sub, scale, io,
+                                 d_final[..., k0:k0 + w, :].contiguous(), segments, cache))
+    # a key's (and a per-key gate's) gradient is its columns'; every other input's the blocks' sum
+    return _joined(parts, kinds, ("key", "key_gate"), io), torch.cat([d for _, d in parts], dim=-2)
+
+
+def _on_columns(width: int, each, params: dict, t: dict, kinds: dict, dims, scale: float, io, d_final, segments,
+                cache: bool):
+    """backward() on V's column blocks of `width` (one, where that is V whole)."""
     if width >= dims.V:
         return _backward(each, t, kinds, dims, scale, io, d_final, segments, cache)
-    params = {p.name: p for k in each.backward_program.kernels.kernels for p in k.params}
     parts = []
     for v0, w in column_blocks(dims.V, width):
         sub = dataclasses.replace(dims, V=w)
-        cols = {n: _columns(x, params.get(n), v0, sub.V) for n, x in t.items()}
-        parts.append(_backward(each, cols, kinds, sub, scale, io, d_final[..., v0:v0 + sub.V].contiguous(), segments,
+        cols = {n: _block(x, params.get(n), "V", v0, w) for n, x in t.items()}
+        parts.append(_backward(each, cols, kinds, sub, scale, io, d_final[..., v0:v0 + w].contiguous(), segments,
                                cache))
+    # a value's gradient is its columns'; every other input's the blocks' sum
+    return _joined(parts, kinds, ("value",), io), torch.cat([d for _, d in parts], dim=-1)
+
+
+def _joined(parts: list, kinds: dict, placed: tuple, io) -> dict:
+    """Each input's gradient from the blocks' (`parts`: (grads, d_h0) of each): side by side along
+    the last dim for the kinds `placed`, else the sum of the blocks' float32 partials (schedule's
+    `partial`), added in place (stacking them first copied 4 GB at K = V = 256, 16/64 heads, 32768
+    tokens), then a key's or a value's in the io dtype."""
     grads = {}
     for name, kind in kinds.items():
         blocks = [g[name] for g, _ in parts]
-        if kind == "value":  # a value's gradient is its columns'
+        if kind in placed:
             grads[name] = torch.cat(blocks, dim=-1)
             continue
-        # every other input's is the sum of every block's (float32 partials, schedule's
-        # partial_keys: a key's leaves in the io dtype once summed), added in place: stacking
-        # them first copied 4 GB at K = V = 256, 16/64 heads, 32768 tokens
         total = blocks[0].float()
         for b in blocks[1:]:
             total += b
-        grads[name] = total.to(io if kind == "key" else blocks[0].dtype)
-    return grads, torch.cat([d for _, d in parts], dim=-1)
+        grads[name] = total.to(io if kind in ("key", "value") else blocks[0].dtype)
+    return grads
 
 
 def column_blocks(V: int, width: int) -> list:
-    """(first column, width) of each column block of V the backward runs on (the last one may be
-    narrower; precompile compiles each width's classes).
+    """(first column, width) of each block of a head dim's columns (V's, or K's) the backward runs
+    on (the last one may be narrower; precompile compiles each width's classes).
 
     >>> column_blocks(256, 64), column_blocks(200, 128), column_blocks(128, 128)
     ([(0, 64), (64, 64), (128, 64), (192, 64)], [(0, 128), (128, 72)], [(0, 128)])
@@ -83,14 +105,15 @@ def column_blocks(V: int, width: int) -> list:
     return [(v0, min(V, v0 + width) - v0) for v0 in range(0, V, width)]
 
 
-def _columns(x: torch.Tensor, param, v0: int, width: int) -> torch.Tensor:
-    """Columns [v0, v0 + width) of a tensor the backward kernels read as `param` (its padding
-    columns too, where the kernels read it at the tile's width); the tensor itself without V."""
-    if param is None or "V" not in param.shape:
+def _block(x: torch.Tensor, param, dim: str, start: int, width: int) -> torch.Tensor:
+    """Columns [start, start + width) of head dim `dim` of a tensor the backward kernels read as
+    `param` (its padding columns too, where the kernels read it at the tile's width); the tensor
+    itself where it has no such dim."""
+    if param is None or dim not in param.shape:
         return x
-    axis = param.shape.index("V")
+    axis = param.shape.index(dim)
     n = tile_width(width) if param.padded else width
-    return x.narrow(axis, v0, n).contiguous()
+    return x.narrow(axis, start, n).contiguous()
 
 
 def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments, cache: bool = True):

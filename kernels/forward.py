@@ -306,7 +306,7 @@ def _call_program(program, dims, io, device, keep: bool, context_parallel, fused
     def make():
         variant = program_for(program, dims, io, device)
         if keep:
-            variant.backward_columns()  # a backward the kernels cannot run fails here, before the forward
+            variant.backward_blocks()  # a backward the kernels cannot run fails here, before the forward
             return variant.training_program
         # (the fused program is the same from every variant: it puts the decay on the value side
         # itself, the one kernel-shaping choice that depends on the V-block)

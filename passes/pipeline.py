@@ -45,6 +45,7 @@ from .autodiff import derive_backward
 from .chunk import derive_chunks
 from .classify import classify
 from .frontend import load_spec
+from .key_blocks import key_blocks
 from .lowerable import unsupported
 from .partition import partition
 from .rewrite_decay_side import DECAY_VALUE_SIDE
@@ -86,9 +87,10 @@ class Program:
     checked: dict = field(default_factory=dict)  # check mode: pass -> relative errors (o, final state)
     # why the chunk program has no kernels (passes/lowerable.py): the pipeline stopped before partition
     no_kernels: str | None = None
-    # its backward runs on one column block of V (backward_columns): each block's key gradients are
-    # partial sums the host adds, so its out kernel writes them in float32 (schedule's partial_keys)
-    column_block: bool = False
+    # the input kinds whose gradients its backward leaves as partial sums the host adds up: "key"
+    # on a column block of V (backward_columns), "value" on a block of K's columns (backward_blocks);
+    # its out kernel writes them in float32 (schedule's `partial`)
+    partial: tuple = ()
 
     def stage(self, name: str):
         return next(ir for n, ir in self.stages if n == name)
@@ -151,16 +153,17 @@ class Program:
         tiles = (max(HEAD_DIMS[0], shape.KP), max(HEAD_DIMS[1], shape.VP))
         return prog if tiles == prog.head_dims or prog.kernels is None else prog.scheduled_for(tiles)
 
-    def scheduled_for(self, head_dims: tuple, column_block: bool = False) -> "Program":
+    def scheduled_for(self, head_dims: tuple, partial: tuple = ()) -> "Program":
         """This program with its kernels scheduled for head-dim tiles up to `head_dims` (K, V):
         shared memory and registers budgeted at those sizes (more threads, fewer stages, outputs
-        split). Its training and backward programs are scheduled the same way; `column_block`: its
-        backward runs on one of V's column blocks (backward_columns)."""
-        key = ("head_dims", tuple(head_dims), column_block)
+        split). Its training and backward programs are scheduled the same way; `partial`: its
+        backward runs on one block of V's or K's columns (backward_blocks), Program.partial."""
+        partial = tuple(sorted(partial))
+        key = ("head_dims", tuple(head_dims), partial)
         if key not in self._derived:
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             prog = Program(self.path, self.target, self.chunk_size, self.recurrence, self.chunk,
-                           stages=list(before), head_dims=tuple(head_dims), column_block=column_block)
+                           stages=list(before), head_dims=tuple(head_dims), partial=partial)
             self._derived[key] = prog._scheduled(self.chunk, before, "", into=prog)
         return self._derived[key]
 
@@ -242,7 +245,7 @@ class Program:
                             self.kernels)
             self._derived["windows_program"] = Program(
                 self.path, self.target, self.chunk_size, self.recurrence, self.chunk, kir,
-                stages=[*self.stages, ("walk_skip", kir)], head_dims=self.head_dims, column_block=self.column_block)
+                stages=[*self.stages, ("walk_skip", kir)], head_dims=self.head_dims, partial=self.partial)
         return self._derived["windows_program"]
 
     @property
@@ -262,7 +265,7 @@ class Program:
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
                         and (x in carried or self.chunk.node(x).op != "matmul")]
             self._derived["backward_program"] = self._scheduled(
-                back, [("autodiff", back)], "backward program: ", partial_keys=self.column_block, provided=provided)
+                back, [("autodiff", back)], "backward program: ", partial=self.partial, provided=provided)
         return self._derived["backward_program"]
 
     def backward_columns(self) -> tuple:
@@ -286,7 +289,7 @@ class Program:
             mixed = columns_mixed(self.chunk)
             while prog.backward_program.kernels.over_budget and width > 64 and not mixed:
                 width //= 2
-                prog = self.scheduled_for((K, width), column_block=True)
+                prog = self.scheduled_for((K, width), partial=(*self.partial, "key"))
             over = prog.backward_program.kernels.over_budget
             if over:
                 why = f"{mixed} mixes V's columns" if mixed else f"not even on column blocks of {width}"
@@ -294,6 +297,36 @@ class Program:
                                             f"at head-dim tiles K = {K}, V = {self.head_dims[1]} ({why})")
             self._derived["backward_columns"] = (width, prog)
         return self._derived["backward_columns"]
+
+    def backward_blocks(self) -> tuple:
+        """(keys, values, program): the widths of the blocks of K's and of V's columns a backward at
+        this program's head-dim tiles runs on, and the program whose backward kernels run each block.
+        V's column blocks where they fit (backward_columns); else, where the program splits over
+        keys (passes/key_blocks.py: no delta rule, no K×K matrix), blocks of K halved down to 64,
+        each a problem of its own keys (with V's column blocks inside, if it still needs them): the
+        host places the keys' gradients and the state's, and sums the others' (kernels/backward.py).
+        GLA's backward at K = 256 needs 216 KB for its d g kernel even on 64 of V's columns.
+
+            >>> import qla_compiler
+            >>> keys, values, each = qla_compiler.compile_spec("gla").scheduled_for((256, 128)).backward_blocks()
+            >>> keys, values, each.head_dims, each.partial
+            (128, 128, (128, 128), ('value',))
+        """
+        if "backward_blocks" not in self._derived:
+            K = self.head_dims[0]
+            try:
+                width, prog = self.backward_columns()
+                blocks = (K, width, prog)
+            except PassError as e:
+                how, why = key_blocks(self.backward)
+                if how is None or K <= 64:
+                    said = str(e).removeprefix(f"pass '{e.pass_name}': ")
+                    raise PassError(e.pass_name, f"{said}; nor on blocks of K: "
+                                                 f"{why or f'K = {K} is already the narrowest block'}") from None
+                half = self.scheduled_for((K // 2, self.head_dims[1]), partial=(*self.partial, "value"))
+                blocks = half.backward_blocks()
+            self._derived["backward_blocks"] = blocks
+        return self._derived["backward_blocks"]
 
     def backward_unsupported(self) -> str | None:
         """Why the backward program has no lowering rules (passes/lowerable.py), or None when it
@@ -370,9 +403,9 @@ class Program:
         return got
 
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
-                   fused: bool = False, wide: bool = False, partial_keys: bool = False, **split) -> "Program":
+                   fused: bool = False, wide: bool = False, partial: tuple = (), **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
-        schedule (for this program's head-dim tiles; `fused`, `wide`, `partial_keys`: schedule's):
+        schedule (for this program's head-dim tiles; `fused`, `wide`, `partial`: schedule's):
         a Program whose stages are `before` and those two (`into`, if given). A failure names the
         pass."""
         self._need_kernels(where)
@@ -381,7 +414,7 @@ class Program:
         ir = chunk
         for p in (Pass("partition", lambda c: partition(c, **split), "split into kernels"),
                   Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims, fused=fused, wide=wide,
-                                                                partial_keys=partial_keys),
+                                                                partial=partial),
                        "place buffers, order statements")):
             ir = _run_pass(p, ir, where)
             prog._keep(p.name, ir)

@@ -58,14 +58,15 @@ SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 
 
 def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS,
-             fused: bool = False, wide: bool = False, partial_keys: bool = False) -> KernelIR:
+             fused: bool = False, wide: bool = False, partial: tuple = ()) -> KernelIR:
     """The KernelIR of a partitioned chunk program, its shared memory and registers budgeted for
     head-dim tiles up to `head_dims` (K, V): the kernels of larger tiles differ (more threads, fewer
     stages, outputs split across kernels), those of smaller ones would only waste memory. With
     `fused` (a forward), the scan and the out kernel are one warp-specialised kernel
-    (schedule_fused.py); `wide`: that kernel at V-block 128, its chain on two roles. With
-    `partial_keys` (a backward on one of V's column blocks) the out kernel writes key gradients in
-    float32: the host adds every block's, and bf16 partials would round each before the sum.
+    (schedule_fused.py); `wide`: that kernel at V-block 128, its chain on two roles. `partial`:
+    the input kinds whose gradients the host adds up over blocks (a backward on column blocks of V:
+    the keys'; on blocks of K: the values'), which the out kernel writes in float32: bf16 partials
+    would round each before the sum.
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
@@ -83,7 +84,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         kir.kernels.append(kernel)
     else:
         kir.kernels.append(_scan_kernel(part, dims))
-        kir.kernels += _out_kernels(part, split_phase_loads, dims, partial_keys)
+        kir.kernels += _out_kernels(part, split_phase_loads, dims, partial)
     for k in kir.kernels:
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
             buffers = {b.name: b for b in k.buffers}
@@ -102,7 +103,7 @@ def _verified(kir: KernelIR) -> KernelIR:
     return kir
 
 
-def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: bool, groups=None) -> list:
+def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple, groups=None) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
     kernel per group of outputs (`groups`, else _out_groups'), each recomputing what its outputs need, except the
     diagonal sub-block products an earlier group's kernel holds, which it stores for the later ones
@@ -116,7 +117,7 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: b
     def build_group(group):
         if group not in built:
             suffix = "" if group == roles else "_" + "_".join(group)
-            built[group] = _out_built(part, group, suffix, split_phase, dims, partial_keys)
+            built[group] = _out_built(part, group, suffix, split_phase, dims, partial)
         return built[group]
 
     def fits(k):
@@ -136,7 +137,7 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial_keys: b
             out.append(k)
             continue
         suffix = "" if group == roles else "_" + "_".join(group)
-        k, _ = _out_built(part, group, suffix, split_phase, dims, partial_keys, hands, takes)
+        k, _ = _out_built(part, group, suffix, split_phase, dims, partial, hands, takes)
         if not fits(k):
             return [k for _, k, _ in parts]  # (a loaded block in place of work that needed more: recompute)
         out.append(k)
@@ -437,7 +438,7 @@ def _issue_stores_early(body: list, stores: list) -> list:
 
 
 def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, dims: dict,
-               partial_keys: bool = False, hands=(), takes=()) -> tuple:
+               partial: tuple = (), hands=(), takes=()) -> tuple:
     """The out kernel of `roles`, and the nodes it holds in float32 blocks (which it could hand
     on); `hands`: blocks it stores for a later out kernel, `takes`: blocks it loads from an
     earlier one (_handed_over), both float32 rows."""
@@ -445,7 +446,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     loaded = part.out_loads | set(takes)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
-    b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, False, hands, takes)
+    b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial, False, hands, takes)
     two = FRAGMENT_REGISTERS * 4 * 2 * THREADS  # two warpgroups' registers for fragments
     # (a kernel that loads handed blocks sums as it goes too: with one expression at the end,
     # KDA's d g kernel held all four loaded products in shared memory at once, 296 KB; 172 so)
@@ -453,7 +454,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     if running:  # over even two warpgroups' registers: sums of block terms accumulate as they go,
         # where that fits them (GLA's backward out kernel: 256 → 240 registers a thread, and
         # ptxas spilled 168 bytes against 136: kept as it was)
-        built = _out_statements(ir, roles, nodes, loaded, dims, partial_keys, True, hands, takes)
+        built = _out_statements(ir, roles, nodes, loaded, dims, partial, True, hands, takes)
         running = live_fragments(built[0].buffers, built[0].body + built[1], dims) <= two
         b, stores, outs = built if running else (b, stores, outs)
     params = input_params(ir, nodes, loaded, wide=takes) + [CHUNK_MAP] + head_params(ir, nodes) + outs
@@ -469,7 +470,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
                   doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles), held
 
 
-def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: dict, partial_keys: bool,
+def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: dict, partial: tuple,
                     running_sums: bool, hands=(), takes=()) -> tuple:
     """An out kernel's builder, its outputs' stores and their tensors (`hands`, `takes`: as
     _out_built's)."""
@@ -483,7 +484,7 @@ def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: 
         b.body.insert(last + 1, _store_rows(ir, b, x))
         outs.append(crossing_tensor(ir, x, "out", wide=True))
     stores = []
-    io_kinds = ("value",) if partial_keys else ("value", "key")
+    io_kinds = tuple(kind for kind in ("value", "key") if kind not in partial)
     for role in roles:
         x = ir.outputs[role]
         shape = ir.node(x).shape
@@ -492,7 +493,7 @@ def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: 
             # the op's output, or a value's or key's gradient per value head, in the io dtype the op
             # returns (a key's the host sums over its group, in float32, as FLA sums its bf16
             # per-value-head d q, d k: half the bytes written and read of float32 partials; not where
-            # the host also sums over column blocks, partial_keys), staged in shared memory for
+            # the host also sums over blocks, `partial`), staged in shared memory for
             # whole-row stores
             buf = b.buf(f"{role}_s", shape, "io", "shared")
             stores += [Stmt("ewise", buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),

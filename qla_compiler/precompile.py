@@ -55,7 +55,8 @@ class Compile:
     shape: ShapeClass
     runs_as: ShapeClass | None
     kernels: str = "all"  # | "scan" | "parallel" | "windows"
-    # a backward on column blocks of V (Program.backward_columns): the block width (0: V whole)
+    # a backward on blocks of K's or V's columns (Program.backward_blocks): V's block width (0: the
+    # backward of the whole problem)
     columns: int = 0
     # an inference call that runs the fused forward (kernels/forward.runs_fused): "narrow", or
     # "wide" (kernels/forward.wide_fused); "" where it runs the separate kernels
@@ -94,11 +95,11 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
     counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs
 
-    def launch(width, n, block_v_max=64):
+    def launch(width, n, block_v_max=64, keys=K):
         # (as kernels/forward.shape_class: past 64 the wide fused kernel's rule)
         BV = min(block_v, tile_width(width)) if block_v else \
-            forward.block_v(width, HV, n, sms, K, widest=block_v_max) if block_v_max > 64 else None
-        shape = forward.scan_class(H, HV, K, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
+            forward.block_v(width, HV, n, sms, keys, widest=block_v_max) if block_v_max > 64 else None
+        shape = forward.scan_class(H, HV, keys, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
     def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
@@ -138,15 +139,17 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     if training:
         out += [dataclasses.replace(c, part="training") for c in classes]
         for c, (_, launched, _) in zip(classes, seqs):
-            width = _variant(c).backward_columns()[0]
-            if width >= V:
+            keys, width, _ = _variant(c).backward_blocks()
+            if keys >= K and width >= V:
                 out.append(dataclasses.replace(c, part="backward"))
                 continue
-            # each column block is a problem of its own width (the last one's may be narrower);
-            # a context-parallel scan's widened values, K + V wide, are K + width wide there
-            for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
-                out.append(dataclasses.replace(c, part="backward", shape=launch(c.shape.V - V + w, launched),
-                                               columns=width))
+            # each block is a problem of its own widths (the last one's may be narrower); a
+            # context-parallel scan's widened values, K + V wide, are the block's K + V wide there
+            for kw in dict.fromkeys(w for _, w in column_blocks(K, keys)):
+                for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
+                    wide = w + (kw if c.shape.V > V else 0)
+                    out.append(dataclasses.replace(c, part="backward", columns=width,
+                                                   shape=launch(wide, launched, keys=kw)))
     return list(dict.fromkeys(out))
 
 
@@ -274,14 +277,14 @@ def _variant(c: Compile):
 
 def _program(c: Compile):
     """The program a Compile names: its variant's forward (as inference runs it), training
-    forward or backward (on column blocks of V, where c.columns says so)."""
+    forward or backward (on blocks of K's or V's columns, where c.columns says so)."""
     from .kernels import forward
 
     program = _variant(c)
     if c.part == "token_step":
         return program.token_step_program
     if c.columns:
-        program = program.backward_columns()[1].backward_program
+        program = program.backward_blocks()[2].backward_program
     elif c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
         program = forward.inference_program(program, fused=bool(c.fused), wide=c.fused == "wide")
     else:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qla_compiler.emulate import emulated_kernel_step, emulated_kernels, emulated_step
+from qla_compiler.errors import PassError
 from qla_compiler.passes.lower_tilelang import tile_width
 from qla_compiler.testing import OpLog, random_inputs, rel_err
 
@@ -185,6 +186,41 @@ def _key_gradient_dtypes(program) -> dict:
     return {p.name: p.dtype for k in kir.kernels.kernels for p in k.params if p.role == "out" and p.name in keys}
 
 
+@pytest.mark.parametrize("K, V, keys, segments", [(256, 128, [128, 128], None), (200, 96, [128, 72], None),
+                                                  (256, 128, [128, 128], 2)])
+def test_backward_on_blocks_of_k_matches_autograd(ops, K, V, keys, segments):
+    """GLA's backward at K = 256 does not fit even on V's column blocks (its d g kernel 216 KB at
+    V = 64), but GLA splits over keys (passes/key_blocks.py): it runs on blocks of K, each a
+    problem of its own keys. The keys' and the gates' gradients and the initial state's are the
+    blocks' side by side, v's the sum of the blocks' float32 partials. A block placed at the wrong
+    columns, or a sum missing a block, is O(1) off. Also with both scans context-parallel."""
+    op = ops["gla"]
+    args = random_inputs(op, T=130, H=1, HV=2, K=K, V=V, cu_seqlens=[0, 1, 66, 130], initial_state=True,
+                         dtype=torch.bfloat16)
+    step = emulated_step(op, args, segments=segments)
+    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in args.items()}
+    o_ref, s_ref = op.reference(**ref)
+    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
+    for name in op.input_names:
+        assert step["grads"][name].shape == args[name].shape and step["grads"][name].dtype == args[name].dtype, name
+        assert rel_err(step["grads"][name], ref[name].grad) <= 1e-2, name
+    assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
+    out = [n for n, _ in step["emulator"].calls if n == "gla_backward_out"]
+    assert len(out) == len(keys)  # one out kernel a block of keys (the forward on K whole)
+    each = op.program.scheduled_for((tile_width(K), tile_width(V))).backward_blocks()
+    assert each[0] == 128 and each[2].partial == ("value",)
+    d_v = {p.name: p.dtype for k in each[2].backward_program.kernels.kernels for p in k.params if p.role == "out"}
+    assert d_v["d_v"] == "float32"
+
+
+def test_a_delta_rule_backward_that_does_not_fit_says_why(ops):
+    """KDA at K = V = 192: its backward scan needs 232 KB, and the delta rule's inverse sums over K,
+    so blocks of K are no way out: the error says both."""
+    with pytest.raises(PassError, match="232 KB.*nor on blocks of K: T = inv_unit_lower\\(A\\), where A sums over K"):
+        ops["kda"].program.scheduled_for((192, 192)).backward_blocks()
+
+
 def test_column_blocks_write_key_gradients_in_float32(ops):
     """A backward on V's column blocks writes its key gradients (d q, d k per value head) in float32:
     the host adds the blocks' partials, and rounding each to bf16 first cost d q 15 % more error than
@@ -193,7 +229,7 @@ def test_column_blocks_write_key_gradients_in_float32(ops):
     whole = _key_gradient_dtypes(prog)
     assert set(whole.values()) == {"io"} and len(whole) == 2
     each = prog.scheduled_for((256, 256)).backward_columns()[1]
-    assert each.column_block
+    assert each.partial == ("key",)
     assert set(_key_gradient_dtypes(each).values()) == {"float32"} and len(_key_gradient_dtypes(each)) == 2
 
 

@@ -19,14 +19,15 @@ from qla_compiler.testing import random_inputs
 
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("cp", [1, 2])
-@pytest.mark.parametrize("heads, cu, K", [((1, 2), [0, 30, 100], 64), ((2, 8), [0, 10, 20, 40, 60, 100], 64),
-                                         ((1, 2), [0, 30, 100], 256)])
-def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads, cu, K):
+@pytest.mark.parametrize("spec, heads, cu, K", [("gdn", (1, 2), [0, 30, 100], 64),
+                                               ("gdn", (2, 8), [0, 10, 20, 40, 60, 100], 64),
+                                               ("gdn", (1, 2), [0, 30, 100], 256), ("gla", (1, 2), [0, 30, 100], 256)])
+def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, spec, heads, cu, K):
     """Every (program, shape class, kernel) a call loads — the forward; with training also a
-    training step's forward and backward (at K = V = 256 on column blocks of V); with context
-    parallelism the segment scans too — is one the warm-up of its deployment compiles, and the
-    warm-up compiles nothing no call loads."""
-    op = ops._op("gdn")
+    training step's forward and backward (at K = V = 256 on column blocks of V for GDN, on blocks
+    of K for GLA); with context parallelism the segment scans too — is one the warm-up of its
+    deployment compiles, and the warm-up compiles nothing no call loads."""
+    op = ops._op(spec)
     H, HV = heads
     a = random_inputs(op, T=100, H=H, HV=HV, K=K, V=K, cu_seqlens=cu, initial_state=True, dtype=torch.bfloat16)
     emu, launched = KernelEmulator(op, a["cu_seqlens"], K ** -0.5), set()
@@ -45,11 +46,14 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, heads,
         if grad:
             (o.float().sum() + final.sum()).backward()
 
-    todo = shape_classes("gdn", H=H, HV=HV, K=K, n_seqs=len(cu) - 1, context_parallel=cp, training=training,
+    todo = shape_classes(spec, H=H, HV=HV, K=K, n_seqs=len(cu) - 1, context_parallel=cp, training=training,
                          state=None)  # (the chunk calls alone: the token step's class is the next test's)
-    if training and K == 256:
+    if training and K == 256 and spec == "gdn":
         assert {c.shape.V for c in todo if c.part == "backward"} >= {64} and all(
             c.columns == 64 for c in todo if c.part == "backward")
+    if training and spec == "gla":
+        # (both split: blocks of 128 keys, each on V's column blocks of 128)
+        assert {(c.shape.K, c.shape.V) for c in todo if c.part == "backward" and c.kernels != "windows"} == {(128, 128)}
     warmed = {(id(_program(c).kernels), c.shape, n) for c in todo for n in _kernel_names(c)}
     assert launched == warmed
 
