@@ -503,7 +503,7 @@ def test_split_out_kernels_hand_the_diagonal_products_on(ops):
     no decayed product of its own."""
     prog = ops["kda"].program
     part = prog.backward_program.stage("partition")
-    built = _out_kernels(part, True, dim_sizes(prog.head_dims), False,
+    built = _out_kernels(part, True, dim_sizes(prog.head_dims), (),
                          groups=[("d_q", "d_k", "d_v"), ("d_g",), ("d_beta",)])
     kernels = {k.name: k for k in built}
     first, d_g = kernels["kda_backward_out_d_q_d_k_d_v"], kernels["kda_backward_out_d_g"]
