@@ -97,13 +97,14 @@ def emulated_kernel_step(op, args: dict, seed: int = 2, rounding: torch.dtype | 
     custom op qla::run_kernels on
     `args` (as `testing.random_inputs` makes them, in any dtypes), then backward() of a random
     weighting of o and the final state; and the same through the spec's float64 reference. Returns
-    o, final, grads (by input, initial_state included) and o_ref, final_ref, grads_ref."""
+    o, final, grads (by input, initial_state included), o_ref, final_ref, grads_ref and the
+    emulator."""
     leaves = {n: x.detach().clone().requires_grad_() for n, x in args.items()
               if torch.is_tensor(x) and x.is_floating_point()}
     inputs, dims, scale = op._prepare((), {n: leaves[n] for n in op.input_names}, None, leaves["initial_state"],
                                       args["cu_seqlens"], False)
     gen = torch.Generator().manual_seed(seed)
-    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=rounding):
+    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=rounding) as emu:
         o, final = op._run_kernels(inputs, scale, leaves["initial_state"], args["cu_seqlens"], None)
         w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
         ((o.float() * w_o).sum() + (final * w_s).sum()).backward()
@@ -111,4 +112,4 @@ def emulated_kernel_step(op, args: dict, seed: int = 2, rounding: torch.dtype | 
     o_ref, s_ref = op.reference(**ref)
     ((o_ref * w_o.double()).sum() + (s_ref * w_s.double()).sum()).backward()
     return dict(o=o.detach(), final=final.detach(), grads={n: x.grad for n, x in leaves.items()},
-                o_ref=o_ref.detach(), final_ref=s_ref.detach(), grads_ref={n: ref[n].grad for n in leaves})
+                o_ref=o_ref.detach(), final_ref=s_ref.detach(), grads_ref={n: ref[n].grad for n in leaves}, emulator=emu)

@@ -42,6 +42,8 @@ from .errors import PassError
 from .ir.recurrence_interp import run_recurrence
 from .kernels.cp_plan import planned_segments
 from .layout import expand_heads, gather, packed_cu_seqlens, scatter, sequence_bounds
+from .passes.lower_tilelang import HEAD_DIM_RANGE
+from .passes.schedule_build import columns_mixed
 
 OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
            "context_parallel", "cp_context")
@@ -66,6 +68,9 @@ def decode_tokens(n: int):
         DECODE_TOKENS = before
 
 
+WIDEST_HEAD_DIM = HEAD_DIM_RANGE[1]  # the widest head dim a kernel's tile takes
+
+
 def decode_shaped(dims) -> bool:
     """Whether a call is a decode batch (DECODE_TOKENS), from host-side sizes only: every token
     count here is a tensor's shape, so deciding costs no synchronisation.
@@ -87,6 +92,8 @@ class CompiledOp:
         self.__doc__ = f"{rec.name}({', '.join(self.input_names)}, " + ", ".join(
             f"{o}=..." for o in OPTIONS) + ")\n\n" + (__doc__ or "")
         self.key = custom_ops.register(self)  # how the custom ops name it in a graph
+        # (whether a value wider than the kernels' tiles may run as blocks of its columns: _run_kernels)
+        self._columns_split = columns_mixed(program.chunk) is None
 
     @property
     def value_name(self) -> str:
@@ -186,8 +193,10 @@ class CompiledOp:
     def _decodes(self, inputs, dims, initial_state, context_parallel) -> bool:
         """Run this chunk call as a token step: a decode-shaped inference call (decode_shaped) whose
         final state the token step returns as the chunk op does (float32), outside torch.compile
-        (there the chunk op's custom op is what the graph holds)."""
+        (there the chunk op's custom op is what the graph holds), at head dims the token step takes
+        (a wider V runs the chunk kernels on its column blocks)."""
         return (decode_shaped(dims) and context_parallel is None and not torch.compiler.is_compiling()
+                and dims.V <= WIDEST_HEAD_DIM
                 and not _wants_grad(initial_state, *inputs.values())
                 and (initial_state is None or initial_state.dtype == torch.float32))
 
@@ -250,7 +259,19 @@ class CompiledOp:
 
     def _run_kernels(self, inputs, scale, initial_state, cu_seqlens, segments):
         """The generated kernels (qla::run_kernels); with inputs that need gradients, the training
-        forward, keeping what the backward kernels read."""
+        forward, keeping what the backward kernels read. Values wider than the kernels' widest tile
+        (GLA's and RetNet's V = 512) run as blocks of V's columns, a call each: exact where the
+        program never mixes V's columns (columns_mixed), and autograd sums the other inputs'
+        gradients over the blocks."""
+        v = inputs[self.value_name]
+        if v.shape[-1] > WIDEST_HEAD_DIM and self._columns_split:
+            from .kernels.backward import column_blocks
+
+            parts = [self._run_kernels({**inputs, self.value_name: v[..., a:a + w].contiguous()}, scale,
+                                       None if initial_state is None else initial_state[..., a:a + w].contiguous(),
+                                       cu_seqlens, segments)
+                     for a, w in column_blocks(v.shape[-1], WIDEST_HEAD_DIM)]
+            return torch.cat([o for o, _ in parts], -1), torch.cat([s for _, s in parts], -1)
         xs = [inputs[n] for n in self.input_names]
         o, final, _ = custom_ops.call("run_kernels", self.key, xs, initial_state, cu_seqlens, scale, segments,
                                       _wants_grad(initial_state, *xs), torch.compiler.is_compiling())

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .passes.lower_tilelang import ShapeClass, tile_width
+from .passes.lower_tilelang import HEAD_DIM_RANGE, ShapeClass, tile_width
 
 PARTS = ("forward", "training", "backward", "token_step")  # the program: as inference runs it; a training
 # step's two; the token step decoding calls run (op.recurrent, and decode-shaped chunk calls)
@@ -66,7 +66,7 @@ class Compile:
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
                   context_parallel: int | str | None = "auto", sms: int | None = None, training: bool = False,
                   scale: float | None = None, stages: int | None = None, block_v: int | None = None,
-                  tokens: int | None = None, state: str | None = "float32") -> list:
+                  tokens: int | None = None, state: str | None = "float32", plan_v: int | None = None) -> list:
     """What calls of `spec` with these heads and head dims launch, as a list of Compile: at each
     number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
     count), with `context_parallel` segments also the segment scans (as the op takes it: "auto", the
@@ -76,13 +76,19 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     machine's GPU, else an H200's). `scale`: the op's scale argument (None: K^-1/2). `stages`,
     `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules.
     `state`: the dtype of the state pools decoding calls pass, whose token-step kernel is compiled
-    too (None: no token step)."""
+    too (None: no token step). A V wider than the kernels' tiles runs as blocks of its columns, a
+    call each (op._run_kernels): their classes, with context parallelism planned at the whole V as
+    the op plans it (`plan_v`), and no token step (such a call runs the chunk kernels)."""
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
     from .kernels.cp_plan import SEGMENTS, may_choose, planned
 
     V = V or K
+    if V > HEAD_DIM_RANGE[1]:
+        widths = dict.fromkeys(w for _, w in column_blocks(V, HEAD_DIM_RANGE[1]))
+        return list(dict.fromkeys(c for w in widths for c in shape_classes(
+            spec, H, HV, K, w, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, V)))
     if H < 1 or HV % H:
         raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
     forward.check_head_dims(K, V)
@@ -94,6 +100,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     sms = sms or _this_gpus_sms()
     scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
     counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs
+    pv = plan_v or V  # (the V context parallelism is planned at)
 
     def launch(width, n, block_v_max=64, keys=K):
         # (as kernels/forward.shape_class: past 64 the wide fused kernel's rule)
@@ -108,8 +115,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             return [None if context_parallel == 1 else context_parallel]
         if not tokens:  # every count it may choose for some length: its choice is not monotone in
             # the length (4/16 heads: 2 segments between 2816 and 3968 tokens, 1 at 2048, 4 at 4096)
-            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(K, V) and may_choose(s, n, HV, K, V, sms))]
-        return list(dict.fromkeys(planned(n, H, HV, K, V, tokens, sms, eager) for eager in
+            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(K, pv) and may_choose(s, n, HV, K, pv, sms))]
+        return list(dict.fromkeys(planned(n, H, HV, K, pv, tokens, sms, eager) for eager in
                                   (None, "inference", *(("training",) if training else ()))))
 
     classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each

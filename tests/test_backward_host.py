@@ -214,6 +214,24 @@ def test_backward_on_blocks_of_k_matches_autograd(ops, K, V, keys, segments):
     assert d_v["d_v"] == "float32"
 
 
+@pytest.mark.parametrize("spec, K, V", [("gla", 256, 512), ("gdn", 64, 320)])
+def test_values_wider_than_a_tile_run_on_column_blocks(ops, spec, K, V):
+    """GLA's and RetNet's standard heads have V = 512, past the kernels' widest tile (256). The
+    recurrence never mixes V's columns, so such a call runs as blocks of V, a call each (256 and
+    the rest): o, the final state and every gradient (autograd sums q's, k's and g's over the
+    blocks) meet the float64 reference, and no kernel runs wider than 256. (GLA at K = 256 also
+    takes its backward on blocks of K.)"""
+    op = ops[spec]
+    args = random_inputs(op, T=70, H=1, HV=2, K=K, V=V, cu_seqlens=[0, 1, 70], initial_state=True,
+                         dtype=torch.bfloat16)
+    step = emulated_kernel_step(op, args)
+    assert rel_err(step["o"], step["o_ref"]) <= 1e-2 and rel_err(step["final"], step["final_ref"]) <= 1e-2
+    for name, g in step["grads"].items():
+        assert g.shape == args[name].shape and rel_err(g, step["grads_ref"][name]) <= 1e-2, name
+    widths = [w for _, w in step["emulator"].calls]
+    assert max(widths) == 256 and V - 256 in widths
+
+
 def test_a_delta_rule_backward_that_does_not_fit_says_why(ops):
     """KDA at K = V = 192: its backward scan needs 232 KB, and the delta rule's inverse sums over K,
     so blocks of K are no way out: the error says both."""

@@ -19,17 +19,20 @@ from qla_compiler.testing import random_inputs
 
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("cp", [1, 2])
-@pytest.mark.parametrize("spec, heads, cu, K", [("gdn", (1, 2), [0, 30, 100], 64),
-                                               ("gdn", (2, 8), [0, 10, 20, 40, 60, 100], 64),
-                                               ("gdn", (1, 2), [0, 30, 100], 256), ("gla", (1, 2), [0, 30, 100], 256)])
-def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, spec, heads, cu, K):
+@pytest.mark.parametrize("spec, heads, cu, K, V", [("gdn", (1, 2), [0, 30, 100], 64, 64),
+                                                  ("gdn", (2, 8), [0, 10, 20, 40, 60, 100], 64, 64),
+                                                  ("gdn", (1, 2), [0, 30, 100], 256, 256),
+                                                  ("gla", (1, 2), [0, 30, 100], 256, 256),
+                                                  ("gla", (1, 2), [0, 30, 100], 256, 512)])
+def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, spec, heads, cu, K, V):
     """Every (program, shape class, kernel) a call loads — the forward; with training also a
     training step's forward and backward (at K = V = 256 on column blocks of V for GDN, on blocks
-    of K for GLA); with context parallelism the segment scans too — is one the warm-up of its
-    deployment compiles, and the warm-up compiles nothing no call loads."""
+    of K for GLA); with context parallelism the segment scans too; at V = 512 each of V's column
+    blocks, a call each — is one the warm-up of its deployment compiles, and the warm-up compiles
+    nothing no call loads."""
     op = ops._op(spec)
     H, HV = heads
-    a = random_inputs(op, T=100, H=H, HV=HV, K=K, V=K, cu_seqlens=cu, initial_state=True, dtype=torch.bfloat16)
+    a = random_inputs(op, T=100, H=H, HV=HV, K=K, V=V, cu_seqlens=cu, initial_state=True, dtype=torch.bfloat16)
     emu, launched = KernelEmulator(op, a["cu_seqlens"], K ** -0.5), set()
 
     def recording(program, shape):
@@ -46,7 +49,7 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, spec, 
         if grad:
             (o.float().sum() + final.sum()).backward()
 
-    todo = shape_classes(spec, H=H, HV=HV, K=K, n_seqs=len(cu) - 1, context_parallel=cp, training=training,
+    todo = shape_classes(spec, H=H, HV=HV, K=K, V=V, n_seqs=len(cu) - 1, context_parallel=cp, training=training,
                          state=None)  # (the chunk calls alone: the token step's class is the next test's)
     if training and K == 256 and spec == "gdn":
         assert {c.shape.V for c in todo if c.part == "backward"} >= {64} and all(
