@@ -62,6 +62,8 @@ def for_gpu_tests():
         for n in (1, 2, 5):
             out += classes(spec, 2, 2, 128, n, training=True)
         out += classes(spec, 1, 4, 64, 3, training=True)
+    for V in (256, 512):  # test_gpu_per_key's GLA at its standard heads: K blocks, and V's column blocks
+        out += classes("gla", 1, 2, 256, 3, V=V, training=True)
     return out
 
 

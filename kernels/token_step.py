@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from qla_compiler.passes.lower_tilelang import PER_CALL_DTYPES, ShapeClass, tile_width
+from qla_compiler.passes.lower_tilelang import HEAD_DIM_RANGE, PER_CALL_DTYPES, ShapeClass, check_head_dim, tile_width
 
 from . import forward
 from .forward import packed_inputs, sm_count
@@ -119,6 +119,15 @@ def slots(N: int, dims, device, initial_state, indices, num_accepted, inplace: b
 MANY_TOKENS = 4
 # the V-blocks block_v chooses between: a warm-up that does not know the batch compiles both
 V_BLOCKS = (8, 16)
+
+
+def check_dims(K: int, V: int) -> None:
+    """The head dims the token-step kernel takes: K as the chunk kernels (a state column lives in
+    one warp's registers), V from the narrowest tile up, any width: V is only its grid, blocks of
+    8 or 16 columns, so GLA's and RetNet's V = 512 decode in one launch."""
+    check_head_dim("K (the key head dim)", K)
+    if V < HEAD_DIM_RANGE[0]:
+        check_head_dim("V (the value head dim)", V)
 
 
 def block_v(V_tile: int, HV: int, N: int, tokens: int, sms: int) -> int:

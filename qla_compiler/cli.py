@@ -173,7 +173,7 @@ def parse_shape(text: str, token_step: bool = False):
     import dataclasses
 
     from .kernels.forward import H200_SMS, scan_class
-    from .kernels.token_step import block_v as token_step_block_v
+    from .kernels.token_step import block_v as token_step_block_v, check_dims as check_token_step_dims
     from .passes.lower_tilelang import check_head_dim, tile_width
 
     from .checks import option_fields
@@ -190,11 +190,13 @@ def parse_shape(text: str, token_step: bool = False):
     H, HV, K, V = (fields[f] for f in ("H", "HV", "K", "V"))
     if H < 1 or HV % H:
         raise ValueError(f"--shape: HV={HV} is not a multiple of H={H}")
-    for d, n in (("K", K), ("V", V)):
-        try:
+    try:
+        if token_step:
+            check_token_step_dims(K, V)
+        for d, n in () if token_step else (("K", K), ("V", V)):
             check_head_dim(d, n)
-        except ValueError as e:
-            raise ValueError(f"--shape: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"--shape: {e}") from None
     BV = fields.get("BV")
     if BV is None and token_step:  # the token step's own V-block, as the op launches it
         BV = token_step_block_v(tile_width(V), HV, 1, 1, H200_SMS)

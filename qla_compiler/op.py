@@ -193,10 +193,8 @@ class CompiledOp:
     def _decodes(self, inputs, dims, initial_state, context_parallel) -> bool:
         """Run this chunk call as a token step: a decode-shaped inference call (decode_shaped) whose
         final state the token step returns as the chunk op does (float32), outside torch.compile
-        (there the chunk op's custom op is what the graph holds), at head dims the token step takes
-        (a wider V runs the chunk kernels on its column blocks)."""
+        (there the chunk op's custom op is what the graph holds)."""
         return (decode_shaped(dims) and context_parallel is None and not torch.compiler.is_compiling()
-                and dims.V <= WIDEST_HEAD_DIM
                 and not _wants_grad(initial_state, *inputs.values())
                 and (initial_state is None or initial_state.dtype == torch.float32))
 

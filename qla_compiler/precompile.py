@@ -78,17 +78,20 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     `state`: the dtype of the state pools decoding calls pass, whose token-step kernel is compiled
     too (None: no token step). A V wider than the kernels' tiles runs as blocks of its columns, a
     call each (op._run_kernels): their classes, with context parallelism planned at the whole V as
-    the op plans it (`plan_v`), and no token step (such a call runs the chunk kernels)."""
+    the op plans it (`plan_v`); the token step takes it whole."""
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
     from .kernels.cp_plan import SEGMENTS, may_choose, planned
 
     V = V or K
-    if V > HEAD_DIM_RANGE[1]:
+    if V > HEAD_DIM_RANGE[1]:  # (the token step takes such a V whole)
         widths = dict.fromkeys(w for _, w in column_blocks(V, HEAD_DIM_RANGE[1]))
-        return list(dict.fromkeys(c for w in widths for c in shape_classes(
-            spec, H, HV, K, w, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, V)))
+        blocks = [c for w in widths for c in shape_classes(
+            spec, H, HV, K, w, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, V)]
+        steps = [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(
+            str(spec), H, HV, K, V, io, state, K ** -0.5 if scale is None else float(scale))] if state else []
+        return list(dict.fromkeys(blocks + steps))
     if H < 1 or HV % H:
         raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
     forward.check_head_dims(K, V)

@@ -99,9 +99,9 @@ def token_step_kernel(op, v, dims, scale: float, pool):
     KernelIR interpreter standing in for it."""
     if not (op.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)):
         return _interpreted(op.program.token_step_program, dims, scale, op._head_logs(dims.HV))
-    from .kernels.forward import check_head_dims
+    from .kernels.token_step import check_dims
 
-    check_head_dims(dims.K, dims.V)
+    check_dims(dims.K, dims.V)
     if pool.dtype == torch.float64:
         raise ValueError("initial_state: the GPU token step takes float32, bf16 or fp16 states, got float64")
     return None

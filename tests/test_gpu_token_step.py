@@ -32,8 +32,9 @@ def test_token_step_matches_the_recurrence(spec):
     assert torch.equal(final[3], args["initial_state"][3].float())
 
 
-@pytest.mark.parametrize("K, V", [(128, 128), (100, 60), (256, 256)])
+@pytest.mark.parametrize("K, V", [(128, 128), (100, 60), (256, 256), (128, 512)])
 def test_gdn_token_step_within_flas_error(K, V):
+    """(V = 512: past the chunk kernels' tiles, the token step takes it whole.)"""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla
 
     op = qla_compiler.compile("gdn")

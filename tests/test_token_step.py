@@ -223,10 +223,29 @@ def test_emit_token_step_kernel(capsys):
     assert "--backward and --token-step: choose one" in capsys.readouterr().err
 
 
+def test_the_token_step_takes_values_of_any_width(capsys):
+    """V is only the token step's grid (blocks of 8 or 16 columns), so it takes GLA's and RetNet's
+    V = 512 whole, where the chunk kernels run such a V on blocks of 256 columns; K stays within
+    the tiles (a state column lives in one warp's registers)."""
+    from qla_compiler.kernels.token_step import check_dims
+
+    check_dims(256, 512)
+    check_dims(128, 1000)
+    with pytest.raises(ValueError, match="K \\(the key head dim\\) = 512 is not supported"):
+        check_dims(512, 128)
+    with pytest.raises(ValueError, match="V \\(the value head dim\\) = 8 is not supported"):
+        check_dims(128, 8)
+    assert main(["gla", "--emit", "kernel", "--token-step", "--shape", "H=4,HV=4,K=256,V=512"]) == 0
+    assert "kernel gla_token_step" in capsys.readouterr().out
+    assert main(["gla", "--emit", "kernel", "--shape", "H=4,HV=4,K=256,V=512"]) == 1
+    assert "V = 512 is not supported by the sm90 kernels" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("spec, K, state", [("gdn", 128, "float32"), ("gdn", 128, "bfloat16"), ("gdn", 100, "bfloat16"),
-                                             ("gdn", 256, "float32"), ("kda", 128, "float32")])
-def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
+@pytest.mark.parametrize("spec, K, V, state", [("gdn", 128, 128, "float32"), ("gdn", 128, 128, "bfloat16"),
+                                                ("gdn", 100, 100, "bfloat16"), ("gdn", 256, 256, "float32"),
+                                                ("kda", 128, 128, "float32"), ("gla", 256, 512, "float32")])
+def test_token_step_compiles_for_sm90a_without_spills(spec, K, V, state, tmp_path):
     """(KDA's per-key gate too: its chunk program has no sm90 kernels yet, its token step does.)"""
     from test_lowering import _ptxas_spills
 
@@ -238,7 +257,7 @@ def test_token_step_compiles_for_sm90a_without_spills(spec, K, state, tmp_path):
     f32, bf16 = torch.float32, torch.bfloat16
     for bv, gates, scalars in [(8, f32, f32), (16, f32, f32), (16, bf16, bf16), (8, f32, bf16)]:
         assert bv in V_BLOCKS
-        shape = shape_class(Dims(1, 1, 16, 64, K, K, 1), torch.bfloat16, getattr(torch, state), 0.1, 132, BV=bv,
+        shape = shape_class(Dims(1, 1, 16, 64, K, V, 1), torch.bfloat16, getattr(torch, state), 0.1, 132, BV=bv,
                             read_in=dict(gates=gates, scalars=scalars))
         assert isinstance(shape, ShapeClass) and shape.state == state
         src = "\n".join(lower_to_cuda(program, shape).values())
