@@ -48,8 +48,8 @@ sharded bench $PY benchmarks/precompile.py --bench --rows $ROWS
 for a in "$@"; do
   case $a in
     --tests) sharded tests $PY benchmarks/precompile.py --tests ;;
-    --real-data) sharded real $PY benchmarks/fla_gdn_tests.py --precompile --real-data ;;
-    --head-dims) sharded heads $PY benchmarks/fla_gdn_tests.py --precompile --head-dims
+    --real-data) sharded real $PY benchmarks/fla_tests.py --precompile --real-data ;;
+    --head-dims) sharded heads $PY benchmarks/fla_tests.py --precompile --head-dims
                  sharded wide $PY benchmarks/precompile.py --bench --rows $WIDE
                  sharded wide_backward $PY benchmarks/precompile.py --bench --backward --rows 16/64:8x4096:256 ;;
     --backward) sharded backward $PY benchmarks/precompile.py --bench --backward --rows $ROWS ;;

@@ -14,6 +14,7 @@ from __future__ import annotations
 import types
 
 from .compiler import compile as _compile
+from .fla_kda import fla_kda
 
 
 class _Built(types.ModuleType):
@@ -58,7 +59,7 @@ chunk_linear_attn = _make("linear_attn", "chunk_linear_attn")
 # per-key gates, g [B, T, H, K]: the kernels for bf16/fp16 CUDA tensors, forward and backward
 # (passes/rewrite_subchunk.py)
 chunk_gla = _make("gla", "chunk_gla")
-chunk_kda = _make("kda", "chunk_kda")
+chunk_kda = fla_kda(_make("kda", "chunk_kda"))  # (with FLA's KDA keywords: the gate from A_log, …)
 
 # the token-step ops, for decoding (qla_compiler/recurrent.py)
 fused_recurrent_gated_delta_rule = _make("gdn", "fused_recurrent_gated_delta_rule", recurrent=True)
@@ -66,3 +67,5 @@ fused_recurrent_delta_rule = _make("delta_net", "fused_recurrent_delta_rule", re
 fused_recurrent_simple_gla = _make("simple_gla", "fused_recurrent_simple_gla", recurrent=True)
 fused_recurrent_retention = _make("retnet", "fused_recurrent_retention", recurrent=True)
 fused_recurrent_linear_attn = _make("linear_attn", "fused_recurrent_linear_attn", recurrent=True)
+fused_recurrent_gla = _make("gla", "fused_recurrent_gla", recurrent=True)
+fused_recurrent_kda = fla_kda(_make("kda", "fused_recurrent_kda", recurrent=True))

@@ -33,7 +33,7 @@ Tolerances:
 FLA must be importable: without it these tests fail, they do not skip (only a machine without
 CUDA skips them). All cases use H = 2 query/key heads and HV = 4 value heads and at most 5
 sequences, so K = V = 128 is one shape class per dtype; with the head-dim cases, 8 classes in all
-(shape_classes(); `python3 benchmarks/fla_gdn_tests.py --precompile --real-data` compiles them,
+(shape_classes(); `python3 benchmarks/fla_tests.py --precompile --real-data` compiles them,
 with those of FLA's tests, without a GPU). On the GPU node: `python3 benchmarks/warm_fla.py` (FLA's Triton
 compiles, once per kind of call, in parallel), then `python3 -m pytest -q tests/test_gpu_real_data.py`.
 """

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import sympy as sp
 import torch
+import torch.nn.functional as F
 
 import qla_compiler
 from qla_compiler import SpecError, UnsupportedStructure
@@ -23,7 +24,7 @@ from qla_compiler.ir.chunk_ops import EXPONENTIALS
 from qla_compiler.ir.kernel import Buffer
 from qla_compiler.kernels import forward as fwd
 from qla_compiler.layout import gather, sequence_bounds, to_chunks
-from qla_compiler.ops import chunk_gla, chunk_kda
+from qla_compiler.ops import chunk_gla, chunk_kda, fused_recurrent_kda
 from qla_compiler.passes.rewrite_subchunk import SUBCHUNK
 from qla_compiler.passes.schedule import _out_kernels
 from qla_compiler.passes.schedule_memory import SMEM_BUDGET, dim_sizes
@@ -516,3 +517,65 @@ def test_split_out_kernels_hand_the_diagonal_products_on(ops):
             (src,) = st.srcs
             assert any(s.op == "decayed_product" and s.dst == src for s in first.body[:i]), st.dst
             assert not any(s.dst == src for s in first.body[i + 1:]), st.dst  # nothing written over it after
+
+
+def _l2(x):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_kda_takes_flas_keywords(lower_bound):
+    """Kimi Linear's layers call FLA's chunk_kda with the raw gate activation and A_log, dt_bias
+    (use_gate_in_kernel), β through a sigmoid (use_beta_sigmoid_in_kernel, and 2σ with
+    allow_neg_eigval), the state V-first: ours takes the same call. In float64 on the CPU it meets
+    the spec's reference on FLA's formulas (−e^{A_log} softplus(g + dt_bias), or lower_bound ·
+    σ(e^{A_log}(g + dt_bias))), and autograd gives A_log, dt_bias and the raw β their gradients."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, HV, K, V = 1, 37, 2, 4, 16, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    raw = dict(q=rand(B, T, H, K), k=rand(B, T, H, K), v=rand(B, T, HV, V), g=rand(B, T, HV, K), beta=rand(B, T, HV),
+               A_log=rand(HV), dt_bias=rand(HV * K), initial_state=rand(B, HV, V, K))
+    ours = {n: x.clone().requires_grad_() for n, x in raw.items()}
+    o, final = chunk_kda(**ours, use_gate_in_kernel=True, lower_bound=lower_bound, safe_gate=lower_bound is not None,
+                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True,
+                         use_qk_l2norm_in_kernel=True, output_final_state=True, chunk_size=32)
+    ref = {n: x.clone().requires_grad_() for n, x in raw.items()}
+    x = ref["g"] + ref["dt_bias"].view(HV, K)
+    a = ref["A_log"].view(HV, 1).exp()
+    g = lower_bound * torch.sigmoid(a * x) if lower_bound is not None else -a * F.softplus(x)
+    o_ref, final_ref = qla_compiler.compile("kda").reference(
+        _l2(ref["q"]), _l2(ref["k"]), ref["v"], g, 2 * torch.sigmoid(ref["beta"]),
+        initial_state=ref["initial_state"].transpose(-1, -2), output_final_state=True)
+    assert final.shape == raw["initial_state"].shape  # V-first, as it came
+    assert rel_err(o.detach(), o_ref.detach()) <= 1e-10
+    assert rel_err(final.detach(), final_ref.detach().transpose(-1, -2)) <= 1e-10
+    with torch.no_grad():  # the token step takes the same call (FLA's fused_recurrent_kda)
+        o_step, final_step = fused_recurrent_kda(**raw, use_gate_in_kernel=True, lower_bound=lower_bound,
+                                                 use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                                                 state_v_first=True, use_qk_l2norm_in_kernel=True,
+                                                 output_final_state=True)
+    assert rel_err(o_step, o_ref.detach()) <= 1e-10 and rel_err(final_step, final.detach()) <= 1e-10
+    w_o, w_s = rand(*o.shape), rand(*final.shape)
+    ((o * w_o).sum() + (final * w_s).sum()).backward()
+    ((o_ref * w_o).sum() + (final_ref.transpose(-1, -2) * w_s).sum()).backward()
+    for n in raw:
+        assert rel_err(ours[n].grad, ref[n].grad) <= 1e-8, n
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(A_log=torch.zeros(4)), "A_log, dt_bias: they make the gate from a raw g only with use_gate_in_kernel"),
+    (dict(use_gate_in_kernel=True), "A_log: needed with use_gate_in_kernel=True unless lower_bound is set"),
+    (dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-7.0), "lower_bound: safe_gate .* in \\[-5, 0\\)"),
+    (dict(allow_neg_eigval=True), "allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True"),
+    (dict(chunk_size=16), "chunk_size: FLA's KDA takes 32 or 64, got 16"),
+    (dict(return_intermediate_states=True), "return_intermediate_states: not supported"),
+])
+def test_flas_kda_keywords_misused_are_named(call, message):
+    q = torch.randn(1, 5, 2, 16, dtype=torch.float64)
+    args = dict(q=q, k=q, v=torch.randn(1, 5, 4, 8, dtype=torch.float64), g=-torch.rand(1, 5, 4, 16, dtype=torch.float64),
+                beta=torch.rand(1, 5, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=message):
+        chunk_kda(**args, **call)

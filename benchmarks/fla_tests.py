@@ -1,35 +1,38 @@
-"""FLA's own GDN tests, run against qla's op (issue 15: correct on real data).
+"""FLA's own tests, run against qla's ops: GDN's (issue 15: correct on real data) and KDA's (issue 18).
 
-    python3 benchmarks/fla_gdn_tests.py                 # qla's ops in place of FLA's (chunk_, fused_recurrent_)
-    python3 benchmarks/fla_gdn_tests.py --op fla        # the same tests on FLA's own op (the baseline)
-    python3 benchmarks/fla_gdn_tests.py --op both       # both, one process, side by side
-    python3 benchmarks/fla_gdn_tests.py -k D64 -- -x    # a subset (pytest's -k); after --, pytest's own options
-    python3 benchmarks/fla_gdn_tests.py --collect-only  # what would run, nothing compiled
+    python3 benchmarks/fla_tests.py                 # qla's ops in place of FLA's (chunk_, fused_recurrent_)
+    python3 benchmarks/fla_tests.py --family kda    # FLA's KDA test_chunk on qla's chunk_kda
+    python3 benchmarks/fla_tests.py --op fla        # the same tests on FLA's own ops (the baseline)
+    python3 benchmarks/fla_tests.py --op both       # both, one process, side by side
+    python3 benchmarks/fla_tests.py -k D64 -- -x    # a subset (pytest's -k); after --, pytest's own options
+    python3 benchmarks/fla_tests.py --collect-only  # what would run, nothing compiled
 
     # without a GPU (and without FLA): the shape classes these tests compile, then compile them,
-    # with --real-data also those of tests/test_gpu_real_data.py (as benchmarks/precompile.py does)
-    python3 benchmarks/fla_gdn_tests.py --classes [--real-data]
-    TILELANG_CACHE_DIR=/tmp/tlc python3 benchmarks/fla_gdn_tests.py --precompile [--real-data] --tar /tmp/fla.tar
+    # with --real-data also those of tests/test_gpu_real_data.py (GDN's; as benchmarks/precompile.py does)
+    python3 benchmarks/fla_tests.py --classes [--real-data] [--family kda]
+    TILELANG_CACHE_DIR=/tmp/tlc python3 benchmarks/fla_tests.py --precompile [--real-data] --tar /tmp/fla.tar
 
-The test file is FLA's `tests/ops/test_gdn.py`, unchanged and kept out of this repository: by
-default `.gpu/fla_tests/test_gdn.py` (git-ignored; .gpu/fla_tests/SOURCE.txt says which commit),
-else `--tests PATH`. Four of its tests run: `test_chunk`, `test_chunk_varlen` and
-`test_chunk_varlen_prefill` (the acceptance), which call the module-level name
-`chunk_gated_delta_rule` for the op under test, and `test_fused_recurrent`, which calls
-`fused_recurrent_gated_delta_rule` (q, k in float32 beside v and β in the test's dtype, every input
-requiring gradients; its forward only). Each compares the op (FLA's `assert_close`: RMS error over
-RMS of the reference, below a per-quantity ratio) with FLA's float32 token-by-token
-`naive_recurrent_gated_delta_rule`. For every test the runner rebinds those names to
-`qla_compiler.ops`' ops of the same names (thin wrappers that only count calls and the keyword
-arguments they pass), and wraps `assert_close` to record each comparison it makes, then prints
-one line per test: its outcome and every quantity's ratio against the test's bound.
+The test files are FLA's `tests/ops/test_gdn.py` and `tests/ops/test_kda.py`, unchanged and kept
+out of this repository: by default `.gpu/fla_tests/test_<family>.py` (git-ignored;
+.gpu/fla_tests/SOURCE.txt says which commit), else `--tests PATH`.
+- GDN: four tests run. `test_chunk`, `test_chunk_varlen` and `test_chunk_varlen_prefill` (the
+  acceptance) call the module-level name `chunk_gated_delta_rule` for the op under test;
+  `test_fused_recurrent` calls `fused_recurrent_gated_delta_rule` (q, k in float32 beside v and β
+  in the test's dtype, every input requiring gradients; its forward only).
+- KDA: `test_chunk` calls `chunk_kda` with Kimi Linear's keywords (the gate from A_log and
+  dt_bias, safe_gate, lower_bound, chunk_size, …: qla_compiler/fla_kda.py), uniform [0, 1) keys
+  (every pair correlated), forward and gradients.
+Each compares the op (FLA's `assert_close`: RMS error over RMS of the reference, below a
+per-quantity ratio) with FLA's float32 token-by-token naive recurrence. For every test the runner
+rebinds those names to `qla_compiler.ops`' ops of the same names (thin wrappers that only count
+calls and the keyword arguments they pass), and wraps `assert_close` to record each comparison it
+makes, then prints one line per test: its outcome and every quantity's ratio against the test's
+bound.
 
-These tests pass our ops only q, k, v, g, beta and scale=, initial_state=,
-output_final_state=, use_qk_l2norm_in_kernel=, cu_seqlens= (all of which they take); the summary
-lists the keywords actually seen, so a newer test file that passes more shows up there (and as the
-op's ValueError naming the unknown argument). Environment, set before fla is imported:
-FLA_DISABLE_BACKEND_DISPATCH=1 (test_chunk skips its grouped-head cases, HV != H, otherwise) and
-FLA_CI_ENV unset (with it, FLA's assert_close only warns on errors below 1%).
+The summary lists the keywords the tests actually passed, so a newer test file that passes more
+shows up there (and as the op's ValueError naming the unknown argument). Environment, set before
+fla is imported: FLA_DISABLE_BACKEND_DISPATCH=1 (test_chunk skips its grouped-head cases, HV != H,
+otherwise) and FLA_CI_ENV unset (with it, FLA's assert_close only warns on errors below 1%).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -50,21 +54,41 @@ os.environ.pop("FLA_CI_ENV", None)
 os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own kernels when --op fla/both (as enter.sh sets)
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TESTS = REPO / ".gpu" / "fla_tests" / "test_gdn.py"
-SELECTED = ("test_chunk", "test_chunk_varlen", "test_chunk_varlen_prefill", "test_fused_recurrent")
-# the names a selected test calls for the op under test (each rebound to qla's op of that name)
-OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
-# what these tests pass the ops, by keyword (q, k, v, g, beta included); anything else is news
-EXPECTED_KWARGS = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
-                   "use_qk_l2norm_in_kernel", "cu_seqlens"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One of FLA's test files: the spec it tests, its tests that run, the names they call for the
+    op under test (each rebound to qla's op of that name) and the keywords they pass it (q, k, v,
+    g, beta included; anything else is news)."""
+    spec: str
+    selected: tuple
+    ops: tuple
+    kwargs: frozenset
+
+    @property
+    def default_tests(self) -> Path:
+        return REPO / ".gpu" / "fla_tests" / f"test_{self.spec}.py"
+
+
+_COMMON = frozenset({"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                     "use_qk_l2norm_in_kernel", "cu_seqlens"})
+FAMILIES = {
+    "gdn": Family("gdn", ("test_chunk", "test_chunk_varlen", "test_chunk_varlen_prefill", "test_fused_recurrent"),
+                  ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"), _COMMON),
+    # (Kimi Linear's call: the gate from A_log and dt_bias, and FLA's tuning options: qla_compiler/fla_kda.py)
+    "kda": Family("kda", ("test_chunk",), ("chunk_kda",),
+                  _COMMON | {"A_log", "dt_bias", "use_gate_in_kernel", "safe_gate", "lower_bound", "disable_recompute",
+                             "chunk_size"}),
+}
 
 
 class Swap:
-    """A pytest plugin: per test, the module's OPS are the ops under test, and
+    """A pytest plugin: per test, the module's names of the family's ops are qla's, and
     every `assert_close` is recorded (prefix, ratio, bound, max abs error) before it runs."""
 
-    def __init__(self, which: str):
-        self.which = which
+    def __init__(self, which: str, family: Family):
+        self.which, self.family = which, family
         self.results = {}  # nodeid -> {"outcome", "message", "calls", "closes": [(name, ratio, bound, abs)]}
         self.kwargs_seen = set()
 
@@ -100,7 +124,7 @@ class Swap:
             entry["closes"].append((prefix.strip(), rate, ratio, abs_err))
             return close(prefix, ref, tri, ratio, *rest, **kw)
 
-        names = [n for n in OPS if hasattr(module, n)]
+        names = [n for n in self.family.ops if hasattr(module, n)]
         saved = {n: getattr(module, n) for n in (*names, "assert_close")}
         for n in names:
             setattr(module, n, counted(self._op(module, n)))
@@ -138,12 +162,12 @@ def _fmt(x) -> str:
     return f"{x:.2e}" if isinstance(x, float) and math.isfinite(x) else str(x)
 
 
-def run(which: str, tests: Path, keyword: str | None, pytest_args: list) -> tuple[int, Swap]:
-    plugin = Swap(which)
-    args = [f"{tests}::{name}" for name in SELECTED]
+def run(which: str, family: Family, tests: Path, keyword: str | None, pytest_args: list) -> tuple[int, Swap]:
+    plugin = Swap(which, family)
+    args = [f"{tests}::{name}" for name in family.selected]
     args += ["-p", "no:cacheprovider", "-q", "-rfEs", "--tb=short"] + (["-k", keyword] if keyword else [])
     args += pytest_args
-    print(f"\n=== FLA's GDN tests on {which}'s op: pytest {' '.join(args)}", flush=True)
+    print(f"\n=== FLA's {family.spec.upper()} tests on {which}'s op: pytest {' '.join(args)}", flush=True)
     code = pytest.main(args, plugins=[plugin])
     return int(code), plugin
 
@@ -181,12 +205,12 @@ def summarize(runs: dict) -> None:
     for which, plugin in runs.items():
         counts = ", ".join(f"{n} {k}" for k, n in sorted(tally[which].items(), key=lambda kv: str(kv[0])))
         print(f"\n{which}: {counts}")
-        unexpected = plugin.kwargs_seen - EXPECTED_KWARGS
+        unexpected = plugin.kwargs_seen - plugin.family.kwargs
         print(f"{which}: keywords the tests passed the op: {', '.join(sorted(plugin.kwargs_seen)) or '(none)'}"
               + (f"; NOT among those qla takes: {', '.join(sorted(unexpected))}" if unexpected else ""))
 
 
-def fla_test_params(path: Path) -> dict:
+def fla_test_params(path: Path, family: Family) -> dict:
     """name -> the parameter rows (dicts) of each selected test, read from the test file's source:
     no import, so it works where FLA cannot be imported (a machine without a GPU). Expects FLA's
     form, `@pytest.mark.parametrize((names...), [pytest.param(*test, ...) for test in [(...), ...]])`;
@@ -198,7 +222,7 @@ def fla_test_params(path: Path) -> dict:
 
     out = {}
     for fn in ast.parse(path.read_text()).body:
-        if not (isinstance(fn, ast.FunctionDef) and fn.name in SELECTED):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name in family.selected):
             continue
         for dec in fn.decorator_list:
             if isinstance(dec, ast.Call) and getattr(dec.func, "attr", None) == "parametrize":
@@ -206,7 +230,7 @@ def fla_test_params(path: Path) -> dict:
                 if not (isinstance(rows, ast.ListComp) and isinstance(rows.generators[-1].iter, ast.List)):
                     raise ValueError(f"{path}: {fn.name}'s parameters are not in the form this reader knows")
                 out[fn.name] = [dict(zip(names, map(value, t.elts))) for t in rows.generators[-1].iter.elts]
-    missing = [n for n in SELECTED if n not in out]
+    missing = [n for n in family.selected if n not in out]
     if missing:
         raise ValueError(f"{path}: no parametrized {', '.join(missing)}")
     return out
@@ -215,13 +239,13 @@ def fla_test_params(path: Path) -> dict:
 def fla_classes(params: dict) -> list:
     """(H, HV, K, V, sequences, io, scale, training) of every selected test's call of the op."""
     out = []
-    for p in params["test_chunk"]:  # dense batches, trained (gradients checked)
+    for p in params["test_chunk"]:  # dense batches, trained (gradients checked): GDN's and KDA's
         out.append((p["H"], p["HV"], p["D"], p["D"], p["B"], p["dtype"], p["scale"], True))
-    for p in params["test_chunk_varlen"]:  # packed, trained, scale None
+    for p in params.get("test_chunk_varlen", []):  # packed, trained, scale None
         out.append((p["H"], p["HV"], p["D"], p["D"], len(p["cu_seqlens"]) - 1, p["dtype"], None, True))
-    for p in params["test_chunk_varlen_prefill"]:  # packed, HV = H, inference mode
+    for p in params.get("test_chunk_varlen_prefill", []):  # packed, HV = H, inference mode
         out.append((p["H"], p["H"], p["D"], p["D"], len(p["cu_seqlens"]) - 1, p["dtype"], None, False))
-    for p in params["test_fused_recurrent"]:  # inputs that need gradients: the chunk op's training
+    for p in params.get("test_fused_recurrent", []):  # inputs that need gradients: the chunk op's training
         if p["dtype"] in ("float16", "bfloat16"):  # forward (float32 runs no kernels)
             out.append((p["H"], p["HV"], p["D"], p["D"], p["B"], p["dtype"], p["scale"], True))
     return out
@@ -238,30 +262,30 @@ def real_data_classes(head_dims_only: bool = False) -> list:
     return [(*c, None, training) for c in cases for training in (False, True)]
 
 
-def compile_items(classes: list) -> list:
+def compile_items(classes: list, spec: str = "gdn") -> list:
     """(program variant, ShapeClass, the class that picks the program's variant) of each call,
     as kernels/forward.py picks them on an H200 (the scale as the op passes it: a float)."""
     import qla_compiler
     from qla_compiler.kernels import forward
     from qla_compiler.kernels.backward import column_blocks
 
-    todo, program = [], qla_compiler.compile_spec("gdn")
+    todo, program = [], qla_compiler.compile_spec(spec)
     for H, HV, K, V, n, io, scale, training in classes:
         scale = K ** -0.5 if scale is None else float(scale)
         shape = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS, scale)
         runs_as = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS)
         if not training:
-            todo.append(("gdn", shape, runs_as))
+            todo.append((spec, shape, runs_as))
             continue
-        todo.append(("gdn.training", shape, runs_as))
+        todo.append((f"{spec}.training", shape, runs_as))
         _, width, _ = program.for_shape(runs_as).backward_blocks()
         # a backward on column blocks of V (kernels/backward.py): each block a class of its width
-        # (GDN never splits over keys: its inverse sums over K)
+        # (neither GDN nor KDA splits over keys: their inverse sums over K)
         if width >= V:
-            todo.append(("gdn.backward", shape, runs_as))
+            todo.append((f"{spec}.backward", shape, runs_as))
             continue
         for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
-            todo.append(("gdn.backward_columns", forward.scan_class(H, HV, K, w, n, io, forward.H200_SMS, scale),
+            todo.append((f"{spec}.backward_columns", forward.scan_class(H, HV, K, w, n, io, forward.H200_SMS, scale),
                          runs_as))
     return list(dict.fromkeys(todo))
 
@@ -305,8 +329,9 @@ def precompile(todo: list, tar: str | None) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tests", type=Path, default=DEFAULT_TESTS, help="FLA's tests/ops/test_gdn.py "
-                    f"(default {DEFAULT_TESTS.relative_to(REPO)})")
+    ap.add_argument("--family", choices=tuple(FAMILIES), default="gdn",
+                    help="whose FLA tests: gdn (tests/ops/test_gdn.py) or kda (tests/ops/test_kda.py)")
+    ap.add_argument("--tests", type=Path, help="FLA's test file (default .gpu/fla_tests/test_<family>.py)")
     ap.add_argument("--op", choices=("qla", "fla", "both"), default="qla",
                     help="whose ops the tests call (both: qla, then FLA)")
     ap.add_argument("-k", dest="keyword", help="pytest -k expression, within the selected tests")
@@ -322,8 +347,12 @@ def main(argv=None) -> int:
                     "(N processes share the cores; then one run with --tar), as precompile.py --shard")
     ap.add_argument("pytest_args", nargs="*", help="after --: passed to pytest as they are")
     a = ap.parse_args(argv)
-    tests = a.tests.resolve()
-    missing = f"no FLA test file at {tests}: save FLA's tests/ops/test_gdn.py there or pass --tests PATH"
+    family = FAMILIES[a.family]
+    tests = (a.tests or family.default_tests).resolve()
+    missing = f"no FLA test file at {tests}: save FLA's tests/ops/test_{family.spec}.py there or pass --tests PATH"
+    if (a.real_data or a.head_dims) and family.spec != "gdn":
+        print("--real-data, --head-dims: tests/test_gpu_real_data.py's classes are GDN's (--family gdn)", file=sys.stderr)
+        return 2
     if (a.classes or a.precompile) and a.head_dims:
         classes = real_data_classes(head_dims_only=True)
     elif a.classes or a.precompile:
@@ -332,10 +361,10 @@ def main(argv=None) -> int:
             return 2
         if not tests.is_file():
             print(f"{missing}; only tests/test_gpu_real_data.py's classes", file=sys.stderr)
-        classes = (fla_classes(fla_test_params(tests)) if tests.is_file() else []) \
+        classes = (fla_classes(fla_test_params(tests, family)) if tests.is_file() else []) \
             + (real_data_classes() if a.real_data else [])
     if a.classes or a.precompile:
-        todo = compile_items(classes)
+        todo = compile_items(classes, family.spec)
         if a.shard:
             i, n = map(int, a.shard.split("/"))
             todo = todo[i::n]
@@ -356,7 +385,7 @@ def main(argv=None) -> int:
     ops = ["qla", "fla"] if a.op == "both" else [a.op]
     runs, codes = {}, {}
     for which in ops:
-        codes[which], runs[which] = run(which, tests, a.keyword, extra)
+        codes[which], runs[which] = run(which, family, tests, a.keyword, extra)
     if not a.collect_only:
         summarize(runs)
     return codes[ops[0]]
