@@ -105,19 +105,21 @@ def _verified(kir: KernelIR) -> KernelIR:
 
 def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple, groups=None) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
-    kernel per group of outputs (`groups`, else _out_groups'), each recomputing what its outputs need, except the
-    diagonal sub-block products an earlier group's kernel holds, which it stores for the later ones
-    (_handed_over). What must fit is the peak
+    kernel per group of outputs (`groups`, else _out_groups'), each recomputing what its outputs
+    need, except the diagonal sub-block products an earlier group's kernel holds, which it stores
+    for the later ones (_handed_over). What must fit is the peak
     of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
     not overlap share memory (GDN's backward: one kernel for all five gradients, ~145 KB at its
     peak, where the sum is ~310 KB; split five ways, ~45% of its matmuls ran more than once)."""
     roles = tuple(part.chunk.outputs)
     built = {}
 
+    def suffix(group):
+        return "" if group == roles else "_" + "_".join(group)
+
     def build_group(group):
         if group not in built:
-            suffix = "" if group == roles else "_" + "_".join(group)
-            built[group] = _out_built(part, group, suffix, split_phase, dims, partial)
+            built[group] = _out_built(part, group, suffix(group), split_phase, dims, partial)
         return built[group]
 
     def fits(k):
@@ -136,8 +138,7 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple,
         if not hands and not takes:
             out.append(k)
             continue
-        suffix = "" if group == roles else "_" + "_".join(group)
-        k, _ = _out_built(part, group, suffix, split_phase, dims, partial, hands, takes)
+        k, _ = _out_built(part, group, suffix(group), split_phase, dims, partial, hands, takes)
         if not fits(k):
             return [k for _, k, _ in parts]  # (a loaded block in place of work that needed more: recompute)
         out.append(k)
@@ -151,7 +152,7 @@ def _out_groups(roles: tuple, kernel_of, fits) -> list:
     gets its own kernel (KernelIR.over_budget says so). Halving the list, as this did before,
     split KDA's backward into d q d k d v | d g | d β: the d g kernel then recomputed the whole
     d k chain (15 matmuls), 6.5 of the training step's 24.6 ms on the H200 (session 29), where
-    d q d k d v d g | d β fits (200 KB) and does it once."""
+    d q d k d g | d v d β fits (184 and 128 KB) and does it once."""
     if len(roles) == 1 or fits(kernel_of(roles)):
         return [roles]
     best = None
