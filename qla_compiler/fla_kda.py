@@ -22,12 +22,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-# FLA's options that choose among its own kernels' algorithms (chunk of 32 or 64, the M = 16 tensor
-# core path for gates within [lower_bound, 0), recomputing in the backward or keeping): the
-# recurrence is the same, so they are accepted and checked as FLA checks them, and change nothing
-TUNING = ("safe_gate", "chunk_size", "disable_recompute", "cu_seqlens_cpu")
-
-
 def kda_gate(g: torch.Tensor, A_log, dt_bias, lower_bound) -> torch.Tensor:
     """FLA's KDA gate from the raw activation g [B, T, HV, K], in float32 (float64 from float64):
     −e^{A_log} softplus(g + dt_bias), or with `lower_bound` lower_bound · σ(e^{A_log} (g + dt_bias))
@@ -54,6 +48,9 @@ def fla_kda(op):
              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
              return_intermediate_states=False, safe_gate=False, chunk_size=64, disable_recompute=False,
              cu_seqlens_cpu=None, transpose_state_layout=None, **options):
+        # (safe_gate, chunk_size, disable_recompute and cu_seqlens_cpu choose among FLA's own
+        # kernels' algorithms: the recurrence is the same, so they are checked as FLA checks them
+        # and change nothing)
         if transpose_state_layout is not None:  # (FLA's deprecated name)
             if state_v_first:
                 raise ValueError("state_v_first: cannot pass both it and the deprecated transpose_state_layout")
