@@ -2,6 +2,7 @@
 
     python3 benchmarks/fla_tests.py                 # qla's ops in place of FLA's (chunk_, fused_recurrent_)
     python3 benchmarks/fla_tests.py --family kda    # FLA's KDA test_chunk on qla's chunk_kda
+    python3 benchmarks/fla_tests.py --family gla    # FLA's GLA test_chunk and test_chunk_varlen on chunk_gla
     python3 benchmarks/fla_tests.py --op fla        # the same tests on FLA's own ops (the baseline)
     python3 benchmarks/fla_tests.py --op both       # both, one process, side by side
     python3 benchmarks/fla_tests.py -k D64 -- -x    # a subset (pytest's -k); after --, pytest's own options
@@ -12,13 +13,15 @@
     python3 benchmarks/fla_tests.py --classes [--real-data] [--family kda]
     TILELANG_CACHE_DIR=/tmp/tlc python3 benchmarks/fla_tests.py --precompile [--real-data] --tar /tmp/fla.tar
 
-The test files are FLA's `tests/ops/test_gdn.py` and `tests/ops/test_kda.py`, unchanged and kept
-out of this repository: by default `.gpu/fla_tests/test_<family>.py` (git-ignored;
+The test files are FLA's `tests/ops/test_gdn.py`, `test_gla.py` and `test_kda.py`, unchanged and
+kept out of this repository: by default `.gpu/fla_tests/test_<family>.py` (git-ignored;
 .gpu/fla_tests/SOURCE.txt says which commit), else `--tests PATH`.
 - GDN: four tests run. `test_chunk`, `test_chunk_varlen` and `test_chunk_varlen_prefill` (the
   acceptance) call the module-level name `chunk_gated_delta_rule` for the op under test;
   `test_fused_recurrent` calls `fused_recurrent_gated_delta_rule` (q, k in float32 beside v and β
   in the test's dtype, every input requiring gradients; its forward only).
+- GLA: `test_chunk` (K = V = D up to 512: past 256 on blocks of K and of V) and
+  `test_chunk_varlen` call `chunk_gla`, against FLA's fused_recurrent_gla, forward and gradients.
 - KDA: `test_chunk` calls `chunk_kda` with Kimi Linear's keywords (the gate from A_log and
   dt_bias, safe_gate, lower_bound, chunk_size, …: qla_compiler/fla_kda.py), uniform [0, 1) keys
   (every pair correlated), forward and gradients.
@@ -76,6 +79,8 @@ _COMMON = frozenset({"q", "k", "v", "g", "beta", "scale", "initial_state", "outp
 FAMILIES = {
     "gdn": Family("gdn", ("test_chunk", "test_chunk_varlen", "test_chunk_varlen_prefill", "test_fused_recurrent"),
                   ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"), _COMMON),
+    # (its reference is FLA's own fused_recurrent_gla, called as `gk=`: not rebound)
+    "gla": Family("gla", ("test_chunk", "test_chunk_varlen"), ("chunk_gla",), _COMMON),
     # (Kimi Linear's call: the gate from A_log and dt_bias, and FLA's tuning options: qla_compiler/fla_kda.py)
     "kda": Family("kda", ("test_chunk",), ("chunk_kda",),
                   _COMMON | {"A_log", "dt_bias", "use_gate_in_kernel", "safe_gate", "lower_bound", "disable_recompute",
@@ -239,10 +244,10 @@ def fla_test_params(path: Path, family: Family) -> dict:
 def fla_classes(params: dict) -> list:
     """(H, HV, K, V, sequences, io, scale, training) of every selected test's call of the op."""
     out = []
-    for p in params["test_chunk"]:  # dense batches, trained (gradients checked): GDN's and KDA's
-        out.append((p["H"], p["HV"], p["D"], p["D"], p["B"], p["dtype"], p["scale"], True))
+    for p in params["test_chunk"]:  # dense batches, trained (gradients checked); GLA's: HV = H, no scale
+        out.append((p["H"], p.get("HV", p["H"]), p["D"], p["D"], p["B"], p["dtype"], p.get("scale"), True))
     for p in params.get("test_chunk_varlen", []):  # packed, trained, scale None
-        out.append((p["H"], p["HV"], p["D"], p["D"], len(p["cu_seqlens"]) - 1, p["dtype"], None, True))
+        out.append((p["H"], p.get("HV", p["H"]), p["D"], p["D"], len(p["cu_seqlens"]) - 1, p["dtype"], None, True))
     for p in params.get("test_chunk_varlen_prefill", []):  # packed, HV = H, inference mode
         out.append((p["H"], p["H"], p["D"], p["D"], len(p["cu_seqlens"]) - 1, p["dtype"], None, False))
     for p in params.get("test_fused_recurrent", []):  # inputs that need gradients: the chunk op's training
@@ -270,7 +275,7 @@ def compile_items(classes: list, spec: str = "gdn") -> list:
     from qla_compiler.kernels.backward import column_blocks
 
     todo, program = [], qla_compiler.compile_spec(spec)
-    for H, HV, K, V, n, io, scale, training in classes:
+    for H, HV, K, V, n, io, scale, training in _blocks(classes, program):
         scale = K ** -0.5 if scale is None else float(scale)
         shape = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS, scale)
         runs_as = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS)
@@ -278,16 +283,35 @@ def compile_items(classes: list, spec: str = "gdn") -> list:
             todo.append((spec, shape, runs_as))
             continue
         todo.append((f"{spec}.training", shape, runs_as))
-        _, width, _ = program.for_shape(runs_as).backward_blocks()
-        # a backward on column blocks of V (kernels/backward.py): each block a class of its width
-        # (neither GDN nor KDA splits over keys: their inverse sums over K)
-        if width >= V:
+        keys, width, _ = program.for_shape(runs_as).backward_blocks()
+        # a backward on blocks of V's columns, or of K's (kernels/backward.py): each block a class of
+        # its widths
+        if keys >= K and width >= V:
             todo.append((f"{spec}.backward", shape, runs_as))
             continue
-        for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
-            todo.append((f"{spec}.backward_columns", forward.scan_class(H, HV, K, w, n, io, forward.H200_SMS, scale),
-                         runs_as))
+        for kb in dict.fromkeys(w for _, w in column_blocks(K, keys)):
+            for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
+                todo.append((f"{spec}.backward_columns",
+                             forward.scan_class(H, HV, kb, w, n, io, forward.H200_SMS, scale), runs_as))
     return list(dict.fromkeys(todo))
+
+
+def _blocks(classes: list, program) -> list:
+    """The calls as the op makes them: a head dim past the kernels' widest tile as blocks of its
+    columns, a call each (op._run_kernels: V's, and K's where the program splits over keys), each
+    with the whole call's scale."""
+    from qla_compiler.kernels.backward import column_blocks
+    from qla_compiler.passes.key_blocks import key_blocks
+    from qla_compiler.passes.lower_tilelang import HEAD_DIM_RANGE
+
+    widest, out = HEAD_DIM_RANGE[1], []
+    for H, HV, K, V, n, io, scale, training in classes:
+        scale = K ** -0.5 if scale is None else float(scale)
+        keys = dict.fromkeys(w for _, w in column_blocks(K, widest)) \
+            if K > widest and key_blocks(program.chunk)[0] is not None else [K]
+        out += [(H, HV, k, v, n, io, scale, training) for k in keys
+                for v in dict.fromkeys(w for _, w in column_blocks(V, widest))]
+    return out
 
 
 def precompile(todo: list, tar: str | None) -> int:
@@ -330,7 +354,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=tuple(FAMILIES), default="gdn",
-                    help="whose FLA tests: gdn (tests/ops/test_gdn.py) or kda (tests/ops/test_kda.py)")
+                    help="whose FLA tests: gdn, gla or kda (tests/ops/test_<family>.py)")
     ap.add_argument("--tests", type=Path, help="FLA's test file (default .gpu/fla_tests/test_<family>.py)")
     ap.add_argument("--op", choices=("qla", "fla", "both"), default="qla",
                     help="whose ops the tests call (both: qla, then FLA)")

@@ -42,6 +42,7 @@ from .errors import PassError
 from .ir.recurrence_interp import run_recurrence
 from .kernels.cp_plan import planned_segments
 from .layout import expand_heads, gather, packed_cu_seqlens, scatter, sequence_bounds
+from .passes.key_blocks import key_blocks
 from .passes.lower_tilelang import HEAD_DIM_RANGE
 from .passes.schedule_build import columns_mixed
 
@@ -92,8 +93,10 @@ class CompiledOp:
         self.__doc__ = f"{rec.name}({', '.join(self.input_names)}, " + ", ".join(
             f"{o}=..." for o in OPTIONS) + ")\n\n" + (__doc__ or "")
         self.key = custom_ops.register(self)  # how the custom ops name it in a graph
-        # (whether a value wider than the kernels' tiles may run as blocks of its columns: _run_kernels)
+        # (whether values, or keys, wider than the kernels' tiles may run as blocks of their columns:
+        # _run_kernels)
         self._columns_split = columns_mixed(program.chunk) is None
+        self._keys_split = key_blocks(program.chunk)[0] is not None
 
     @property
     def value_name(self) -> str:
@@ -195,6 +198,7 @@ class CompiledOp:
         final state the token step returns as the chunk op does (float32), outside torch.compile
         (there the chunk op's custom op is what the graph holds)."""
         return (decode_shaped(dims) and context_parallel is None and not torch.compiler.is_compiling()
+                and dims.K <= WIDEST_HEAD_DIM  # (the token step's K: kernels/token_step.check_dims)
                 and not _wants_grad(initial_state, *inputs.values())
                 and (initial_state is None or initial_state.dtype == torch.float32))
 
@@ -260,7 +264,20 @@ class CompiledOp:
         forward, keeping what the backward kernels read. Values wider than the kernels' widest tile
         (GLA's and RetNet's V = 512) run as blocks of V's columns, a call each: exact where the
         program never mixes V's columns (columns_mixed), and autograd sums the other inputs'
-        gradients over the blocks."""
+        gradients over the blocks. Keys wider than it run so too where the program splits over keys
+        (passes/key_blocks.py: GLA at K = 512, not the delta rule): o is the blocks' sum, the final
+        state their rows."""
+        keys = [n for n in self.input_names if self.kinds[n] in ("key", "key_gate")]
+        K = inputs[keys[0]].shape[-1]
+        if K > WIDEST_HEAD_DIM and self._keys_split:
+            from .kernels.backward import column_blocks
+
+            parts = [self._run_kernels({n: (x[..., a:a + w].contiguous() if n in keys else x) for n, x in inputs.items()},
+                                       scale, None if initial_state is None else initial_state[..., a:a + w, :].contiguous(),
+                                       cu_seqlens, segments)
+                     for a, w in column_blocks(K, WIDEST_HEAD_DIM)]
+            o = sum(o.float() for o, _ in parts).to(parts[0][0].dtype)  # (rounded once, from float32)
+            return o, torch.cat([s for _, s in parts], -2)
         v = inputs[self.value_name]
         if v.shape[-1] > WIDEST_HEAD_DIM and self._columns_split:
             from .kernels.backward import column_blocks

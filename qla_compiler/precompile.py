@@ -66,7 +66,7 @@ class Compile:
 def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str = "bfloat16", n_seqs=None,
                   context_parallel: int | str | None = "auto", sms: int | None = None, training: bool = False,
                   scale: float | None = None, stages: int | None = None, block_v: int | None = None,
-                  tokens: int | None = None, state: str | None = "float32", plan_v: int | None = None) -> list:
+                  tokens: int | None = None, state: str | None = "float32", plan: tuple | None = None) -> list:
     """What calls of `spec` with these heads and head dims launch, as a list of Compile: at each
     number of sequences in `n_seqs` (None: every number; the classes stop changing past the SM
     count), with `context_parallel` segments also the segment scans (as the op takes it: "auto", the
@@ -77,20 +77,28 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     `block_v`: what qla-bench --scan-stages and --block-v force instead of the launch rules.
     `state`: the dtype of the state pools decoding calls pass, whose token-step kernel is compiled
     too (None: no token step). A V wider than the kernels' tiles runs as blocks of its columns, a
-    call each (op._run_kernels): their classes, with context parallelism planned at the whole V as
-    the op plans it (`plan_v`); the token step takes it whole."""
+    call each (op._run_kernels), and so does a K where the program splits over keys: their classes,
+    with context parallelism planned at the whole head dims as the op plans it (`plan`: (K, V));
+    the token step takes such a V whole (and no such K: those calls run the chunk kernels)."""
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
     from .kernels.cp_plan import SEGMENTS, may_choose, planned
+    from .passes.key_blocks import key_blocks
 
     V = V or K
+    plan = plan or (K, V)
+    scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
+    if K > HEAD_DIM_RANGE[1] and key_blocks(_op_of(str(spec)).program.chunk)[0] is not None:
+        widths = dict.fromkeys(w for _, w in column_blocks(K, HEAD_DIM_RANGE[1]))
+        return list(dict.fromkeys(c for w in widths for c in shape_classes(
+            spec, H, HV, w, V, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, plan)))
     if V > HEAD_DIM_RANGE[1]:  # (the token step takes such a V whole)
         widths = dict.fromkeys(w for _, w in column_blocks(V, HEAD_DIM_RANGE[1]))
         blocks = [c for w in widths for c in shape_classes(
-            spec, H, HV, K, w, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, V)]
-        steps = [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(
-            str(spec), H, HV, K, V, io, state, K ** -0.5 if scale is None else float(scale))] if state else []
+            spec, H, HV, K, w, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, plan)]
+        steps = [Compile(str(spec), "token_step", c, None)
+                 for c in _token_step_classes(str(spec), H, HV, K, V, io, state, scale)] if state else []
         return list(dict.fromkeys(blocks + steps))
     if H < 1 or HV % H:
         raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
@@ -101,9 +109,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     if state not in (None, "float32", "bfloat16", "float16"):
         raise ValueError(f"state: the token step's pools are float32, bfloat16 or float16, got {state!r}")
     sms = sms or _this_gpus_sms()
-    scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
     counts = range(1, sms + 2) if n_seqs is None else [n_seqs] if isinstance(n_seqs, int) else n_seqs
-    pv = plan_v or V  # (the V context parallelism is planned at)
+    pk, pv = plan  # (the head dims context parallelism is planned at)
 
     def launch(width, n, block_v_max=64, keys=K):
         # (as kernels/forward.shape_class: past 64 the wide fused kernel's rule)
@@ -118,8 +125,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             return [None if context_parallel == 1 else context_parallel]
         if not tokens:  # every count it may choose for some length: its choice is not monotone in
             # the length (4/16 heads: 2 segments between 2816 and 3968 tokens, 1 at 2048, 4 at 4096)
-            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(K, pv) and may_choose(s, n, HV, K, pv, sms))]
-        return list(dict.fromkeys(planned(n, H, HV, K, pv, tokens, sms, eager) for eager in
+            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(pk, pv) and may_choose(s, n, HV, pk, pv, sms))]
+        return list(dict.fromkeys(planned(n, H, HV, pk, pv, tokens, sms, eager) for eager in
                                   (None, "inference", *(("training",) if training else ()))))
 
     classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each
@@ -269,20 +276,25 @@ _COMPILED: dict = {}  # spec file -> its op
 
 def _variant(c: Compile):
     """The variant of the op's program the Compile's call runs (Program.for_shape), of the op the
-    process calls (a compiled op by its key, ops' shared op for a shipped spec): the kernels it
-    loads are then the ones that op's calls find in memory, not only on disk."""
+    process calls (_op_of): the kernels it loads are then the ones that op's calls find in memory,
+    not only on disk."""
+    program = _op_of(c.spec).program
+    return program.for_shape(c.runs_as) if c.runs_as is not None else program
+
+
+def _op_of(spec: str):
+    """The op the process calls for `spec`: a compiled op by its key, ops' shared op for a shipped
+    spec, else one compiled here."""
     from . import ops
     from .compiler import compile as compile_op
     from .custom_ops import _OPS
     from .specs import NAMES
 
-    if c.spec in _OPS:
-        op = _OPS[c.spec]
-    elif c.spec in NAMES:
-        op = ops._op(c.spec)
-    else:
-        op = _COMPILED.get(c.spec) or _COMPILED.setdefault(c.spec, compile_op(c.spec))
-    return op.program.for_shape(c.runs_as) if c.runs_as is not None else op.program
+    if spec in _OPS:
+        return _OPS[spec]
+    if spec in NAMES:
+        return ops._op(spec)
+    return _COMPILED.get(spec) or _COMPILED.setdefault(spec, compile_op(spec))
 
 
 def _program(c: Compile):

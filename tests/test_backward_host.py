@@ -232,6 +232,24 @@ def test_values_wider_than_a_tile_run_on_column_blocks(ops, spec, K, V):
     assert max(widths) == 256 and V - 256 in widths
 
 
+@pytest.mark.parametrize("spec", ["gla", "retnet"])
+def test_keys_wider_than_a_tile_run_on_blocks_of_k(ops, spec):
+    """FLA's GLA tests go to K = 320 and 512, past the kernels' widest tile. Where the program
+    splits over keys (passes/key_blocks.py), such a call runs as blocks of K, a call each: o is the
+    blocks' sum (rounded once, from float32), the final state their rows, and autograd places the
+    keys' gradients and sums v's. All meet the float64 reference, and no kernel runs a K over 256.
+    (The delta rule does not split: GDN at K = 320 is refused by the head-dim check.)"""
+    op = ops[spec]
+    args = random_inputs(op, T=70, H=1, HV=2, K=320, V=64, cu_seqlens=[0, 1, 70], initial_state=True,
+                         dtype=torch.bfloat16)
+    step = emulated_kernel_step(op, args)
+    assert rel_err(step["o"], step["o_ref"]) <= 1e-2 and rel_err(step["final"], step["final_ref"]) <= 1e-2
+    for name, g in step["grads"].items():
+        assert g.shape == args[name].shape and rel_err(g, step["grads_ref"][name]) <= 1e-2, name
+    keys = {s.K for s in step["emulator"].shapes}
+    assert max(keys) == 256 and 64 in keys
+
+
 def test_a_delta_rule_backward_that_does_not_fit_says_why(ops):
     """KDA at K = V = 192: its backward scan needs 232 KB, and the delta rule's inverse sums over K,
     so blocks of K are no way out: the error says both."""
