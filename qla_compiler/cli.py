@@ -49,7 +49,8 @@ def main(argv=None) -> int:
                          "(dtypes: float32 by default, or the io dtype) are what a call's pools, gates and "
                          "scalars come in")
     ap.add_argument("--backward", action="store_true",
-                    help="with --emit kernel/tilelang/cuda: the backward program's kernels")
+                    help="with --emit kernel/tilelang/cuda: the backward program's kernels (one block's, where "
+                         "the backward at --shape runs on blocks of K's or V's columns)")
     ap.add_argument("--token-step", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the token-step kernel for decoding (op.recurrent)")
     ap.add_argument("--fused", action="store_true",
@@ -127,17 +128,22 @@ def main(argv=None) -> int:
                 shape = parse_shape(args.shape, token_step=args.token_step)
                 prog = prog.for_shape(shape)
             fused = "fused_wide_program" if shape is not None and shape.BV > 64 else "fused_program"
+            note = ""
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
                                   ("token_step", "token_step_program"), ("fused", fused)):
                 if getattr(args, flag):
                     if args.emit not in ("kernel", "tilelang", "cuda"):
                         raise ValueError(f"--{flag.replace('_', '-')} goes with --emit kernel, tilelang or cuda")
+                    if flag == "backward":  # (the kernels one block runs, where it runs on blocks)
+                        prog, shape, note = _backward_block(prog, shape)
                     prog = getattr(prog, variant)
             if args.windows:
                 if args.emit not in ("kernel", "tilelang", "cuda") or args.token_step:
                     raise ValueError("--windows goes with --emit kernel, tilelang or cuda (a chunk scan's)")
                 prog = prog.windows_program
             text = _emit(args.emit, prog, shape)
+            if note:
+                text = f"{'//' if args.emit == 'cuda' else '#'} {note}\n{text}"
         except (PassError, ValueError) as e:
             print(f"qla-compile: error: {e}", file=sys.stderr)
             return 1
@@ -259,6 +265,21 @@ def print_cp_plan(deployment: str) -> int:
                            ("training", "an eager training step")):
             print(f"  chosen for {who}: {cp_plan.planned(N, H, HV, K, V, T, sms, eager) or 'none (the whole walk)'}")
     return 0
+
+
+def _backward_block(prog, shape) -> tuple:
+    """(program, shape class, note): where the backward at this shape runs on blocks of K's or V's
+    columns (Program.backward_blocks), the program and class of one block, and a line saying so;
+    else the program and class as they are."""
+    import dataclasses
+
+    keys, values, each = prog.backward_blocks()
+    if keys >= shape.K and values >= shape.V:
+        return prog, shape, ""
+    K, V = min(keys, shape.K), min(values, shape.V)
+    return each, dataclasses.replace(shape, K=K, V=V, BV=min(shape.BV, 64)), (
+        f"the backward at K = {shape.K}, V = {shape.V} runs on blocks of {K} keys × {V} of V's columns, each a "
+        f"problem of its own (Program.backward_blocks): one block's kernels")
 
 
 def _emit(what: str, prog, shape) -> str:
