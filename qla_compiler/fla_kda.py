@@ -22,6 +22,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+
 def kda_gate(g: torch.Tensor, A_log, dt_bias, lower_bound) -> torch.Tensor:
     """FLA's KDA gate from the raw activation g [B, T, HV, K], in float32 (float64 from float64):
     −e^{A_log} softplus(g + dt_bias), or with `lower_bound` lower_bound · σ(e^{A_log} (g + dt_bias))
