@@ -275,8 +275,7 @@ def compile_items(classes: list, spec: str = "gdn") -> list:
     from qla_compiler.kernels.backward import column_blocks
 
     todo, program = [], qla_compiler.compile_spec(spec)
-    for H, HV, K, V, n, io, scale, training in _blocks(classes, program):
-        scale = K ** -0.5 if scale is None else float(scale)
+    for H, HV, K, V, n, io, scale, training in _blocks(classes, spec):
         shape = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS, scale)
         runs_as = forward.scan_class(H, HV, K, V, n, io, forward.H200_SMS)
         if not training:
@@ -296,21 +295,15 @@ def compile_items(classes: list, spec: str = "gdn") -> list:
     return list(dict.fromkeys(todo))
 
 
-def _blocks(classes: list, program) -> list:
-    """The calls as the op makes them: a head dim past the kernels' widest tile as blocks of its
-    columns, a call each (op._run_kernels: V's, and K's where the program splits over keys), each
-    with the whole call's scale."""
-    from qla_compiler.kernels.backward import column_blocks
-    from qla_compiler.passes.key_blocks import key_blocks
-    from qla_compiler.passes.lower_tilelang import HEAD_DIM_RANGE
+def _blocks(classes: list, spec: str) -> list:
+    """The calls as the op makes them (CompiledOp.head_blocks: a head dim past the kernels' widest
+    tile as blocks of its columns, a call each), each with the whole call's scale."""
+    from qla_compiler import ops
 
-    widest, out = HEAD_DIM_RANGE[1], []
+    op, out = ops._op(spec), []
     for H, HV, K, V, n, io, scale, training in classes:
         scale = K ** -0.5 if scale is None else float(scale)
-        keys = dict.fromkeys(w for _, w in column_blocks(K, widest)) \
-            if K > widest and key_blocks(program.chunk)[0] is not None else [K]
-        out += [(H, HV, k, v, n, io, scale, training) for k in keys
-                for v in dict.fromkeys(w for _, w in column_blocks(V, widest))]
+        out += [(H, HV, k, v, n, io, scale, training) for k, v in dict.fromkeys(op.head_blocks(K, V))]
     return out
 
 

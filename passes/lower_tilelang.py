@@ -545,6 +545,7 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         out += ["        # each warp holds whole columns of these: their sums over K are shuffles in the warp",
                 "        T.annotate_layout({" + ", ".join(f"{b.name}: warp_columns({b.name}, {b.warp_columns})"
                                                       for b in dealt) + "})"]
+
     def block(stmts, ind: str, token: str) -> list[str]:
         # each run of token loads under one guard that their token is in the sequence (a load of
         # the current token in the loop needs none)

@@ -97,6 +97,7 @@ class CompiledOp:
         # _run_kernels)
         self._columns_split = columns_mixed(program.chunk) is None
         self._keys_split = key_blocks(program.chunk)[0] is not None
+        self._key_names = tuple(n for n in self.input_names if self.kinds[n] in ("key", "key_gate"))
 
     @property
     def value_name(self) -> str:
@@ -267,30 +268,44 @@ class CompiledOp:
         gradients over the blocks. Keys wider than it run so too where the program splits over keys
         (passes/key_blocks.py: GLA at K = 512, not the delta rule): o is the blocks' sum, the final
         state their rows."""
-        keys = [n for n in self.input_names if self.kinds[n] in ("key", "key_gate")]
-        K = inputs[keys[0]].shape[-1]
+        K, V = inputs[self._key_names[0]].shape[-1], inputs[self.value_name].shape[-1]
         if K > WIDEST_HEAD_DIM and self._keys_split:
-            from .kernels.backward import column_blocks
-
-            parts = [self._run_kernels({n: (x[..., a:a + w].contiguous() if n in keys else x) for n, x in inputs.items()},
-                                       scale, None if initial_state is None else initial_state[..., a:a + w, :].contiguous(),
-                                       cu_seqlens, segments)
-                     for a, w in column_blocks(K, WIDEST_HEAD_DIM)]
+            parts = self._on_blocks(inputs, self._key_names, K, -2, scale, initial_state, cu_seqlens, segments)
             o = sum(o.float() for o, _ in parts).to(parts[0][0].dtype)  # (rounded once, from float32)
             return o, torch.cat([s for _, s in parts], -2)
-        v = inputs[self.value_name]
-        if v.shape[-1] > WIDEST_HEAD_DIM and self._columns_split:
-            from .kernels.backward import column_blocks
-
-            parts = [self._run_kernels({**inputs, self.value_name: v[..., a:a + w].contiguous()}, scale,
-                                       None if initial_state is None else initial_state[..., a:a + w].contiguous(),
-                                       cu_seqlens, segments)
-                     for a, w in column_blocks(v.shape[-1], WIDEST_HEAD_DIM)]
+        if V > WIDEST_HEAD_DIM and self._columns_split:
+            parts = self._on_blocks(inputs, (self.value_name,), V, -1, scale, initial_state, cu_seqlens, segments)
             return torch.cat([o for o, _ in parts], -1), torch.cat([s for _, s in parts], -1)
         xs = [inputs[n] for n in self.input_names]
         o, final, _ = custom_ops.call("run_kernels", self.key, xs, initial_state, cu_seqlens, scale, segments,
                                       _wants_grad(initial_state, *xs), torch.compiler.is_compiling())
         return o, final
+
+    def _on_blocks(self, inputs, names, width: int, state_axis: int, scale, initial_state, cu_seqlens, segments):
+        """(o, final) of each block of WIDEST_HEAD_DIM of the last dim of the inputs `names` (and of
+        the initial state's `state_axis`), run as a call of its own (_run_kernels)."""
+        from .kernels.backward import column_blocks
+
+        return [self._run_kernels({n: (x[..., a:a + w].contiguous() if n in names else x) for n, x in inputs.items()},
+                                  scale, None if initial_state is None else
+                                  initial_state.narrow(state_axis, a, w).contiguous(), cu_seqlens, segments)
+                for a, w in column_blocks(width, WIDEST_HEAD_DIM)]
+
+    def head_blocks(self, K: int, V: int) -> list:
+        """(K, V) of each kernel call a call at these head dims makes (_run_kernels): itself where
+        both fit the kernels' widest tile; else blocks of K where the program splits over keys, and
+        of V where it never mixes V's columns (what the warm-up compiles: qla_compiler/precompile.py).
+
+            >>> import qla_compiler
+            >>> qla_compiler.compile("gla").head_blocks(320, 512)
+            [(256, 256), (256, 256), (64, 256), (64, 256)]
+        """
+        from .kernels.backward import column_blocks
+
+        def widths(d, split):
+            return [w for _, w in column_blocks(d, WIDEST_HEAD_DIM)] if d > WIDEST_HEAD_DIM and split else [d]
+
+        return [(k, v) for k in widths(K, self._keys_split) for v in widths(V, self._columns_split)]
 
 
 @torch._dynamo.assume_constant_result

@@ -84,22 +84,17 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     from .kernels import forward
     from .kernels.backward import column_blocks
     from .kernels.cp_plan import SEGMENTS, may_choose, planned
-    from .passes.key_blocks import key_blocks
 
     V = V or K
     plan = plan or (K, V)
     scale = K ** -0.5 if scale is None else float(scale)  # as the op passes it to every launch
-    if K > HEAD_DIM_RANGE[1] and key_blocks(_op_of(str(spec)).program.chunk)[0] is not None:
-        widths = dict.fromkeys(w for _, w in column_blocks(K, HEAD_DIM_RANGE[1]))
-        return list(dict.fromkeys(c for w in widths for c in shape_classes(
-            spec, H, HV, w, V, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, plan)))
-    if V > HEAD_DIM_RANGE[1]:  # (the token step takes such a V whole)
-        widths = dict.fromkeys(w for _, w in column_blocks(V, HEAD_DIM_RANGE[1]))
-        blocks = [c for w in widths for c in shape_classes(
-            spec, H, HV, K, w, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, plan)]
-        steps = [Compile(str(spec), "token_step", c, None)
-                 for c in _token_step_classes(str(spec), H, HV, K, V, io, state, scale)] if state else []
-        return list(dict.fromkeys(blocks + steps))
+    blocks = list(dict.fromkeys(_op_of(str(spec)).head_blocks(K, V)))
+    if blocks != [(K, V)]:  # (the token step takes a wide V whole, and no wide K: those run the chunk kernels)
+        steps = [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(
+            str(spec), H, HV, K, V, io, state, scale)] if state and K <= HEAD_DIM_RANGE[1] else []
+        return list(dict.fromkeys([c for k, v in blocks for c in shape_classes(
+            spec, H, HV, k, v, io, n_seqs, context_parallel, sms, training, scale, stages, block_v, tokens, None, plan)]
+            + steps))
     if H < 1 or HV % H:
         raise ValueError(f"HV={HV}: the value heads must be a multiple of the H={H} query/key heads")
     forward.check_head_dims(K, V)
