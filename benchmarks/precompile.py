@@ -48,7 +48,8 @@ def for_gpu_tests():
     # test_gpu_kernels' CASES, BV = 32: every spec at three classes, the delta rule's also in padded tiles
     kernel_cases = [(spec, *c) for spec in ("gdn", "delta_net", "simple_gla", "linear_attn")
                     for c in ((2, 8, 128, 128), (2, 2, 128, 128), (1, 2, 64, 64))]
-    kernel_cases += [(spec, *c) for spec in ("gdn", "delta_net") for c in ((2, 4, 100, 60), (1, 2, 16, 48))]
+    kernel_cases += [(spec, *c) for spec in ("gdn", "delta_net", "kda", "gla")
+                     for c in ((2, 4, 100, 60), (1, 2, 16, 48))]
     for spec, H, HV, K, V in kernel_cases:
         shape = ShapeClass(H=H, HV=HV, K=K, V=V, BV=32)  # the whole program, as the test runs it
         out += [Compile(spec, part, shape, None) for part in ("forward", "training", "backward")]
@@ -63,7 +64,7 @@ def for_gpu_tests():
             out += classes(spec, 2, 2, 128, n, training=True)
         out += classes(spec, 1, 4, 64, 3, training=True)
     for V in (256, 512):  # test_gpu_per_key's GLA at its standard heads: K blocks, and V's column blocks
-        out += classes("gla", 1, 2, 256, 3, V=V, training=True)
+        out += classes("gla", 2, 2, 256, 3, V=V, training=True)
     return out
 
 

@@ -645,6 +645,7 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
         out.insert(next(i for i, ln in enumerate(out) if ln.startswith(f"        {x} = ")) + 1,
                    f"        {own} = T.alloc_shared({_shape(b.shape, r.tiles)}, {_dtype(b.dtype)})  # the consumer's")
     copied = not private
+    unordered = False  # threads have written shared memory since the last barrier this code placed
     for s in kernel.body:
         if s.op in ("wait_load", "zero_pad") and s.dst in private:
             continue  # (loaded whole and masked)
@@ -654,7 +655,24 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
             copied = True
         if copied and private:
             s = s.renamed(private)
-        out += [ind + ln for ln in r.stmt(s, scan)]
+        if unordered and not scan and s.op == "zero_pad" and s.attr.get("only_partial") \
+                and s.dst not in r.masked_loads:
+            # TileLang 0.1.15 places the barrier that orders those writes before other threads'
+            # reads inside this `if n_valid < C:`, which a whole chunk skips: its readers then
+            # race the writes (seen on the H200: KDA's backward prep at K = 60 read β before it
+            # was stored, and W came out 3% off). A barrier of its own before the `if`.
+            out.append(f"{ind}T.sync_threads()  # the writes above, before a whole chunk skips the `if` below")
+            unordered = False
+        lines = r.stmt(s, scan)
+        out += [ind + ln for ln in lines]
+        if any(ln.startswith("T.sync_threads()") for ln in lines):
+            unordered = False
+        # (a fix-up's own writes need no such barrier: every `if n_valid < C:` after it, where
+        # TileLang orders them, runs exactly when it ran)
+        if s.dst in r.dtype and kernel.buffer(s.dst).scope == "shared" and s.op != "wait_load" \
+                and not (s.attr.get("async") and s.dst not in r.masked_loads) \
+                and not (s.op == "zero_pad" and s.attr.get("only_partial")):
+            unordered = True
     if store_waits:
         out.append("        " + SCAN_STORE_WAIT + "  # and the last chunk's")
     for s in kernel.epilogue:

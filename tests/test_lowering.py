@@ -691,3 +691,33 @@ def test_sums_of_many_products_accumulate_as_they_go_where_registers_run_out(ops
             assert len(writes) >= 2 and f"'buf', '{name}'" not in str(writes[0].attr)
             assert all(f"'buf', '{name}'" in str(st.attr) for st in writes[1:]), name
     assert not sums(ops["gdn"].program.backward_program.kernels) and not sums(ops["gdn"].program.kernels)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_threads_writes_are_ordered_before_a_fix_up_that_a_whole_chunk_skips(name):
+    """TileLang 0.1.15 places the barrier that orders threads' writes to shared memory before other
+    threads read them inside a following `if n_valid < C:` fix-up, where a whole chunk never goes
+    (on the H200: KDA's backward prep at K = 60 read β before it was stored in some chunks, W 3%
+    off, and FLA's KDA tests found d h0 5% off at D = 60 and 2% at 100). In every kernel without a
+    loop, a `T.sync_threads()` must come between such writes and the `if`."""
+    prog = qla_compiler.compile_spec(name)
+    for program in (prog.training_program, prog.backward_program):
+        for shape in (ShapeClass(2, 2, 128, 128, BV=64), ShapeClass(2, 4, 60, 100, BV=32)):
+            for k in program.kernels.kernels:
+                if k.loop or k.warp_roles or k.kind == "token_step":
+                    continue
+                lines = lower_kernel(k, shape)
+                shared = set(re.findall(r"^\s+(\w+) = T\.alloc_shared\(", "\n".join(lines), re.M))
+                written, skipping = [], False
+                for ln in lines:
+                    depth, text = len(ln) - len(ln.lstrip()), ln.strip()
+                    if skipping and depth > 8:
+                        continue  # (the fix-up's own writes run exactly when every later fix-up does)
+                    skipping = False
+                    if depth == 8 and text.startswith("if n_valid < C:"):
+                        assert not written, f"{name} {k.name} at {shape}: {written} written, then `{text}`"
+                        skipping = True
+                    elif text.startswith("T.sync_threads()"):
+                        written = []
+                    elif (m := re.match(r"(\w+)\[.*\] = ", text)) and m.group(1) in shared:
+                        written.append(m.group(1))
