@@ -154,7 +154,7 @@ def test_gla_wide_heads_train_within_flas_error(K, V):
     blocks of V's columns, a call each. o, the final state and every gradient against the float64
     reference, ≤ 1e-2 and within 1.5× of FLA's chunk_gla on the same inputs and cotangents."""
     op = qla_compiler.compile("gla", target="sm90")
-    args = make_inputs(op, lens=[1, 200, 77], H=1, HV=2, K=K, V=V)
+    args = make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=K, V=V)  # (FLA's GLA has no grouped value heads)
     gen = torch.Generator(device="cuda").manual_seed(3)
     names = ["q", "k", "v", "g", "initial_state"]
     d_o = torch.randn(1, 278, 2, V, device="cuda", generator=gen)
