@@ -123,7 +123,10 @@ class Swap:
 
         def recorded(prefix, ref, tri, ratio, *rest, **kw):
             try:
-                rate, abs_err = get_err_ratio(ref, tri), get_abs_err(ref, tri)
+                # (in float64: FLA's ratio squares half tensors in their own dtype, where errors
+                # below ~2e-4 square to 0 and values past 256 to inf: the ratio reads 0, and FLA's
+                # own check passes whatever the error)
+                rate, abs_err = get_err_ratio(ref.double(), tri.double()), get_abs_err(ref, tri)
             except Exception:  # e.g. shapes that do not match: the original raises it below
                 rate, abs_err = float("nan"), float("nan")
             entry["closes"].append((prefix.strip(), rate, ratio, abs_err))
