@@ -76,6 +76,11 @@ def expr_str(e) -> str:
     return format_expr(e, PRETTY, _pretty_leaf)
 
 
+# the columns a warp may be dealt of a fragment (Buffer.warp_columns): a lane holds 4 adjacent
+# columns, and a warp's 32 lanes tile whole rows of them
+WARP_COLUMN_COUNTS = (4, 8, 16, 32, 64, 128)
+
+
 @dataclass(frozen=True)
 class Tensor:
     """A global-memory tensor the kernel takes; dims are names (T tokens, N sequences, ...)."""
@@ -117,8 +122,8 @@ class Buffer:
     # threads that store a wgmma accumulator's rows, or read one column across rows, serialise
     row_pad: int = 0
     # a 2-D fragment's columns dealt to the warps, this many each with every row of them
-    # (kernels/warp_columns.py): a sum over its rows is shuffles inside a warp, no block barrier;
-    # 0: TileLang's own layout
+    # (kernels/warp_columns.py; one of WARP_COLUMN_COUNTS): a sum over its rows is shuffles inside a
+    # warp, no block barrier; 0: TileLang's own layout
     warp_columns: int = 0
 
     def alloc_shape(self) -> tuple:
@@ -342,9 +347,10 @@ class Kernel:
             if st.op == "decayed_product" and st.attr.get("scratch") and st.attr["scratch"][1] not in shared:
                 raise ValueError(f"{self.name}: `{st}` stages its sums in no float32 shared block of the kernel")
         for b in self.buffers:
-            if b.warp_columns and (b.scope != "fragment" or len(b.shape) != 2 or b.warp_columns % 4):
+            if b.warp_columns and (b.scope != "fragment" or len(b.shape) != 2
+                                   or b.warp_columns not in WARP_COLUMN_COUNTS):
                 raise ValueError(f"{self.name}: {b.name} deals {b.warp_columns} columns a warp: only a 2-D "
-                                 "fragment's columns are dealt to warps, a multiple of 4 each")
+                                 f"fragment's columns are dealt to warps, {', '.join(map(str, WARP_COLUMN_COUNTS))} each")
             if b.row_pad and (b.scope != "shared" or len(b.shape) != 2 or b.row_pad < 0):
                 raise ValueError(f"{self.name}: {b.name} pads its rows by {b.row_pad}: only a 2-D shared block's rows are padded")
         if not self.warp_roles:

@@ -17,6 +17,8 @@ apart: at n = 8, lane l holds columns 4 (l % 2) … 4 (l % 2) + 3 of rows l // 2
     >>> [slot_of(i, j, 8) for i, j in ((0, 0), (0, 3), (16, 0), (17, 5))]
     [0, 3, 4, 5]
 """
+from qla_compiler.ir.kernel import WARP_COLUMN_COUNTS
+
 WARP = 32
 VECTOR = 4  # adjacent columns a lane holds: one 16-byte load or store of float32
 
@@ -35,7 +37,7 @@ def slot_of(i, j, n: int):
 
 def check(rows: int, columns: int, n: int) -> None:
     """What the layout needs of a block (a ValueError naming it)."""
-    if n not in (4, 8, 16, 32, 64, 128) or columns % n or rows % (WARP // (n // VECTOR)):
+    if n not in WARP_COLUMN_COUNTS or columns % n or rows % (WARP // (n // VECTOR)):
         raise ValueError(f"warp_columns={n}: needs a power of two from 4 to 128 dividing the {columns} columns, "
                          f"and rows ({rows}) a multiple of {WARP // max(n // VECTOR, 1)}")
 

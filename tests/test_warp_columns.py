@@ -30,3 +30,18 @@ def test_every_element_has_one_thread_and_register_and_a_warp_holds_whole_column
 def test_blocks_the_layout_cannot_deal_are_refused(rows, columns, n):
     with pytest.raises(ValueError, match="warp_columns"):
         check(rows, columns, n)
+
+
+@pytest.mark.parametrize("n", [12, 2, 256])
+def test_the_kernel_ir_refuses_what_the_layout_cannot_deal(n):
+    """The verifier holds Buffer.warp_columns to the counts the lowering's layout takes (it once
+    took any multiple of 4, and 12 failed only in the lowering)."""
+    from dataclasses import replace
+
+    import qla_compiler
+
+    (kernel,) = qla_compiler.compile_spec("gdn").token_step_program.kernels.kernels
+    kernel.verify()
+    bad = replace(kernel, buffers=tuple(replace(b, warp_columns=n) if b.warp_columns else b for b in kernel.buffers))
+    with pytest.raises(ValueError, match="columns a warp"):
+        bad.verify()
