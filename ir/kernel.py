@@ -108,7 +108,7 @@ class Tensor:
 class Buffer:
     name: str
     shape: tuple  # of dim names
-    dtype: str  # "io" | "float32" | "tfloat32"
+    dtype: str  # "io" | "float32" | "tfloat32" | "int32" (the token step's pool slots)
     scope: str  # "shared" | "fragment"
     # a ring of this many copies, chunk c in copy c % stages (a warp-specialised kernel's loads
     # and hand-offs between roles: the writer fills one copy while readers read another)
@@ -187,12 +187,14 @@ class Role:
 class Stmt:
     """op: load | load_vec | load_chunk_state | wait_load | zero_pad | copy | gemm | ewise | cumsum |
     reduce | inverse | decayed_product | store | store_vec | store_chunk_state | store_state | load_state, and in a
-    token step load_token | store_token (one token's row, or its scalar). A load with attribute
-    async only starts the copy; wait_load (same dst) waits for it. A state load or store with
-    attribute slot takes the state's slot in its pool from that tensor (the token step). A
+    token step load_token | load_slot | store_token (one token's row, or its scalar). A load with
+    attribute async only starts the copy; wait_load (same dst) waits for it. In the token step a
+    state load with attribute slot takes the state's slot in its pool from that int32 [N] tensor,
+    a state store from that int32 buffer, which a load_slot filled (−1: not stored). A
     load_token loads the current token's row (in the prologue the current token is the first),
     or with attribute ahead the one that many tokens later; a token past the sequence's end loads
-    nothing (the buffer keeps its value). In a
+    nothing (the buffer keeps its value). A load_slot loads the sequence's entry of an int32 [N]
+    tensor, or of an [N, L] one the token's entry as load_token would (−1 past L). In a
     warp-specialised kernel also: wait (dst: a barrier, at the chunk's stage and phase), arrive
     (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA before the
     arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
@@ -319,8 +321,19 @@ class Kernel:
         its threads; their register budgets are setmaxnreg's (multiples of 8 in [24, 256]) and fit
         the SM; every wait and arrival names a barrier; every ring has an owner among the roles; a
         decayed product's scratch is a float32 shared block of the kernel."""
-        if any(s.op == "load_token" for s in self.prologue + self.body) and self.kind != "token_step":
+        if any(s.op in ("load_token", "load_slot") for s in self.prologue + self.body) and self.kind != "token_step":
             raise ValueError(f"{self.name}: loads a token's row, and only a token step walks tokens")
+        if self.kind == "token_step":
+            slots = {b.name for b in self.buffers if (b.shape, b.dtype, b.scope) == (("1",), "int32", "fragment")}
+            by_name = {p.name: p for p in self.params}
+            for st in (*self.prologue, *self.body, *self.epilogue):
+                if st.op == "store_state" and st.attr.get("slot") not in slots:
+                    raise ValueError(f"{self.name}: `{st}` takes its slot from no int32 [1] fragment (a load_slot's)")
+                src = by_name.get(st.srcs[0]) if st.op == "load_slot" else None
+                if st.op == "load_slot" and (src is None or src.dtype != "int32" or src.shape[0] != "N"
+                                             or len(src.shape) > 2 or st.dst not in slots):
+                    raise ValueError(f"{self.name}: `{st}` loads a slot from no int32 [N] or [N, L] input into "
+                                     "an int32 [1] fragment")
         axes = tuple(sorted(a for a, _ in self.grid))
         if axes not in GRID_AXES:
             raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "

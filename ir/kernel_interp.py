@@ -233,6 +233,16 @@ class _Run:
             ok = (cols < x.shape[3]) & self.at.active[:, None]
             rows, h = self.at.t0[:, None].expand_as(ok), self.at.i_hv[:, None].expand_as(ok)
             x[0, rows[ok], h[ok], cols[ok]] = b[s.srcs[0]][ok].to(x.dtype)
+        elif s.op == "load_slot":  # a sequence's entry, or the token's (−1 past L; past the sequence: nothing)
+            x = self.g[s.srcs[0]].long()
+            if x.dim() == 1:
+                b[s.dst] = x[self.at.i_n].to(F64)[:, None]
+            else:
+                ahead = a.get("ahead", 0)
+                t = self.at.token + ahead
+                value = torch.where(t < x.shape[1], x[self.at.i_n, t.clamp(max=x.shape[1] - 1)], -1)
+                within = (t < self.at.seq_len)[:, None]
+                b[s.dst] = torch.where(within, value.to(F64)[:, None], b[s.dst])
         elif s.op in ("load_state", "store_state") and a.get("slot"):
             self._pool_state(s, a["slot"])
         elif s.op == "load_chunk_state":
@@ -291,19 +301,15 @@ class _Run:
             raise InterpretError(f"{self.k.name}: no meaning for the statement {s.op!r}")
 
     def _pool_state(self, s: Stmt, slots: str):
-        """A token step's state from or into its pool slot: read_slot[n] (−1: the zero state),
-        write_slot[n, t] (−1: not stored)."""
+        """A token step's state from or into its pool slot: the tensor read_slot[n] (−1: the zero
+        state) for a load; for a store the slot buffer a load_slot filled (−1: not stored)."""
         b, cols = self.buf, self._state_cols(self.sz.BV)
         if s.op == "load_state":
             slot = self.g[slots].long()[self.at.i_n]
             state = self._state_slice(self.g[s.srcs[0]], slot.clamp(min=0), cols)
             b[s.dst] = torch.where((slot >= 0)[:, None, None], state, 0.0)
             return
-        w = self.g[slots].long()
-        if w.dim() == 2:  # per token; none past the tensor's L
-            slot = torch.where(self.at.token < w.shape[1], w[self.at.i_n, self.at.token.clamp(max=w.shape[1] - 1)], -1)
-        else:
-            slot = w[self.at.i_n]
+        slot = b[slots][:, 0].long()
         active = self.at.active
         self.at.active = active & (slot >= 0)
         self._write_state(self.g[s.dst], slot.clamp(min=0), b[s.srcs[0]])

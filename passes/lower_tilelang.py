@@ -528,10 +528,14 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
             store = ([f"for i, j in T.Parallel({K}, BV):", f"    if {inside}:",
                       f"        {s.dst}[dst_slot, i_hv, i, v0 + j] = T.cast({s.srcs[0]}[i, j], STATE)"]
                      if inside else [f"T.copy({s.srcs[0]}, {s.dst}[dst_slot, i_hv, 0:K, v0:v0 + BV])"])
-            per_token = len(r.params[a["slot"]].shape) == 2
-            where = f"T.if_then_else(t < L, {a['slot']}[i_n, t], -1)" if per_token else f"{a['slot']}[i_n]"
-            return [f"dst_slot = {where}", "if dst_slot >= 0:  # else this state is not kept"] + \
+            return [f"dst_slot = {a['slot']}[0]", "if dst_slot >= 0:  # else this state is not kept"] + \
                 [f"    {ln}" for ln in store]
+        if s.op == "load_slot":
+            src = s.srcs[0]
+            if len(r.params[src].shape) == 1:  # the sequence's
+                return ["for i in T.Parallel(1):", f"    {s.dst}[i] = {src}[i_n]"]
+            row = " + ".join(x for x in (token, str(a.get("ahead", 0))) if x != "0") or "0"
+            return ["for i in T.Parallel(1):", f"    {s.dst}[i] = T.if_then_else({row} < L, {src}[i_n, {row}], -1)"]
         if s.op == "reduce" and len(s.srcs) == 1:  # straight into the destination fragment
             return [f"T.reduce_sum({s.srcs[0]}, {s.dst}, dim={a['dims'][0]})"]
         return r.stmt(s, scan=True)
@@ -546,6 +550,9 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
                 "        T.annotate_layout({" + ", ".join(f"{b.name}: warp_columns({b.name}, {b.warp_columns})"
                                                       for b in dealt) + "})"]
 
+    def per_token(s: Stmt) -> bool:  # a load of a token's row, or of its entry of an [N, L] tensor
+        return s.op == "load_token" or (s.op == "load_slot" and len(r.params[s.srcs[0]].shape) == 2)
+
     def block(stmts, ind: str, token: str) -> list[str]:
         # each run of token loads under one guard that their token is in the sequence (a load of
         # the current token in the loop needs none)
@@ -553,12 +560,12 @@ def lower_token_step(kernel: Kernel, shape: ShapeClass) -> list[str]:
         while i < len(stmts):
             s = stmts[i]
             ahead = s.attr.get("ahead", 0)
-            if s.op != "load_token" or (token == "t" and not ahead):
+            if not per_token(s) or (token == "t" and not ahead):
                 lines += [ind + ln for ln in stmt(s, token)]
                 i += 1
                 continue
             loads = []
-            while i < len(stmts) and stmts[i].op == "load_token" and stmts[i].attr.get("ahead", 0) == ahead:
+            while i < len(stmts) and per_token(stmts[i]) and stmts[i].attr.get("ahead", 0) == ahead:
                 loads += stmt(stmts[i], token)
                 i += 1
             which = ("the first token's inputs, their loads beside the state's: one memory latency for both"

@@ -13,8 +13,9 @@ No chunking: a decode step has one token, and for a few tokens the chunk program
 solve and matmuls cost more than the rank-1 updates. The state comes from and goes to pools, by
 slot (the serving engines' layout): `read_slot[n]` says which slot sequence n starts from (−1:
 the zero state; −2: a padding entry, which reads and writes no state and only writes its outputs'
-zeros, Kernel.padding), `write_slot[n, t]` where the state after its token t goes (−1: nowhere). The host (kernels/token_step.py) fills both from the op's
-arguments.
+zeros, Kernel.padding), `write_slot[n, t]` where the state after its token t goes (−1: nowhere),
+`final_slot[n]` where the state after the last token goes. The host (kernels/token_step.py) fills
+them from the op's arguments.
 
     >>> from qla_compiler.passes.frontend import load_spec
     >>> from qla_compiler.passes.classify import classify
@@ -101,6 +102,14 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
         first.append(Stmt("load_token", b, (inp.name,)))
         ahead.append(Stmt("load_token", nb, (inp.name,), (("ahead", 1),)))
         advance.append(Stmt("copy", b, (nb,)))
+    # where each state goes, read with the inputs (the token's write slot a token ahead, the final
+    # one in the prologue), not right before the store: read there, a one-token decode waited two
+    # more memory latencies after its arithmetic, the write slot's and then the final one's
+    slot_buffers = [Buffer(x, ("1",), "int32", "fragment") for x in ("write_at", "write_at_next", "final_at")]
+    buffers += slot_buffers
+    first.append(Stmt("load_slot", "write_at", ("write_slot",)))
+    ahead.append(Stmt("load_slot", "write_at_next", ("write_slot",), (("ahead", 1),)))
+    advance.append(Stmt("copy", "write_at", ("write_at_next",)))
     body += ahead
     head = [Tensor(f"log_{c.name}", ("HV",), "float32", "in", "log of the per-head decay") for c in rec.constants]
     state_in = Tensor("state_pool", ("S", "HV", "K", "V"), "state", "in", "the states the sequences start from, by slot")
@@ -137,16 +146,17 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
              Stmt("ewise", "o_t", (), (("expr", _mul(("param", "scale"), _coeff(st.output_coeff, bufs),
                                                       ("buf", "o_t", "j"))), ("index", ("j",)))),
              Stmt("store_token", "o", ("o_t",)),
-             Stmt("store_state", "state_out", ("state",), (("slot", "write_slot"),)),
+             Stmt("store_state", "state_out", ("state",), (("slot", "write_at"),)),
              *advance]
-    epilogue = [Stmt("store_state", "state_out", ("state",), (("slot", "final_slot"),))]
+    epilogue = [Stmt("store_state", "state_out", ("state",), (("slot", "final_at"),))]
     # (o is allocated, not zeroed: a padding entry's tokens get zeros from the kernel, one launch
     # less a call)
     padding = (Stmt("ewise", "o_t", (), (("expr", ("lit", 0.0)), ("index", ("j",)))),
                Stmt("store_token", "o", ("o_t",)))
     kernel = Kernel(f"{rec.name}_token_step", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")),
                     "TOKEN_THREADS", params, buffers,
-                    [*first, Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"),))],
+                    [Stmt("load_slot", "final_at", ("final_slot",)), *first,
+                     Stmt("load_state", "state", ("state_pool",), (("slot", "read_slot"),))],
                     body, epilogue, loop="tokens of the sequence", kind="token_step",
                     roles=(f"a warp per {WARP_COLUMNS} columns of the V-block (TOKEN_THREADS = 32 BV / {WARP_COLUMNS}): "
                            "the state block in registers, one token after another",),

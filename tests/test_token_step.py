@@ -218,7 +218,10 @@ def test_emit_token_step_kernel(capsys):
     assert main(["gdn", "--emit", "kernel", "--token-step"]) == 0
     out = capsys.readouterr().out
     assert "kernel gdn_token_step" in out and "for token in tokens of the sequence:" in out
-    assert "state_out = store_state state slot=write_slot" in out and "slot=final_slot" in out
+    # where each state goes is loaded with the inputs, before the arithmetic, and the stores read it
+    assert "write_at = load_slot write_slot" in out and "write_at_next = load_slot write_slot ahead=1" in out
+    assert "final_at = load_slot final_slot" in out
+    assert "state_out = store_state state slot=write_at" in out and "slot=final_at" in out
     assert main(["gdn", "--emit", "kernel", "--token-step", "--backward"]) == 1
     assert "--backward and --token-step: choose one" in capsys.readouterr().err
 
@@ -272,7 +275,8 @@ def test_a_token_waits_on_no_block_barrier(spec, K):
     the token's inputs load into registers, so the sums over K are shuffles inside a warp and a
     token waits on no block barrier, at either V-block. (TileLang's own layout spread K over both
     warps at BV = 16, and each sum went through shared memory: 24 barriers a token.) The inputs
-    are loaded a token ahead: the first token's beside the state's loads, in the prologue."""
+    and the slots the states go to are loaded a token ahead: the first token's beside the state's
+    loads, in the prologue."""
     import re
 
     from qla_compiler.checks import Dims
@@ -285,9 +289,10 @@ def test_a_token_waits_on_no_block_barrier(spec, K):
     assert blocks and all(b.warp_columns == WARP_COLUMNS for b in blocks)
     assert all(b.scope == "fragment" for b in kernel.buffers)
     # the first token's inputs loaded with the state, each later one's a token ahead
-    loads = [s for s in kernel.prologue if s.op == "load_token"]
+    loads = [s for s in kernel.prologue if s.op in ("load_token", "load_slot")]
     assert loads and kernel.prologue.index(next(s for s in kernel.prologue if s.op == "load_state")) == len(loads)
-    assert {s.srcs for s in kernel.body if s.op == "load_token" and s.attr.get("ahead") == 1} == {s.srcs for s in loads}
+    assert {s.srcs for s in kernel.body if s.op in ("load_token", "load_slot") and s.attr.get("ahead") == 1} \
+        == {s.srcs for s in loads if s.srcs != ("final_slot",)}
     for bv in V_BLOCKS:
         shape = shape_class(Dims(1, 1, 2, 8, K, K, 1), torch.bfloat16, torch.float32, 0.1, 132, BV=bv)
         src = "\n".join(lower_to_cuda(program, shape).values())
@@ -296,6 +301,8 @@ def test_a_token_waits_on_no_block_barrier(spec, K):
         kernel_src = src[src.index("__global__ void __launch_bounds__"):]
         first_load, state_load, loop = (kernel_src.index(x) for x in ("= k[", "state_pool + ", "for (int t = 0"))
         assert first_load < state_load < loop, (bv, first_load, state_load, loop)
+        # and where the states go, before the loop: no slot read between a token's arithmetic and its store
+        assert kernel_src.index("final_slot[") < loop and kernel_src.index("write_slot[") < loop, bv
         sums = re.findall(r"AllReduce<tl::SumOp, (\d+),", src)
         assert sums and set(sums) == {"32"}, (bv, sums)  # (a butterfly of 32 lanes or fewer: shuffles)
         assert f"__launch_bounds__({32 * bv // WARP_COLUMNS}" in src
@@ -337,3 +344,22 @@ def test_the_launch_rule_picks_the_measured_fastest_v_block():
     for row, fastest in MEASURED_FASTEST.items():
         H, HV, lens = parse_row(row)
         assert block_v(128, HV, len(lens), sum(lens), 132) == fastest, row
+
+
+def test_a_state_store_takes_its_slot_from_a_loaded_slot():
+    """The token step's stores read where each state goes from an int32 [1] fragment that a
+    load_slot filled beside the token's inputs; the verifier refuses a store whose slot names
+    anything else (a pool tensor read at the store would put a memory latency after the
+    arithmetic) and a load_slot from a tensor that is not an int32 [N] or [N, L] input."""
+    import dataclasses
+
+    from qla_compiler.ir.kernel import Stmt
+
+    (kernel,) = qla_compiler.compile_spec("gdn").token_step_program.kernels.kernels
+    kernel.verify()
+    bad_store = [Stmt("store_state", "state_out", ("state",), (("slot", "final_slot"),))]
+    with pytest.raises(ValueError, match="takes its slot from no int32"):
+        dataclasses.replace(kernel, epilogue=bad_store).verify()
+    bad_load = [Stmt("load_slot", "final_at", ("cu_seqlens",)), *kernel.prologue[1:]]
+    with pytest.raises(ValueError, match="loads a slot from no int32"):
+        dataclasses.replace(kernel, prologue=bad_load).verify()
