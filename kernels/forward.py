@@ -542,7 +542,13 @@ def _launch_plan(program, kernel, dims, scale, io, device, sizes: dict, width: i
             if p.role == "out":
                 size = dict(sizes, N=n_seqs, **(dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)))
                 outs.append((p.name, tuple(size[d] for d in p.shape), io if p.dtype == "io" else torch.float32))
-        return _Launch(loader(program, shape)[kernel.name], tuple(p.name for p in kernel.params), tuple(outs))
+        kernels = loader(program, shape)
+        if not kernel.loop and hasattr(kernels, "prefetch"):
+            # a call's first launch at this class: every kernel of the program compiles at once,
+            # beside each other, not each at its launch (a context-parallel call runs its scan at
+            # another class, and this one's compiles in vain, on a spare core)
+            kernels.prefetch([k.name for k in program.kernels.kernels])
+        return _Launch(kernels[kernel.name], tuple(p.name for p in kernel.params), tuple(outs))
 
     key = (id(program.kernels), kernel.name, dims, scale, io, device, sizes["CH"], width, n_seqs, POLICY, loader,
            sm_count(device))

@@ -11,6 +11,7 @@ prints progress to stderr: the first call of a new shape class takes tens of sec
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import importlib.util
 import os
@@ -80,28 +81,55 @@ def import_module(path: Path):
     return mod
 
 
+_POOL: list = []  # the compiling threads, made on first use
+
+
+def _compiling_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that compile kernels beside each other: TileLang's lowering releases the GIL and
+    nvcc is a process of its own, so n kernels take about the longest one's time on n cores."""
+    if not _POOL:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(max(1, cores), "qla-compile"))
+    return _POOL[0]
+
+
 class Kernels:
     """The compiled kernels of one (program, shape class), by name; each is compiled (or fetched
     from the caches) on first use, so a class only some kernels run at (context parallelism's
-    widened scan) compiles only those."""
+    widened scan) compiles only those. `prefetch` starts several compiling at once."""
 
     def __init__(self, program, shape: ShapeClass):
         self.shape, self._compiled = shape, {}
+        self._pending: dict = {}  # name -> the future of a compile under way (prefetch)
+        self.seconds: dict = {}  # name -> how long its compile (or cache read) took
         self.path = write_module(program, shape)
         self._module = import_module(self.path)
 
     def __getitem__(self, name: str):
         return self.get(name)
 
+    def prefetch(self, names, progress: bool = True) -> None:
+        """Start compiling the kernels `names` (those not compiled, nor under way) beside each
+        other, on threads; `get` waits for each. A first call launches its kernels in order, and
+        without this compiled them one after another."""
+        for name in names:
+            if name not in self._compiled and name not in self._pending:
+                self._pending[name] = _compiling_threads().submit(self._compile, name, progress)
+
     def get(self, name: str, progress: bool = True):
         """The kernel `name`, compiled (or read from TileLang's cache) on first use; `progress`:
         print a line to stderr before and after (the warm-up prints its own)."""
         if name not in self._compiled:
-            s = self.shape
-            self._compiled[name] = compile_prim(getattr(self._module, name), name,
-                                                f"H={s.H} HV={s.HV} K={s.K} V={s.V} BV={s.BV} {s.io}", self.path,
-                                                progress)
+            pending = self._pending.pop(name, None)
+            self._compiled[name] = pending.result() if pending is not None else self._compile(name, progress)
         return self._compiled[name]
+
+    def _compile(self, name: str, progress: bool):
+        s, t = self.shape, time.time()
+        kernel = compile_prim(getattr(self._module, name), name, f"H={s.H} HV={s.HV} K={s.K} V={s.V} BV={s.BV} {s.io}",
+                              self.path, progress)
+        self.seconds[name] = time.time() - t
+        return kernel
 
 
 def compile_prim(func, name: str, detail: str, path: Path, progress: bool = True):

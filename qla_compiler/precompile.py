@@ -210,11 +210,15 @@ def parse_deployment(text: str) -> dict:
 
 def compile_classes(todo: list, log=print) -> list:
     """Compile every kernel of each Compile into the on-disk caches, printing a line per kernel
-    (compiled, or found in TileLang's cache). Returns (kernel, Compile, seconds, compiled) per kernel."""
+    (compiled, or found in TileLang's cache). The kernels compile beside each other, a thread a
+    core (runtime.Kernels.prefetch); the lines come in order. Returns (kernel, Compile, seconds,
+    compiled) per kernel, seconds its own compile's."""
     from .kernels import segment_chain, window_search
     from .kernels.runtime import load_kernels
 
     done, total = [], sum(len(_kernel_names(c)) + 2 * (c.kernels == "windows") for c in todo)
+    before = _tilelang_entries()
+    started = []
     for c in todo:
         program = _program(c)
         if c.fused and not any(k.warp_roles for k in program.kernels.kernels):
@@ -223,11 +227,15 @@ def compile_classes(todo: list, log=print) -> list:
             log(f"{c.spec} {c.fused} fused forward at H={c.shape.H} HV={c.shape.HV} K={c.shape.K} "
                 f"V={c.shape.V}: not schedulable, the separate kernels instead")
         kernels = load_kernels(program, c.shape)
-        for name in _kernel_names(c, program):
-            before, t = _tilelang_entries(), time.time()
-            kernels.get(name, progress=False)
-            compiled = _tilelang_entries() != before
-            done.append((name, c, time.time() - t, compiled))
+        names = _kernel_names(c, program)
+        if hasattr(kernels, "prefetch"):
+            kernels.prefetch(names, progress=False)
+        started.append((c, program, kernels, names))
+    for c, program, kernels, names in started:
+        for name in names:
+            t = time.time()
+            compiled = _compiled_now(kernels.get(name, progress=False), before)
+            done.append((name, c, getattr(kernels, "seconds", {}).get(name, time.time() - t), compiled))
             s = c.shape
             # (the token step's: the pools' dtype and the dtypes it reads gates and scalars in)
             reads = f" state={s.state} gates={s.gates} scalars={s.scalars}" if c.part == "token_step" else ""
@@ -241,9 +249,8 @@ def compile_classes(todo: list, log=print) -> list:
                                                                      s.K, s.io, program.chunk_size, reverse),
                      f"H={s.H} HV={s.HV} K={s.K} {rev}{s.io}"),
                     ("segment_chain", lambda: segment_chain.compiled(s.K, V, reverse), f"K={s.K} V={V} {rev}".strip())):
-                before, t = _tilelang_entries(), time.time()
-                build()
-                compiled = _tilelang_entries() != before
+                t = time.time()
+                compiled = _compiled_now(build(), before)
                 done.append((name, c, time.time() - t, compiled))
                 log(f"[{len(done)}/{total}] {name:<24} {c.part} {detail}: {'compiled' if compiled else 'cached'} "
                     f"in {done[-1][2]:.1f}s")
@@ -338,12 +345,20 @@ def _kernel_names(c: Compile, program=None) -> list:
             if c.kernels in ("all", "windows") or (c.kernels == "scan") == bool(k.loop)]
 
 
-def _tilelang_entries() -> int:
-    """How many files TileLang's disk cache holds (a compile adds some; a cache hit none)."""
+def _tilelang_entries() -> set:
+    """The folders of TileLang's disk cache, a kernel's each (a compile adds one; a cache hit none)."""
     import tilelang
 
     root = Path(tilelang.env.TILELANG_CACHE_DIR)
-    return sum(1 for f in root.rglob("*") if f.is_file() and ".staging" not in f.parts) if root.exists() else 0
+    return {str(d) for d in root.rglob("*") if d.is_dir() and ".staging" not in d.parts} if root.exists() else set()
+
+
+def _compiled_now(kernel, before: set) -> bool:
+    """Whether `kernel` was compiled since TileLang's disk cache held the folders `before`, rather
+    than read from it (TileLang 0.1.15 tags a kernel with its cache folder; with compiles beside
+    each other, counting the cache's files no longer says whose a new one is)."""
+    folder = getattr(kernel, "_tilelang_cache_path", None)
+    return folder is None or str(Path(folder)) not in before
 
 
 def _this_gpus_sms() -> int:
