@@ -211,3 +211,36 @@ def test_a_fused_class_that_falls_back_says_so(monkeypatch):
     lines.clear()
     precompile.compile_classes(todo, log=lines.append)
     assert "fused forward at H=16 HV=64 K=128 V=128: not schedulable, the separate kernels instead" in lines[0]
+
+
+def test_prefetched_kernels_compile_beside_each_other(tmp_path, monkeypatch):
+    """Kernels.prefetch starts the compiles on threads, as many at once as the cores allow, and
+    get hands each its own kernel: a first call's kernels, and the warm-up's, no longer compile
+    one after another."""
+    import threading
+    import time
+
+    from qla_compiler.kernels import runtime
+    from qla_compiler.passes.lower_tilelang import ShapeClass
+
+    monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
+    program = ops._op("gdn").program
+    kernels = runtime.Kernels(program, ShapeClass(H=1, HV=2, K=64, V=64))
+    names = [k.name for k in program.kernels.kernels]
+    running, most, lock = [0], [0], threading.Lock()
+
+    def compile_prim(func, name, detail, path, progress=True):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return f"compiled {name}"
+
+    monkeypatch.setattr(runtime, "compile_prim", compile_prim)
+    kernels.prefetch(names)
+    assert [kernels[n] for n in names] == [f"compiled {n}" for n in names]
+    cores = len(os.sched_getaffinity(0))
+    assert most[0] == min(cores, len(names)), (most[0], cores)
+    assert set(kernels.seconds) == set(names) and all(s >= 0.3 for s in kernels.seconds.values())
