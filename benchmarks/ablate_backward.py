@@ -8,10 +8,11 @@ generator), each timed and checked bitwise against the kernel as generated.
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/ablate_backward.py --compile-only   # on the CPU
     python benchmarks/ablate_backward.py                                              # on the GPU
     python benchmarks/ablate_backward.py --rewrites                                   # the rewrites
-    python benchmarks/ablate_backward.py --rewrites --only "four warpgroups"          # one of them
+    python benchmarks/ablate_backward.py --rewrites --only "twice the warpgroups"     # one of them
 
-GDN's backward out kernel is here too, for the rewrites that apply to any two-warpgroup kernel
-(four warpgroups: at 512 threads it needs 128 registers a thread and spills nothing).
+GDN's backward kernels and the backward preps are here too, for the rewrites that apply to any
+kernel (twice the warpgroups: GDN's backward out at 512 threads needs 128 registers a thread and
+spills nothing).
 
 Why: GLA's backward out kernel took 5.4 ms at 16/16:8x4096 on the H200 with its VJP products
 taken out (session 25), against FLA's whole intra + inter + dv + dA ≈ 3.8 ms; KDA's two out
@@ -29,8 +30,9 @@ import sys
 from ablate import edited, time_us
 
 ROW = "16/16:8x4096"
-KERNELS = {"gla": ["gla_backward_out"], "kda": ["kda_backward_out_d_q_d_k_d_g", "kda_backward_out_d_v_d_beta"],
-           "gdn": ["gdn_backward_out"]}
+KERNELS = {"gla": ["gla_backward_out"],
+           "kda": ["kda_backward_out_d_q_d_k_d_g", "kda_backward_out_d_v_d_beta", "kda_backward_prep"],
+           "gdn": ["gdn_backward_out", "gdn_backward_prep"]}
 # label -> (regex, replacement) edits of the generated module's lines
 VARIANTS = {
     "no VJP products (d P ⋆ Z, d P ⋆ X)": [(r"^for i_m in T\.serial\(16\):$", "for i_m in T.serial(0):")],
@@ -91,16 +93,18 @@ def interchanged(text: str) -> str:
     return "\n".join(lines)
 
 
-def four_warpgroups(text: str) -> str:
-    """A two-warpgroup kernel on four (512 threads): TileLang deals each fragment over twice the
-    threads, so each holds half (KDA's d q d k d g: 208 → 104 fragment registers a thread; ptxas on
-    the CPU: 255 → 128 registers, 300 → 408 bytes spilled, 274 → 160 KB of code), and an SM runs 16
-    warps instead of 8, 4 a scheduler: the latency of the diagonal loops' shared loads and
-    exponentials hides behind twice the warps. The same arithmetic per element; sums across
-    threads may add in another order."""
-    if "threads=256)" not in text:
-        raise SystemExit("not a two-warpgroup kernel")
-    return text.replace("threads=256)", "threads=512)")
+def twice_the_warpgroups(text: str) -> str:
+    """The kernel on twice its warpgroups (128 → 256 threads, 256 → 512): TileLang deals each
+    fragment over twice the threads, so each holds half (KDA's d q d k d g: 208 → 104 fragment
+    registers a thread; ptxas on the CPU: 255 → 128 registers, 300 → 408 bytes spilled, 274 → 160
+    KB of code), and an SM whose shared memory holds one CTA runs twice the warps: the latency of
+    the diagonal loops' shared loads and exponentials hides behind them. The same arithmetic per
+    element; sums across threads may add in another order. (The inverse's building block keeps the
+    warps it was given: the others wait at its barriers.)"""
+    for n in (128, 256):
+        if f"threads={n})" in text:
+            return text.replace(f"threads={n})", f"threads={2 * n})")
+    raise SystemExit("not a kernel of one or two warpgroups")
 
 
 # label -> a rewrite of the kernel's text that keeps its results (timed and checked bitwise)
@@ -108,7 +112,7 @@ REWRITES = {
     "swizzled diagonal operands": swizzled,
     "element loop outside the block's rows": interchanged,
     "both": lambda text: interchanged(swizzled(text)),
-    "four warpgroups": four_warpgroups,
+    "twice the warpgroups": twice_the_warpgroups,
 }
 
 
