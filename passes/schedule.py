@@ -39,7 +39,8 @@ from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, g
                              log_space)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes,
-                              live_fragments, live_shared, place_loads, reads, smem_bytes, threads_for, zero_pad)
+                              live_fragments, live_shared, lone_cta_threads, place_loads, reads, smem_bytes,
+                              threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
 
@@ -272,8 +273,8 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
                             ("matmul", "the matmuls built on the inverse" if on_inverse else
                              None if inverses else "the per-token matmuls")) if op in ops and w]
     body = place_loads(b, b.body + stores, split_phase)
-    threads = threads_for(b, body)
     peak = max(live_shared(b.buffers, body, dims), default=0)
+    threads = lone_cta_threads(threads_for(b, body), peak)
     # the inverse's sweeps and merges wait on shared memory (short_sb stalls, H200 ncu): a prep
     # holding one asks for every CTA an SM can hold (the solve-only prep: 6 where ptxas alone
     # chose registers for 5; 2 % faster, NOTES session 23)
@@ -464,9 +465,11 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     # (with running sums it keeps two warpgroups: KDA's d q, d k, d v kernel, 224 fragment registers
     # a thread on one, spilled 472 bytes at 255; on two, 112)
     threads = 2 * THREADS if running else threads_for(b, body)
+    placed = place_loads(b, body, split_phase)
+    threads = lone_cta_threads(threads, max(live_shared(b.buffers, placed, dims), default=0))
     held = {x for x, buf in b.place.items() if b.buffers[buf].dtype == "float32" and x not in loaded}
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
-                  list(b.buffers.values()), [], place_loads(b, body, split_phase), [],
+                  list(b.buffers.values()), [], placed, [],
                   roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own tokens",),
                   doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles), held
 

@@ -3,6 +3,8 @@ registers its live buffers take at each statement, and the placement of the para
 by that liveness (as early as the peak allows, waited for right before the reader)."""
 from __future__ import annotations
 
+import os
+
 from qla_compiler.ir.kernel import Buffer, Stmt
 from qla_compiler.kernels.tri_inverse_scratch import PHASES as INVERSE_PHASES, SCRATCH as INVERSE_SCRATCH
 
@@ -150,6 +152,30 @@ def threads_for(b: Builder, body: list) -> int:
     """A parallel kernel's threads: one warpgroup, or two where its live fragments would not fit
     one's registers (FRAGMENT_REGISTERS)."""
     return THREADS if live_fragments(b.buffers, body, b.dims) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
+
+
+# A parallel kernel whose shared memory at its peak leaves room for one CTA an SM runs 4 or 8
+# warps there (one or two warpgroups), 1–2 a scheduler, and every shared-load and exponential
+# latency shows (KDA's backward prep and d v d β kernels: 4 warps an SM). With this on, such a
+# kernel takes twice its warpgroups, up to four: each thread holds half its fragments (ptxas on the
+# CPU: KDA's d q d k d g 255 → 128 registers, GDN's backward out 217 → 128 without spills; NOTES,
+# session 34). Off until the H200 measures it: QLA_LONE_CTA_WARPGROUPS=1 turns it on (the generated
+# source differs, so both variants cache side by side).
+LONE_CTA_WARPGROUPS = os.environ.get("QLA_LONE_CTA_WARPGROUPS", "0") == "1"
+
+
+def lone_cta_threads(threads: int, shared_peak: int, on: bool = LONE_CTA_WARPGROUPS) -> int:
+    """A parallel kernel's threads, given those its registers ask for (threads_for) and its shared
+    memory at its peak: twice them, up to four warpgroups, where `on` and that memory holds one CTA
+    an SM.
+
+        >>> lone_cta_threads(128, 168 * 1024, on=True), lone_cta_threads(256, 184 * 1024, on=True)
+        (256, 512)
+        >>> lone_cta_threads(128, 72 * 1024, on=True), lone_cta_threads(256, 184 * 1024, on=False)
+        (128, 256)
+    """
+    alone = SM_SHARED // (shared_peak + CTA_RESERVED) < 2
+    return 2 * threads if on and alone and threads < 4 * THREADS else threads
 
 
 def live_shared(buffers: dict, stmts: list, dims: dict) -> list:

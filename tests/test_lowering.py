@@ -721,3 +721,35 @@ def test_threads_writes_are_ordered_before_a_fix_up_that_a_whole_chunk_skips(nam
                         written = []
                     elif (m := re.match(r"(\w+)\[.*\] = ", text)) and m.group(1) in shared:
                         written.append(m.group(1))
+
+
+def test_lone_ctas_take_twice_their_warpgroups_when_asked():
+    """QLA_LONE_CTA_WARPGROUPS=1 (off by default until the H200 measures it): a parallel kernel
+    whose shared memory holds one CTA an SM runs on twice its warpgroups, up to four, and says so
+    in the KernelIR (its threads, its role's warps); one whose shared memory holds more CTAs keeps
+    its threads. The 512-thread kernel lowers to CUDA with launch bounds of 512."""
+    code = ("import qla_compiler; p = qla_compiler.compile_spec('kda'); "
+            "print({k.name: (k.threads, k.roles[0].split(':')[0]) for k in p.backward_program.kernels.kernels "
+            "+ p.kernels.kernels if not k.loop})")
+    seen = {}
+    for on in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "QLA_LONE_CTA_WARPGROUPS": on}).stdout
+        seen[on] = eval(out)  # noqa: S307 - our own dict's repr
+    assert seen["0"]["kda_backward_out_d_q_d_k_d_g"] == (256, "all 8 warps")
+    assert seen["1"]["kda_backward_out_d_q_d_k_d_g"] == (512, "all 16 warps")
+    assert seen["0"]["kda_backward_prep"][0] == 128 and seen["1"]["kda_backward_prep"] == (256, "all 8 warps")
+    assert seen["1"]["kda_prep"] == seen["0"]["kda_prep"] == (128, "all 4 warps")  # (88 KB: two CTAs an SM)
+
+    import types
+
+    from qla_compiler.passes import schedule_memory
+
+    backward = qla_compiler.compile_spec("gdn").backward_program
+    kernel = next(k for k in backward.kernels.kernels if k.kind == "out")
+    wide = dataclasses.replace(kernel, threads=schedule_memory.lone_cta_threads(kernel.threads, kernel.shared_peak,
+                                                                                on=True))
+    assert (kernel.threads, wide.threads) == (256, 512)
+    program = types.SimpleNamespace(kernels=dataclasses.replace(backward.kernels, kernels=[wide]), path=backward.path)
+    src = lower_to_cuda(program, ShapeClass(H=2, HV=4, K=64, V=64))[kernel.name]
+    assert "__launch_bounds__(512, 1)" in src
