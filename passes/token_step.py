@@ -105,8 +105,7 @@ def token_step(rec: RecurrenceIR) -> KernelIR:
     # where each state goes, read with the inputs (the token's write slot a token ahead, the final
     # one in the prologue), not right before the store: read there, a one-token decode waited two
     # more memory latencies after its arithmetic, the write slot's and then the final one's
-    slot_buffers = [Buffer(x, ("1",), "int32", "fragment") for x in ("write_at", "write_at_next", "final_at")]
-    buffers += slot_buffers
+    buffers += [Buffer(x, ("1",), "int32", "fragment") for x in ("write_at", "write_at_next", "final_at")]
     first.append(Stmt("load_slot", "write_at", ("write_slot",)))
     ahead.append(Stmt("load_slot", "write_at_next", ("write_slot",), (("ahead", 1),)))
     advance.append(Stmt("copy", "write_at", ("write_at_next",)))
