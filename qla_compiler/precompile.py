@@ -356,9 +356,14 @@ def _tilelang_entries() -> set:
 def _compiled_now(kernel, before: set) -> bool:
     """Whether `kernel` was compiled since TileLang's disk cache held the folders `before`, rather
     than read from it (TileLang 0.1.15 tags a kernel with its cache folder; with compiles beside
-    each other, counting the cache's files no longer says whose a new one is)."""
+    each other, counting the cache's files no longer says whose a new one is). Its folder joins
+    `before`: a later class whose kernel is the same one found it cached."""
     folder = getattr(kernel, "_tilelang_cache_path", None)
-    return folder is None or str(Path(folder)) not in before
+    if folder is None:
+        return True
+    new = str(Path(folder)) not in before
+    before.add(str(Path(folder)))
+    return new
 
 
 def _this_gpus_sms() -> int:
