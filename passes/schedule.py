@@ -39,7 +39,7 @@ from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, g
                              log_space)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes,
-                              live_fragments, live_shared, lone_cta_threads, place_loads, reads, smem_bytes,
+                              live_fragments, live_shared, more_warpgroups, place_loads, reads, smem_bytes,
                               threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
@@ -274,7 +274,7 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
                              None if inverses else "the per-token matmuls")) if op in ops and w]
     body = place_loads(b, b.body + stores, split_phase)
     peak = max(live_shared(b.buffers, body, dims), default=0)
-    threads = lone_cta_threads(threads_for(b, body), peak)
+    threads = more_warpgroups(threads_for(b, body), peak, live_fragments(b.buffers, body, dims))
     # the inverse's sweeps and merges wait on shared memory (short_sb stalls, H200 ncu): a prep
     # holding one asks for every CTA an SM can hold (the solve-only prep: 6 where ptxas alone
     # chose registers for 5; 2 % faster, NOTES session 23)
@@ -466,7 +466,8 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     # a thread on one, spilled 472 bytes at 255; on two, 112)
     threads = 2 * THREADS if running else threads_for(b, body)
     placed = place_loads(b, body, split_phase)
-    threads = lone_cta_threads(threads, max(live_shared(b.buffers, placed, dims), default=0))
+    threads = more_warpgroups(threads, max(live_shared(b.buffers, placed, dims), default=0),
+                              live_fragments(b.buffers, placed, dims))
     held = {x for x, buf in b.place.items() if b.buffers[buf].dtype == "float32" and x not in loaded}
     return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
                   list(b.buffers.values()), [], placed, [],

@@ -154,28 +154,40 @@ def threads_for(b: Builder, body: list) -> int:
     return THREADS if live_fragments(b.buffers, body, b.dims) <= FRAGMENT_REGISTERS * 4 * THREADS else 2 * THREADS
 
 
-# A parallel kernel whose shared memory at its peak leaves room for one CTA an SM runs 4 or 8
-# warps there (one or two warpgroups), 1–2 a scheduler, and every shared-load and exponential
-# latency shows (KDA's backward prep and d v d β kernels: 4 warps an SM). With this on, such a
-# kernel takes twice its warpgroups, up to four: each thread holds half its fragments (ptxas on the
-# CPU: KDA's d q d k d g 255 → 128 registers, GDN's backward out 217 → 128 without spills; NOTES,
-# session 34). Off until the H200 measures it: QLA_LONE_CTA_WARPGROUPS=1 turns it on (the generated
-# source differs, so both variants cache side by side).
-LONE_CTA_WARPGROUPS = os.environ.get("QLA_LONE_CTA_WARPGROUPS", "0") == "1"
+# A parallel kernel of one or two warpgroups whose shared memory holds one or two CTAs an SM runs
+# 4–8 warps there, 1–2 a scheduler, and every shared-load and exponential latency shows (KDA's
+# backward prep and d v d β kernels: 4 warps an SM; its forward prep and out kernel 8). With this
+# on, a kernel takes twice its warpgroups, up to four, where an SM would then run more warps by
+# ctas_per_sm's model of its shared memory and registers: each thread holds half its fragments
+# (ptxas on the CPU: KDA's d q d k d g 255 → 128 registers, GDN's backward out 217 → 128 without
+# spills, KDA's forward prep 167 → 96; NOTES, session 34). Off until the H200 measures it:
+# QLA_MORE_WARPGROUPS=1 turns it on (the generated source differs, so both variants cache side by
+# side).
+MORE_WARPGROUPS = os.environ.get("QLA_MORE_WARPGROUPS", "0") == "1"
+WARPS_ENOUGH = 16  # 4 a scheduler
 
 
-def lone_cta_threads(threads: int, shared_peak: int, on: bool = LONE_CTA_WARPGROUPS) -> int:
-    """A parallel kernel's threads, given those its registers ask for (threads_for) and its shared
-    memory at its peak: twice them, up to four warpgroups, where `on` and that memory holds one CTA
-    an SM.
+def more_warpgroups(threads: int, shared_peak: int, fragment_bytes: int, on: bool = MORE_WARPGROUPS) -> int:
+    """A parallel kernel's threads, given those its registers ask for (threads_for), its shared
+    memory at its peak and its live fragments' bytes: twice them, up to four warpgroups, where `on`,
+    an SM runs fewer than WARPS_ENOUGH of its warps, and would then run more (ctas_per_sm's CTAs ×
+    warps a CTA). A kernel that already runs as many keeps its threads (GDN's solve-only prep, 6
+    CTAs of 4 warps, was tuned there: NOTES, session 23).
 
-        >>> lone_cta_threads(128, 168 * 1024, on=True), lone_cta_threads(256, 184 * 1024, on=True)
-        (256, 512)
-        >>> lone_cta_threads(128, 72 * 1024, on=True), lone_cta_threads(256, 184 * 1024, on=False)
-        (128, 256)
+        >>> KB = 1024
+        >>> more_warpgroups(256, 184 * KB, 208 * 4 * 256, on=True)   # KDA's d q d k d g: 8 → 16 warps
+        512
+        >>> more_warpgroups(128, 88 * KB, 128 * 4 * 128, on=True)    # KDA's forward prep: 8 → 16
+        256
+        >>> more_warpgroups(128, 34 * KB, 32 * 4 * 128, on=True)     # GDN's solve-only prep: 24 already
+        128
+        >>> more_warpgroups(256, 184 * KB, 208 * 4 * 256, on=False)
+        256
     """
-    alone = SM_SHARED // (shared_peak + CTA_RESERVED) < 2
-    return 2 * threads if on and alone and threads < 4 * THREADS else threads
+    def warps(n):
+        return ctas_per_sm(shared_peak, fragment_bytes, n) * n // 32
+    more = on and threads < 4 * THREADS and warps(threads) < WARPS_ENOUGH and warps(2 * threads) > warps(threads)
+    return 2 * threads if more else threads
 
 
 def live_shared(buffers: dict, stmts: list, dims: dict) -> list:

@@ -723,23 +723,25 @@ def test_threads_writes_are_ordered_before_a_fix_up_that_a_whole_chunk_skips(nam
                         written.append(m.group(1))
 
 
-def test_lone_ctas_take_twice_their_warpgroups_when_asked():
-    """QLA_LONE_CTA_WARPGROUPS=1 (off by default until the H200 measures it): a parallel kernel
-    whose shared memory holds one CTA an SM runs on twice its warpgroups, up to four, and says so
-    in the KernelIR (its threads, its role's warps); one whose shared memory holds more CTAs keeps
-    its threads. The 512-thread kernel lowers to CUDA with launch bounds of 512."""
-    code = ("import qla_compiler; p = qla_compiler.compile_spec('kda'); "
-            "print({k.name: (k.threads, k.roles[0].split(':')[0]) for k in p.backward_program.kernels.kernels "
-            "+ p.kernels.kernels if not k.loop})")
+def test_kernels_short_of_warps_take_twice_their_warpgroups_when_asked():
+    """QLA_MORE_WARPGROUPS=1 (off by default until the H200 measures it): a parallel kernel that an
+    SM runs fewer than 16 warps of takes twice its warpgroups, up to four, where the SM would then
+    run more; the KernelIR says so (its threads, its role's warps). GDN's solve-only prep, 6 CTAs
+    of 4 warps, keeps its 128 threads. The 512-thread kernel lowers to CUDA with launch bounds of 512."""
+    code = ("import qla_compiler; p = qla_compiler.compile_spec('{}'); "
+            "print({{k.name: (k.threads, k.roles[0].split(':')[0]) for k in p.{}.kernels.kernels if not k.loop}})")
     seen = {}
     for on in ("0", "1"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "QLA_LONE_CTA_WARPGROUPS": on}).stdout
-        seen[on] = eval(out)  # noqa: S307 - our own dict's repr
+        env = {**os.environ, "QLA_MORE_WARPGROUPS": on}
+        for spec, program in (("kda", "backward_program"), ("kda", "training_program"), ("gdn", "fused_program")):
+            out = subprocess.run([sys.executable, "-c", code.format(spec, program)], capture_output=True, text=True,
+                                 check=True, env=env).stdout
+            seen.setdefault(on, {}).update(eval(out))  # noqa: S307 - our own dict's repr
     assert seen["0"]["kda_backward_out_d_q_d_k_d_g"] == (256, "all 8 warps")
     assert seen["1"]["kda_backward_out_d_q_d_k_d_g"] == (512, "all 16 warps")
     assert seen["0"]["kda_backward_prep"][0] == 128 and seen["1"]["kda_backward_prep"] == (256, "all 8 warps")
-    assert seen["1"]["kda_prep"] == seen["0"]["kda_prep"] == (128, "all 4 warps")  # (88 KB: two CTAs an SM)
+    assert seen["0"]["kda_prep"][0] == 128 and seen["1"]["kda_prep"] == (256, "all 8 warps")  # (2 CTAs an SM)
+    assert seen["1"]["gdn_prep"] == seen["0"]["gdn_prep"] == (128, "all 4 warps")  # (GDN's solve-only prep)
 
     import types
 
@@ -747,8 +749,8 @@ def test_lone_ctas_take_twice_their_warpgroups_when_asked():
 
     backward = qla_compiler.compile_spec("gdn").backward_program
     kernel = next(k for k in backward.kernels.kernels if k.kind == "out")
-    wide = dataclasses.replace(kernel, threads=schedule_memory.lone_cta_threads(kernel.threads, kernel.shared_peak,
-                                                                                on=True))
+    wide = dataclasses.replace(kernel, threads=schedule_memory.more_warpgroups(
+        kernel.threads, kernel.shared_peak, kernel.fragment_peak * 4 * kernel.threads, on=True))
     assert (kernel.threads, wide.threads) == (256, 512)
     program = types.SimpleNamespace(kernels=dataclasses.replace(backward.kernels, kernels=[wide]), path=backward.path)
     src = lower_to_cuda(program, ShapeClass(H=2, HV=4, K=64, V=64))[kernel.name]
