@@ -12,6 +12,7 @@ prints progress to stderr: the first call of a new shape class takes tens of sec
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import importlib.util
 import os
@@ -81,16 +82,13 @@ def import_module(path: Path):
     return mod
 
 
-_POOL: list = []  # the compiling threads, made on first use
-
-
+@functools.cache
 def _compiling_threads() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads that compile kernels beside each other: TileLang's lowering releases the GIL and
-    nvcc is a process of its own, so n kernels take about the longest one's time on n cores."""
-    if not _POOL:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        _POOL.append(concurrent.futures.ThreadPoolExecutor(max(1, cores), "qla-compile"))
-    return _POOL[0]
+    """Threads that compile kernels beside each other (made on first use): TileLang's lowering
+    releases the GIL and nvcc is a process of its own, so n kernels take about the longest one's
+    time on n cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return concurrent.futures.ThreadPoolExecutor(max(1, cores), "qla-compile")
 
 
 class Kernels:

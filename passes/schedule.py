@@ -273,12 +273,12 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
                             ("matmul", "the matmuls built on the inverse" if on_inverse else
                              None if inverses else "the per-token matmuls")) if op in ops and w]
     body = place_loads(b, b.body + stores, split_phase)
-    peak = max(live_shared(b.buffers, body, dims), default=0)
-    threads = more_warpgroups(threads_for(b, body), peak, live_fragments(b.buffers, body, dims))
+    peak, fragments = max(live_shared(b.buffers, body, dims), default=0), live_fragments(b.buffers, body, dims)
+    threads = more_warpgroups(threads_for(b, body), peak, fragments)
     # the inverse's sweeps and merges wait on shared memory (short_sb stalls, H200 ncu): a prep
     # holding one asks for every CTA an SM can hold (the solve-only prep: 6 where ptxas alone
     # chose registers for 5; 2 % faster, NOTES session 23)
-    ctas = ctas_per_sm(peak, live_fragments(b.buffers, body, dims), threads) if inverses else 0
+    ctas = ctas_per_sm(peak, fragments, threads) if inverses else 0
     ctas = ctas if ctas > 1 else 0  # (one is what ptxas assumes unasked)
     return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
                   list(b.buffers.values()), [], body, [],
