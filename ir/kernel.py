@@ -267,8 +267,12 @@ class Stmt:
 
 
 # the grids a kernel can run over (each sorted): one CTA per (chunk slot, value head), or per
-# (V-block, value head, sequence) walking the sequence
-GRID_AXES = (("chunk_slot", "value_head"), ("sequence", "v_block", "value_head"))
+# (chunk slot, key block, value head) where the kernel's K-wide values are its block of K's
+# columns (Kernel.key_block), or per (V-block, value head, sequence) walking the sequence
+GRID_AXES = (("chunk_slot", "value_head"), ("chunk_slot", "key_block", "value_head"),
+             ("sequence", "v_block", "value_head"))
+# the widths of key blocks a kernel may run on (Kernel.key_block): wgmma tiles and whole warps' columns
+KEY_BLOCK_WIDTHS = (32, 64)
 
 
 @dataclass
@@ -311,6 +315,11 @@ class Kernel:
     # a token step: what a padding entry of the batch (read_slot −2, which reads and writes no
     # state) runs for each of its tokens instead: its outputs' zeros, which nothing else writes
     padding: tuple = ()
+    # a parallel kernel on blocks of K's columns (grid axis key_block, extent K/BK): each CTA
+    # computes its outputs' columns [k0, k0 + BK), k0 = key_block · BK, from those columns of the
+    # K-wide tensors and those rows of the per-chunk states; its buffers' K-wide dims are "BK".
+    # BK is this width, or K's tile where that is narrower. 0: the whole of K
+    key_block: int = 0
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -338,6 +347,19 @@ class Kernel:
         if axes not in GRID_AXES:
             raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "
                              + " or ".join("(" + ", ".join(g) + ")" for g in GRID_AXES) + ", in any order")
+        blocked = "key_block" in axes
+        dims = {d for b in self.buffers for d in b.shape}
+        if blocked != bool(self.key_block) or (self.key_block and self.key_block not in KEY_BLOCK_WIDTHS):
+            widths = " or ".join(map(str, KEY_BLOCK_WIDTHS))
+            raise ValueError(f"{self.name}: key blocks of {self.key_block} over a grid of {', '.join(axes)}: a kernel "
+                             f"on key blocks has the axis key_block and a width of {widths}")
+        if ("K" if blocked else "BK") in dims:
+            raise ValueError(f"{self.name}: a buffer {'K' if blocked else 'BK'} wide in a kernel "
+                             f"{'on' if blocked else 'not on'} key blocks: its K-wide buffers are "
+                             f"{'BK' if blocked else 'K'} wide")
+        if blocked and any(p.role == "out" and "K" not in p.shape for p in self.params):
+            raise ValueError(f"{self.name}: on key blocks, every output is K-wide (each block writes its columns; a "
+                             "K-free output would be written by every block)")
         if self.walk_skip:
             p = next((p for p in self.params if p.name == self.walk_skip), None)
             if not self.loop or p is None or (p.shape, p.dtype, p.role) != (("N", "HV"), "int32", "in"):
@@ -405,6 +427,7 @@ class Kernel:
         peak = f"  shared ≤ {self.shared_peak / 1024:.0f} KB" if self.shared_peak else ""
         peak += f"  {self.ctas_per_sm} CTAs an SM" if self.ctas_per_sm else ""
         peak += f"  fragments ≤ {self.fragment_peak} registers a thread" if self.fragment_peak else ""
+        peak += f"  key blocks BK = {self.key_block}" if self.key_block else ""
         lines = [f"kernel {self.name}  grid({grid})  threads {self.threads}{peak}  # {self.doc}"]
         for p in self.params:
             lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"

@@ -6,16 +6,16 @@ changes its result the way it would change the GPU's. Re-evaluating the chunk pr
 such a mistake (qla_compiler/emulate.py runs every kernel through here).
 
 Every point of the grid runs at once: a buffer is a tensor [points, *its shape]. A parallel kernel's
-points are (chunk slot, value head). A scan's points are (V-block, value head, sequence), and they
-walk their sequences' chunks together; a point whose sequence has no chunk left keeps its buffers
-and stores nothing. Blocks in the io dtype are held exactly: the rounding this models is that of
-the global tensors, which keep their dtypes.
+points are (chunk slot, value head), or (chunk slot, key block, value head) on key blocks. A scan's
+points are (V-block, value head, sequence), and they walk their sequences' chunks together; a point
+whose sequence has no chunk left keeps its buffers and stores nothing. Blocks in the io dtype are
+held exactly: the rounding this models is that of the global tensors, which keep their dtypes.
 
     >>> run_kernel(kernel, tensors, Sizes(K=128, V=128, BV=32, HV=8, G=4), scale=0.088)   # doctest: +SKIP
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,11 +45,13 @@ class Sizes:
     # sums err by a few units of 2⁻²⁴: kernels/tri_inverse.py), and merges T₂₁ = −T₂₂ (A₂₁ T₁₁)
     # whose operands blocks of `tf32_from` and wider are rounded to tf32, as the kernel stages them.
     rounding: torch.dtype | None = None
+    # the key block of the kernel running (Kernel.key_block, at most K; run_kernel sets it)
+    BK: int = 0
 
     def of(self, dim: str) -> int:
         if dim.isdigit():  # a building block's literal size (a decayed product's sub-block: "16")
             return int(dim)
-        return {"C": self.C, "K": self.K, "V": self.V, "BV": self.BV}[dim]
+        return {"C": self.C, "K": self.K, "V": self.V, "BV": self.BV, "BK": self.BK}[dim]
 
 
 class InterpretError(RuntimeError):
@@ -84,6 +86,8 @@ class _Run:
             # (a tensor's zero columns are not in memory: its columns start that much later)
             start = self.at.v0 - (self.sz.of(p.zero_columns) if p.zero_columns else 0)
             return start[:, None] + torch.arange(self.sz.BV, device=self.dev)
+        if p.shape[3] == "K" and self.k.key_block:  # the CTA's key block
+            return self.at.k0[:, None] + torch.arange(self.sz.BK, device=self.dev)
         return torch.arange(self.sz.of(p.shape[3]), device=self.dev).expand(self.n, -1)
 
     def _rows(self):
@@ -118,12 +122,17 @@ class _Run:
     def _valid_rows(self):
         return torch.arange(self.sz.C, device=self.dev)[None, :] < self.at.n_valid[:, None]
 
+    def _state_rows(self):
+        """The state's rows a point holds, [points, rows]: all K, or its key block's."""
+        if self.k.key_block:
+            return self.at.k0[:, None] + torch.arange(self.sz.BK, device=self.dev)
+        return torch.arange(self.sz.K, device=self.dev).expand(self.n, -1)
+
     def _state_slice(self, x, first, points_cols):
-        """x[first, i_hv, 0:K, cols] at every point, zeros past x's own K and V."""
-        K = self.sz.K
-        rows = torch.arange(K, device=self.dev)
-        ok = (rows < x.shape[2])[None, :, None] & (points_cols < x.shape[3])[:, None, :]
-        v = x[first[:, None, None], self.at.i_hv[:, None, None], rows.clamp(max=x.shape[2] - 1)[None, :, None],
+        """x[first, i_hv, rows, cols] at every point (_state_rows), zeros past x's own K and V."""
+        rows = self._state_rows()
+        ok = (rows < x.shape[2])[:, :, None] & (points_cols < x.shape[3])[:, None, :]
+        v = x[first[:, None, None], self.at.i_hv[:, None, None], rows.clamp(max=x.shape[2] - 1)[:, :, None],
               points_cols.clamp(max=x.shape[3] - 1)[:, None, :]]  # (gathered before the cast: a pool is large)
         return torch.where(ok, v.to(F64), 0.0)
 
@@ -133,7 +142,7 @@ class _Run:
 
     def _write_state(self, x, first, value):
         K, width = value.shape[1], value.shape[2]
-        rows = torch.arange(K, device=self.dev)[None, :, None].expand(self.n, K, width)
+        rows = self._state_rows()[:, :, None].expand(self.n, K, width)
         cols = self._state_cols(width)[:, None, :].expand(self.n, K, width)
         ok = (rows < x.shape[2]) & (cols < x.shape[3]) & self.at.active[:, None, None]
         f = first[:, None, None].expand_as(ok)
@@ -385,11 +394,14 @@ def run_kernel(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -> Non
     if kernel.loop is None:
         cmap = tensors["chunk_map"].long()
         CH, HV = cmap.shape[0], sizes.HV
-        slot = torch.arange(CH, device=dev).repeat_interleave(HV)
-        i_hv = torch.arange(HV, device=dev).repeat(CH)
+        if kernel.key_block:  # every (chunk slot, key block, value head)
+            sizes = replace(sizes, BK=min(kernel.key_block, sizes.K))
+        blocks = sizes.K // sizes.BK if kernel.key_block else 1
+        slot, i_kb, i_hv = torch.cartesian_prod(torch.arange(CH), torch.arange(blocks),
+                                                torch.arange(HV)).to(dev).view(-1, 3).unbind(1)
         at = _Point(t0=cmap[slot, 0], n_valid=cmap[slot, 1], i_hv=i_hv, i_h=i_hv // sizes.G, i_slot=slot,
-                    active=torch.ones(CH * HV, dtype=torch.bool, device=dev))
-        run = _Run(kernel, tensors, sizes, scale, at, CH * HV)
+                    k0=i_kb * sizes.BK, active=torch.ones(len(slot), dtype=torch.bool, device=dev))
+        run = _Run(kernel, tensors, sizes, scale, at, len(slot))
         run.block(kernel.prologue + kernel.body + kernel.epilogue)
         return
     cu = tensors["cu_seqlens"].long()

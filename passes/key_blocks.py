@@ -1,5 +1,6 @@
 """Whether a chunk program may run on blocks of K's columns, each block a problem of its own whose
-outputs the host places (a K-wide output: its columns) or adds up (a K-free one).
+outputs the host places (a K-wide output: its columns) or adds up (a K-free one) (key_blocks);
+and what one of its kernels would load to run on blocks of K's columns itself (key_cut).
 
 Where the state's rows never mix, the recurrence splits by rows of the state: with a per-key or
 scalar gate and no delta rule (GLA, RetNet, linear attention, simple GLA), row k of S_t depends on
@@ -79,3 +80,66 @@ def _sums_k_into_k(ir: ChunkIR, n) -> bool:
     for sub, x in zip(ins.split(","), n.args):
         dims.update(zip(sub, ir.node(x).shape))
     return any(d == "K" and letter not in out for letter, d in dims.items())
+
+
+# element-wise ops the hand-over may be moved up through (_climb): a block of the value they read
+# costs a kernel on key blocks a few C×C passes to rebuild
+_CHEAP = {"neg", "tril", "keep", "scale_rows", "scale_cols", "mul", "add", "sub"}
+
+
+def key_cut(ir: ChunkIR, nodes, loaded) -> tuple[tuple | None, str | None]:
+    """For one kernel of a program (it computes `nodes` and reads the `loaded` ones whole): the
+    K-free values it would load instead of computing so that it runs on blocks of K's columns, each
+    block computing its outputs' columns: (values, None), () where it runs so as it is; else
+    (None, why). Every output must be K-wide.
+
+    A K-free value that sums over K, or is computed from one that does, needs every key (a block
+    holds a part of the sum). Where a K-wide value reads one, that value is loaded instead, from
+    another kernel that computes it whole; it is moved up through element-wise steps whose other
+    arguments are vectors (_climb), so that one block crosses memory where several masks of it
+    are read. KDA's d q, d k, d g kernel reads d KKt_R = β ⊙ strict-lower(−d A_T) through seven
+    masks and products (d A_T sums over K: d T = … + d W (β k Γ)ᵀ); d A_T loaded, the rest of the
+    kernel separates over K.
+
+        >>> import qla_compiler
+        >>> part = qla_compiler.compile_spec("kda").backward_program.stage("partition")
+        >>> ir, loaded = part.chunk, part.out_loads
+        >>> grads = [ir.outputs[r] for r in ("d_q", "d_k", "d_g")]
+        >>> key_cut(ir, ir.closure(grads, stop=loaded), loaded)
+        (('d_A.T.full',), None)
+        >>> key_cut(ir, ir.closure([ir.outputs["d_beta"]], stop=loaded), loaded)[1]
+        'd_beta is an output that needs every key'
+    """
+    nodes, loaded = set(nodes), set(loaded)
+    order = [n for n in ir.order() if n.name in nodes and n.name not in loaded]
+    whole: set = set()  # computed values that need every key
+    cut: set = set()  # those a K-wide value reads
+    for n in order:
+        if list(n.shape).count("K") > 1:
+            return None, f"{n.name} is {'×'.join(n.shape)}: it mixes K's columns"
+        args = [ir.node(a) for a in n.args]
+        if "K" in n.shape:
+            if n.op in ("matmul", "contract") and _sums_k_into_k(ir, n):
+                return None, f"{n.name} = {n.op}({', '.join(n.args)}) sums over K into a K-wide value"
+            cut |= {a.name for a in args if a.name in whole}
+        elif any(a.name in whole or "K" in a.shape for a in args):
+            whole.add(n.name)
+    for role, x in ir.outputs.items():
+        if x in whole:
+            return None, f"{role} is an output that needs every key"
+    tops = []
+    for x in (n.name for n in order if n.name in cut):
+        top = _climb(ir, x, whole)
+        if top not in tops:
+            tops.append(top)
+    return tuple(tops), None
+
+
+def _climb(ir: ChunkIR, x: str, whole: set) -> str:
+    """The value to load for `x`: x, or where x is an element-wise step of one block that needs
+    every key and otherwise of vectors and scalars, that block's (recursively)."""
+    n = ir.node(x)
+    blocks = [a for a in n.args if len(ir.node(a).shape) == len(n.shape)]
+    if n.op in _CHEAP and len(blocks) == 1 and blocks[0] in whole and ir.node(blocks[0]).shape == n.shape:
+        return _climb(ir, blocks[0], whole)
+    return x

@@ -32,8 +32,9 @@ import os
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
-from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, Tensor
+from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, KernelIR, Stmt, Tensor
 
+from .key_blocks import key_cut
 from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params,
                              log_space)
@@ -57,9 +58,18 @@ def _store_rows(ir: ChunkIR, b: Builder, name: str) -> Stmt:
 # comes from them (the generated source differs: both variants cache side by side).
 SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 
+# An out kernel whose outputs are all K-wide, and whose only need of every key is a few C×C values
+# another out kernel holds whole, runs on blocks of K's columns, loading those values (_key_block;
+# GLA's and RetNet's one out kernel splits for it: _split_for_key_blocks). KDA's d q d k d g kernel
+# holds one 256-thread CTA an SM at 255 registers (11.4 of the 19.3 ms training step at
+# 16/16:8x4096, session 33); on blocks of 32 keys its fragments are a quarter as wide, and an SM
+# holds two CTAs. Off until the H200 measures it: QLA_KEY_BLOCKS=1 turns it on (the generated
+# source differs, so both variants cache side by side).
+KEY_BLOCKS = os.environ.get("QLA_KEY_BLOCKS", "0") == "1"
+
 
 def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS,
-             fused: bool = False, wide: bool = False, partial: tuple = ()) -> KernelIR:
+             fused: bool = False, wide: bool = False, partial: tuple = (), key_blocks: bool = KEY_BLOCKS) -> KernelIR:
     """The KernelIR of a partitioned chunk program, its shared memory and registers budgeted for
     head-dim tiles up to `head_dims` (K, V): the kernels of larger tiles differ (more threads, fewer
     stages, outputs split across kernels), those of smaller ones would only waste memory. With
@@ -67,7 +77,8 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     (schedule_fused.py); `wide`: that kernel at V-block 128, its chain on two roles. `partial`:
     the input kinds whose gradients the host adds up over blocks (a backward on column blocks of V:
     the keys'; on blocks of K: the values'), which the out kernel writes in float32: bf16 partials
-    would round each before the sum.
+    would round each before the sum. `key_blocks`: an out kernel may run on blocks of K's
+    columns (_key_block).
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
@@ -76,6 +87,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     check_v_columns(ir, part.scan)
     kir = KernelIR(ir.name, ir.chunk_size, head_dims=tuple(head_dims))
     dims = dim_sizes(head_dims)
+    blocks_of = {k: dim_sizes(head_dims, k) for k in KEY_BLOCK_WIDTHS}  # (a kernel on key blocks)
     kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
                     "(torch on the device: no synchronisation)")
     if part.prep:
@@ -85,12 +97,12 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         kir.kernels.append(kernel)
     else:
         kir.kernels.append(_scan_kernel(part, dims))
-        kir.kernels += _out_kernels(part, split_phase_loads, dims, partial)
+        kir.kernels += _out_kernels(part, split_phase_loads, dims, partial, key_blocks=key_blocks)
     for k in kir.kernels:
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
-            buffers = {b.name: b for b in k.buffers}
-            k.shared_peak = max(live_shared(buffers, k.body, dims), default=0)
-            k.fragment_peak = -(-live_fragments(buffers, k.body, dims) // (4 * k.threads))
+            buffers, at = {b.name: b for b in k.buffers}, blocks_of.get(k.key_block, dims)
+            k.shared_peak = max(live_shared(buffers, k.body, at), default=0)
+            k.fragment_peak = -(-live_fragments(buffers, k.body, at) // (4 * k.threads))
     kir.over_budget = tuple(k.name for k in kir.kernels if k.shared_peak > SMEM_BUDGET)
     kir.over_registers = tuple(k.name for k in kir.kernels if k.fragment_peak > FRAGMENT_REGISTERS)
     return _verified(kir)
@@ -104,14 +116,17 @@ def _verified(kir: KernelIR) -> KernelIR:
     return kir
 
 
-def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple, groups=None) -> list:
+def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple, groups=None,
+                 key_blocks: bool = False) -> list:
     """The out kernel, or (when one kernel for every output would not fit in shared memory) one
     kernel per group of outputs (`groups`, else _out_groups'), each recomputing what its outputs
     need, except the diagonal sub-block products an earlier group's kernel holds, which it stores
     for the later ones (_handed_over). What must fit is the peak
     of live blocks, not their sum: loads sit right before their readers, so blocks whose lives do
     not overlap share memory (GDN's backward: one kernel for all five gradients, ~145 KB at its
-    peak, where the sum is ~310 KB; split five ways, ~45% of its matmuls ran more than once)."""
+    peak, where the sum is ~310 KB; split five ways, ~45% of its matmuls ran more than once).
+    With `key_blocks`, a kernel that _key_block says gains runs on blocks of K's columns, after
+    the kernels it loads from."""
     roles = tuple(part.chunk.outputs)
     built = {}
 
@@ -124,26 +139,99 @@ def _out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple,
         return built[group]
 
     def fits(k):
-        return max(live_shared({x.name: x for x in k.buffers}, k.body, dims)) <= SMEM_BUDGET
+        at = dim_sizes((dims["K"], dims["V"]), k.key_block)
+        return max(live_shared({x.name: x for x in k.buffers}, k.body, at)) <= SMEM_BUDGET
+
+    def block_of(group, others):  # (the values it loads, its key block), or None: _key_block
+        return _key_block(part, group, build_group(group)[0], others, split_phase, dims, partial)
 
     if groups is None:
         groups = _out_groups(roles, lambda g: build_group(g)[0], fits)
+        if key_blocks and len(groups) == 1:
+            groups = _split_for_key_blocks(part, roles, build_group, block_of, dims)
     parts = [(tuple(group), *build_group(tuple(group))) for group in groups]
-    handed = _handed_over(part, parts)
-    if not handed:
+    blocked = {}
+    for j, (group, _, _) in enumerate(parts):
+        how = block_of(group, [held for i, (_, _, held) in enumerate(parts) if i != j]) if key_blocks else None
+        if how:
+            blocked[group] = how
+    for group, (cut, _) in list(blocked.items()):  # (what it loads comes from a kernel not on key blocks)
+        if not all(any(x in held for g, _, held in parts if g not in blocked) for x in cut):
+            del blocked[group]
+    # (a kernel on key blocks after those it loads from: the kernels run in the list's order)
+    parts = [p for p in parts if p[0] not in blocked] + [p for p in parts if p[0] in blocked]
+    handed = _handed_over(part, parts, {g: cut for g, (cut, _) in blocked.items()})
+    for j, (group, _, _) in enumerate(parts):
+        for x in blocked.get(group, ((), 0))[0]:
+            owner = next(i for i, (g, _, held) in enumerate(parts) if g not in blocked and x in held)
+            handed.setdefault(x, (owner, []))[1].append(j)
+    if not handed and not blocked:
         return [k for _, k, _ in parts]
     out = []
     for i, (group, k, _) in enumerate(parts):
         hands = tuple(x for x, (owner, _) in handed.items() if owner == i)
         takes = tuple(x for x, (_, users) in handed.items() if i in users)
-        if not hands and not takes:
+        if not hands and not takes and group not in blocked:
             out.append(k)
             continue
-        k, _ = _out_built(part, group, suffix(group), split_phase, dims, partial, hands, takes)
+        k, _ = _out_built(part, group, suffix(group), split_phase, dims, partial, hands, takes,
+                          key_block=blocked[group][1] if group in blocked else 0)
         if not fits(k):
             return [k for _, k, _ in parts]  # (a loaded block in place of work that needed more: recompute)
         out.append(k)
     return out
+
+
+def _key_block(part: Partition, group: tuple, k: Kernel, others: list, split_phase: bool, dims: dict,
+               partial: tuple) -> tuple | None:
+    """(the values it loads, its key block) where the out kernel `k` of the outputs `group` runs on
+    blocks of K's columns; None where it does not. Its outputs must all be K-wide, and what needs
+    every key in it must be a few K-free values one of the other out kernels holds whole in float32
+    (`others`: the values each holds; passes/key_blocks.key_cut), which it loads. Its block is the
+    width of ir.kernel.KEY_BLOCK_WIDTHS, narrower than K's tile, at which an SM runs the most of its
+    warps (ctas_per_sm's model of shared memory and registers; the wider on a tie: each block loads
+    the K-free blocks again), where that is more than without blocks. KDA's d q d k d g kernel at
+    K = 128, 8 warps an SM at 255 registers: blocks of 32 keys, 16 warps (2 CTAs of 256 threads,
+    56 fragment registers a thread)."""
+    ir = part.chunk
+    if any("K" not in ir.node(ir.outputs[r]).shape for r in group):
+        return None
+    cut, _ = key_cut(ir, k.nodes, part.out_loads)
+    if cut is None or any(not any(x in held for held in others) for x in cut):
+        return None
+    tried = [(_warps_an_sm(_out_built(part, group, "", split_phase, dims, partial, takes=cut, key_block=width)[0],
+                           dims), width) for width in KEY_BLOCK_WIDTHS if width < dims["K"]]
+    if tried and max(tried)[0] > _warps_an_sm(k, dims):
+        return cut, max(tried)[1]
+    return None
+
+
+def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, dims: dict) -> list:
+    """The groups of outputs for out kernels where one kernel fits them all and key blocks are
+    on: the K-wide outputs apart from the rest, where the K-wide ones' kernel then runs on key blocks
+    (block_of), the rest's kernel runs as many warps an SM as the one kernel, and the two do no
+    decayed product or matmul twice (_recomputed). Else all in one. GLA's out kernel (200 KB, 8
+    warps an SM at 255 registers, 14 matmuls and 3 decayed products) is d v (96 KB, 5 and 1) and
+    d q d k d g (9 and 2, on blocks of 32 keys: 56 KB, 12 warps an SM); GDN's would compute 21
+    matmuls for its 14."""
+    ir = part.chunk
+    wide = tuple(r for r in roles if "K" in ir.node(ir.outputs[r]).shape)
+    rest = tuple(r for r in roles if r not in wide)
+    if not wide or not rest:
+        return [roles]
+    one, (rest_k, rest_held), wide_k = build_group(roles)[0], build_group(rest), build_group(wide)[0]
+    twice = [a + b > c for a, b, c in zip(_recomputed(wide_k)[:2], _recomputed(rest_k)[:2], _recomputed(one)[:2])]
+    if any(twice) or _warps_an_sm(rest_k, dims) < _warps_an_sm(one, dims) or not block_of(wide, [rest_held]):
+        return [roles]
+    return [wide, rest]
+
+
+def _warps_an_sm(k: Kernel, dims: dict) -> int:
+    """The warps of a parallel kernel an SM holds at once, by ctas_per_sm's model (at its key block)."""
+    at = dim_sizes((dims["K"], dims["V"]), k.key_block)
+    buffers = {b.name: b for b in k.buffers}
+    peak = max(live_shared(buffers, k.body, at), default=0)
+    return ctas_per_sm(peak, live_fragments(buffers, k.body, at), k.threads) * k.threads // 32
 
 
 def _out_groups(roles: tuple, kernel_of, fits) -> list:
@@ -191,7 +279,7 @@ def _recomputed(k: Kernel) -> tuple:
     return ops.count("decayed_product"), ops.count("gemm"), len(ops)
 
 
-def _handed_over(part: Partition, parts: list) -> dict:
+def _handed_over(part: Partition, parts: list, cuts: dict) -> dict:
     """{node: (the kernel that stores it, the later kernels that load it)}: where one out kernel
     would not fit and the outputs are split, each later kernel loads what an earlier one computes
     instead of computing it again, where that work is a decayed product on the diagonal sub-blocks
@@ -199,7 +287,8 @@ def _handed_over(part: Partition, parts: list) -> dict:
     d g kernel recomputed 90 of its 136 nodes from the d q, d k, d v kernel, the four diagonal
     products among them: 5.9 of its 10.4 ms on the H200 (ablate_backward, session 27). A handed
     block costs its float32 rows written once and read once; a product of matmuls alone stays
-    recomputed (a 64×64×128 wgmma is cheaper than 64 KB of traffic a chunk)."""
+    recomputed (a 64×64×128 wgmma is cheaper than 64 KB of traffic a chunk). `cuts`: by group, what
+    a kernel on key blocks loads (_key_block): it needs nothing that only those are computed from."""
     ir = part.chunk
     loaded = part.out_loads
     within = set(part.out)
@@ -217,7 +306,8 @@ def _handed_over(part: Partition, parts: list) -> dict:
     handed = {}
     for j, (group, _, _) in enumerate(parts):
         earlier = {x for x, i in owner.items() if i < j}
-        reached = ir.closure([ir.outputs[r] for r in group], stop=loaded | earlier, within=within)
+        reached = ir.closure([ir.outputs[r] for r in group], stop=loaded | earlier | set(cuts.get(group, ())),
+                             within=within)
         for x in owner:  # (in the program's order, as owner was filled: a set's order would change
             # the kernels' parameter order, and so TileLang's cache key, from process to process)
             if x in earlier and x in reached:
@@ -440,15 +530,17 @@ def _issue_stores_early(body: list, stores: list) -> list:
 
 
 def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, dims: dict,
-               partial: tuple = (), hands=(), takes=()) -> tuple:
+               partial: tuple = (), hands=(), takes=(), key_block: int = 0) -> tuple:
     """The out kernel of `roles`, and the nodes it holds in float32 blocks (which it could hand
     on); `hands`: blocks it stores for a later out kernel, `takes`: blocks it loads from an
-    earlier one (_handed_over), both float32 rows."""
+    earlier one (_handed_over, _key_block), both float32 rows; `key_block`: the kernel runs on
+    blocks of that many of K's columns (Kernel.key_block)."""
     ir = part.chunk
     loaded = part.out_loads | set(takes)
     needed = ir.closure([ir.outputs[r] for r in roles], stop=loaded, within=set(part.out))
     nodes = tuple(n.name for n in ir.order() if n.name in needed)
-    b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial, False, hands, takes)
+    dims = dim_sizes((dims["K"], dims["V"]), key_block)  # (budgeted at the block's width)
+    b, stores, outs = _out_statements(ir, roles, nodes, loaded, dims, partial, False, hands, takes, key_block)
     two = FRAGMENT_REGISTERS * 4 * 2 * THREADS  # two warpgroups' registers for fragments
     # (a kernel that loads handed blocks sums as it goes too: with one expression at the end,
     # KDA's d g kernel held all four loaded products in shared memory at once, 296 KB; 172 so)
@@ -456,7 +548,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     if running:  # over even two warpgroups' registers: sums of block terms accumulate as they go,
         # where that fits them (GLA's backward out kernel: 256 → 240 registers a thread, and
         # ptxas spilled 168 bytes against 136: kept as it was)
-        built = _out_statements(ir, roles, nodes, loaded, dims, partial, True, hands, takes)
+        built = _out_statements(ir, roles, nodes, loaded, dims, partial, True, hands, takes, key_block)
         running = live_fragments(built[0].buffers, built[0].body + built[1], dims) <= two
         b, stores, outs = built if running else (b, stores, outs)
     params = input_params(ir, nodes, loaded, wide=takes) + [CHUNK_MAP] + head_params(ir, nodes) + outs
@@ -466,20 +558,30 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     # a thread on one, spilled 472 bytes at 255; on two, 112)
     threads = 2 * THREADS if running else threads_for(b, body)
     placed = place_loads(b, body, split_phase)
-    threads = more_warpgroups(threads, max(live_shared(b.buffers, placed, dims), default=0),
-                              live_fragments(b.buffers, placed, dims))
+    peak, fragments = max(live_shared(b.buffers, placed, dims), default=0), live_fragments(b.buffers, placed, dims)
+    threads = more_warpgroups(threads, peak, fragments)
+    # a kernel on key blocks asks ptxas for the CTAs an SM the blocks were chosen for (_key_block):
+    # unasked, it gave KDA's d q d k d g kernel 163 registers a thread at 256 threads, one CTA an SM
+    ctas = ctas_per_sm(peak, fragments, threads) if key_block else 0
+    ctas = ctas if ctas > 1 else 0
     held = {x for x, buf in b.place.items() if b.buffers[buf].dtype == "float32" and x not in loaded}
-    return Kernel(f"{ir.name}_out{suffix}", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
+    # (the key blocks of a chunk adjacent: they load the same K-free blocks, from L2 after the first)
+    grid = ((("key_block", "K/BK"),) if key_block else ()) + (("chunk_slot", "CH"), ("value_head", "HV"))
+    keys = f", on blocks of {key_block} keys" if key_block else ""
+    return Kernel(f"{ir.name}_out{suffix}", grid, threads, params,
                   list(b.buffers.values()), [], placed, [],
-                  roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own tokens",),
-                  doc=f"parallel over chunks: {what}", kind="out", nodes=nodes, outputs=roles), held
+                  roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own "
+                         f"tokens{keys}",),
+                  doc=f"parallel over chunks{keys}: {what}", kind="out", nodes=nodes, outputs=roles,
+                  key_block=key_block, ctas_per_sm=ctas), held
 
 
 def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: dict, partial: tuple,
-                    running_sums: bool, hands=(), takes=()) -> tuple:
-    """An out kernel's builder, its outputs' stores and their tensors (`hands`, `takes`: as
-    _out_built's)."""
-    b = build(ir, nodes, loaded, tiled=False, dims=dims, running_sums=running_sums, kept=hands, wide=takes)
+                    running_sums: bool, hands=(), takes=(), key_block: int = 0) -> tuple:
+    """An out kernel's builder, its outputs' stores and their tensors (`hands`, `takes`,
+    `key_block`: as _out_built's)."""
+    b = build(ir, nodes, loaded, tiled=False, dims=dims, running_sums=running_sums, kept=hands, wide=takes,
+              key_blocked=bool(key_block))
     outs = []
     for x in hands:  # stored from its float32 block right after that is written, for a later kernel
         src = b.place.get(x)

@@ -20,20 +20,23 @@ from .lowerable import on_sub_blocks
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "key_gate": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
-RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "TOKEN_THREADS", "N",
-            "NP1", "CH", "Tok", "i", "j", "i_k", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v",
-            "i_c", "i_slot"}
+RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "BK", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "TOKEN_THREADS",
+            "N", "NP1", "CH", "Tok", "i", "j", "i_k", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v",
+            "i_c", "i_slot", "i_kb", "k0"}
 
 
-def _dims(shape, tiled: bool) -> tuple:
-    return tuple("BV" if (d == "V" and tiled) else d for d in shape)
+def _dims(shape, tiled: bool, key_blocked: bool = False) -> tuple:
+    """A value's shape as a buffer holds it: V as the V-block in the V-blocked (`tiled`) kernels,
+    K as the key block in a kernel on key blocks."""
+    return tuple("BV" if (d == "V" and tiled) else "BK" if (d == "K" and key_blocked) else d for d in shape)
 
 
 class Builder:
     """Builds one kernel's buffers and statements from a set of ChunkIR nodes."""
 
-    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, kept=()):
+    def __init__(self, ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, kept=(), key_blocked: bool = False):
         self.ir, self.nodes, self.loaded, self.tiled = ir, set(nodes), set(loaded), tiled
+        self.key_blocked = key_blocked  # a kernel on blocks of K's columns (Kernel.key_block)
         # nodes another kernel loads from this one's store: their fragments hold them to the end
         # (nothing is computed over them in place)
         self.kept = set(kept)
@@ -49,7 +52,7 @@ class Builder:
         name = ident(name)
         name = f"{name}_f" if name in RESERVED else name
         if name not in self.buffers:
-            self.buffers[name] = Buffer(name, _dims(shape, self.tiled), dtype, scope)
+            self.buffers[name] = Buffer(name, _dims(shape, self.tiled, self.key_blocked), dtype, scope)
         return name
 
     # ---- expressions -------------------------------------------------------------------------
@@ -220,7 +223,7 @@ class Builder:
         (src,) = blocks
         buf = self.buffers[self.place[src]]
         loaded = any(st.dst == buf.name for st in self.loads if st.op == "load")
-        if not loaded or buf.dtype != "io" or buf.shape != _dims(shape, self.tiled):
+        if not loaded or buf.dtype != "io" or buf.shape != _dims(shape, self.tiled, self.key_blocked):
             return None
         readers = [u for u in self.users[src] if u != name]
         if any(u not in self.place and not self._inlined_into(u, name) for u in readers):
@@ -351,7 +354,7 @@ def _running_sums(ir: ChunkIR, b: Builder, order: list, acc: dict) -> dict:
 
 
 def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), running_sums: bool = False,
-          kept=(), wide=()):
+          kept=(), wide=(), key_blocked: bool = False):
     """Statements for the node set; returns the builder (buffers, loads, body). The V-blocked
     kernel is also the pipelined one (its loads run on a producer warpgroup). `vectors`: per-token
     vectors another role writes into shared memory each chunk (the fused kernel's loads role):
@@ -360,8 +363,9 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
     rather than one expression of every term at the end, which holds each term's fragment until
     then (KDA's backward out kernels: ten C×K partial sums live at once, 320 registers a thread,
     spilled). `kept`: nodes stored for another kernel (Builder.kept); `wide`: loaded nodes another
-    kernel stored in float32."""
-    b = Builder(ir, nodes, loaded, tiled, dims, kept)
+    kernel stored in float32. `key_blocked`: a kernel on blocks of K's columns, its K-wide buffers
+    a block wide ("BK")."""
+    b = Builder(ir, nodes, loaded, tiled, dims, kept, key_blocked)
     pipelined = tiled
     order = [n for n in ir.order() if n.name in b.nodes]
     acc = _accumulation(ir, [n.name for n in order], b.loaded, b.kept)

@@ -34,11 +34,12 @@ REGISTER_OVERHEAD = 48
 _DTYPE_BYTES = {"io": 2, "float32": 4, "tfloat32": 4, "int32": 4}
 
 
-def dim_sizes(head_dims: tuple = HEAD_DIMS) -> dict:
+def dim_sizes(head_dims: tuple = HEAD_DIMS, key_block: int = 0) -> dict:
     """The size of every dim name a buffer uses, at the largest class the schedule serves: the
-    head-dim tiles `head_dims`, the widest V-block, the chunk."""
+    head-dim tiles `head_dims`, the widest V-block, the chunk, and a kernel's key block (Kernel.key_block:
+    at most K's tile)."""
     K, V = head_dims
-    return {"C": 64, "K": K, "V": V, "BV": 64}
+    return {"C": 64, "K": K, "V": V, "BV": 64, **({"BK": min(key_block, K)} if key_block else {})}
 
 
 def buffer_bytes(b: Buffer, dims: dict) -> int:

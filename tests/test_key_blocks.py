@@ -1,0 +1,145 @@
+"""Out kernels on blocks of K's columns (schedule._key_block, QLA_KEY_BLOCKS=1; off by default until
+the H200 measures it): KDA's d q d k d g kernel loads d A_T, which the d v d β kernel computes whole,
+and runs a CTA per (key block, chunk, value head); GLA's and RetNet's out kernels split into d v
+and the keys' gradients, these on key blocks. The switch is read when the schedule is imported, so
+the programs with it on come from a child process; the training step through the GPU path's host
+code, every kernel interpreted (qla_compiler/emulate.py), is compared with the same step on the
+kernels without key blocks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qla_compiler
+import qla_compiler.passes.schedule
+from qla_compiler.emulate import emulated_step
+from qla_compiler.ir.kernel import Kernel
+from qla_compiler.passes.key_blocks import key_cut
+from qla_compiler.testing import random_inputs, rel_err
+
+CU = [0, 1, 41, 141, 200]  # a 1-token sequence, partial chunks
+SHAPES = {"K = 64 (two blocks)": dict(K=64, V=32), "K = 100 (a 128 tile: four blocks, the last masked)": dict(K=100, V=48)}
+
+SPECS = ("kda", "gla", "retnet")
+CHILD = """
+import sys, torch
+import qla_compiler
+import qla_compiler.passes.schedule
+from qla_compiler.emulate import emulated_step
+from qla_compiler.testing import random_inputs
+out = {{}}
+for spec in {specs!r}:
+    op = qla_compiler.compile(spec)
+    for name, shape in {shapes!r}.items():
+        args = random_inputs(op, T=200, H=1, HV=2, cu_seqlens={cu!r}, initial_state=True, dtype=torch.bfloat16,
+                             seed=5, **shape)
+        step = emulated_step(op, args)
+        out[spec, name] = dict(grads=step["grads"], d_h0=step["d_h0"], calls=[n for n, _ in step["emulator"].calls])
+    out[spec] = op.program.backward_program.kernels
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def blocked(tmp_path_factory):
+    """What the child process with QLA_KEY_BLOCKS=1 computed: each shape's gradients and kernel calls,
+    and the backward's kernels."""
+    path = tmp_path_factory.mktemp("key_blocks") / "out.pt"
+    env = {**os.environ, "QLA_KEY_BLOCKS": "1"}
+    subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS, shapes=SHAPES, cu=CU), str(path)], check=True, env=env,
+                   timeout=900)
+    return torch.load(path, weights_only=False)
+
+
+def test_kdas_d_q_d_k_d_g_kernel_runs_on_key_blocks_after_the_kernel_it_loads_from(blocked):
+    kernels = {k.name: k for k in blocked["kda"].kernels}
+    outs = [k.name for k in blocked["kda"].kernels if k.kind == "out"]
+    assert outs == ["kda_backward_out_d_v_d_beta", "kda_backward_out_d_q_d_k_d_g"]
+    dv, dq = kernels["kda_backward_out_d_v_d_beta"], kernels["kda_backward_out_d_q_d_k_d_g"]
+    assert dq.key_block == 32 and dq.grid[0] == ("key_block", "K/BK") and dq.ctas_per_sm == 2
+    assert ("d_A_T_full_rows", "out") in {(p.name, p.role) for p in dv.params}
+    assert ("d_A_T_full_rows", "in") in {(p.name, p.role) for p in dq.params}
+    assert not any("K" in b.shape for b in dq.buffers) and any("BK" in b.shape for b in dq.buffers)
+    # what needed every key is loaded, not computed: no product over K's columns into a C×C block
+    assert "d_T_U" not in {b.name for b in dq.buffers} and "d_A_T_full_s" in {b.name for b in dq.buffers}
+    assert "key blocks BK = 32" in str(dq) and "grid(key_block:K/BK, chunk_slot:CH, value_head:HV)" in str(dq)
+
+
+def test_glas_and_retnets_out_kernels_split_where_neither_part_repeats_work(blocked):
+    """Their one out kernel becomes d v's and the keys' gradients', these on key blocks (no decayed
+    product or matmul done twice: schedule._split_for_key_blocks); GDN's stays whole (its parts would
+    repeat 7 of its 14 matmuls)."""
+    for spec, keys in (("gla", "d_q_d_k_d_g"), ("retnet", "d_q_d_k")):
+        outs = [(k.name, k.key_block) for k in blocked[spec].kernels if k.kind == "out"]
+        assert outs == [(f"{spec}_backward_out_d_v", 0), (f"{spec}_backward_out_{keys}", 32)], outs
+    gdn = qla_compiler.passes.schedule.schedule(
+        qla_compiler.compile_spec("gdn").backward_program.stage("partition"), key_blocks=True)
+    assert [k.name for k in gdn.kernels if k.kind == "out"] == ["gdn_backward_out"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, blocked, spec, shape):
+    """The same training step on both sets of kernels: every gradient agrees to float32's rounding of
+    a handed-over value (the blocks' columns are the whole kernel's columns; a block reading
+    another's columns, or the state's rows at the wrong key, is O(1)), and both meet autograd
+    through the float64 recurrence (bf16 blocks between kernels: ~3e-3)."""
+    op = ops[spec]
+    args = random_inputs(op, T=200, H=1, HV=2, cu_seqlens=CU, initial_state=True, dtype=torch.bfloat16, seed=5,
+                         **SHAPES[shape])
+    whole = emulated_step(op, args)
+    got = blocked[spec, shape]
+    assert any(k.key_block for k in blocked[spec].kernels)
+    assert [k.name for k in blocked[spec].kernels] == got["calls"][-len(blocked[spec].kernels):]
+    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in args.items()}
+    o_ref, s_ref = op.reference(**ref)
+    torch.autograd.backward([o_ref, s_ref], [whole["d_o"].double(), whole["d_final"].double()])
+    for name in op.input_names:
+        assert rel_err(got["grads"][name], whole["grads"][name]) <= 1e-5, name
+        assert rel_err(got["grads"][name], ref[name].grad) <= 1e-2, name
+    assert rel_err(got["d_h0"], whole["d_h0"]) <= 1e-5
+
+
+def test_the_lowering_runs_a_cta_per_key_block(blocked):
+    """The TileLang of the kernel on key blocks: its grid's first axis the key blocks, the block's
+    columns of every K-wide tensor and the block's rows of the per-chunk states."""
+    from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+
+    src = lower(blocked["kda"], ShapeClass(H=2, HV=4, K=100, V=48))
+    kernel = src[src.index("def kda_backward_out_d_q_d_k_d_g("):]
+    assert "BK = 32  #" in src
+    assert "with T.Kernel(KP // BK, CH, HV, threads=256) as (i_kb, i_slot, i_hv):" in kernel
+    assert "k0 = i_kb * BK" in kernel and "T.annotate_min_blocks_per_sm(2)" in kernel
+    assert "S0_chunks[i_slot, i_hv, k0:k0 + BK, 0:VP]" in kernel
+    assert "k[0, t0 + i, i_h, k0 + j]" in kernel and "k0 + j < K" in kernel  # (K = 100: masked loads)
+
+
+def test_a_kernel_that_needs_every_key_is_not_cut():
+    """key_cut: d β sums over K (its output needs every key); GDN's one backward out kernel writes d β
+    too; GLA's writes d v, which no key block can write alone."""
+    for spec in ("kda", "gdn", "gla"):
+        part = qla_compiler.compile_spec(spec).backward_program.stage("partition")
+        ir, loaded = part.chunk, part.out_loads
+        cut, why = key_cut(ir, ir.closure(list(ir.outputs.values()), stop=loaded), loaded)
+        assert cut is None and why.endswith("is an output that needs every key"), (spec, why)
+
+
+def test_the_verifier_holds_a_kernel_on_key_blocks_to_its_grid_and_buffers(blocked):
+    import dataclasses
+
+    k = next(k for k in blocked["kda"].kernels if k.key_block)
+    k.verify()
+    bad = {
+        "no key_block axis": dataclasses.replace(k, grid=(("chunk_slot", "CH"), ("value_head", "HV"))),
+        "a width outside KEY_BLOCK_WIDTHS": dataclasses.replace(k, key_block=48),
+        "a buffer K wide": dataclasses.replace(k, buffers=[dataclasses.replace(k.buffers[0], shape=("C", "K"))]
+                                               + k.buffers[1:]),
+    }
+    for what, kernel in bad.items():
+        with pytest.raises(ValueError, match="key block|K wide"):
+            Kernel.verify(kernel)
