@@ -29,6 +29,7 @@ buffers and statements, schedule_memory.py budgets them and places the loads by 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
@@ -36,8 +37,8 @@ from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, KernelIR, Stmt, Ten
 
 from .key_blocks import key_cut
 from .partition import Partition
-from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, input_params,
-                             log_space)
+from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, ident,
+                             input_params, log_space)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes,
                               live_fragments, live_shared, more_warpgroups, place_loads, reads, smem_bytes,
@@ -91,7 +92,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
                     "(torch on the device: no synchronisation)")
     if part.prep:
-        kir.kernels.append(_prep_kernel(part, split_phase_loads, dims))
+        kir.kernels += _prep_kernels(part, split_phase_loads, dims, key_blocks)
     if fused:
         kernel, kir.block_v_max = fused_kernel(part, dims, wide)
         kir.kernels.append(kernel)
@@ -315,9 +316,74 @@ def _handed_over(part: Partition, parts: list, cuts: dict) -> dict:
     return handed
 
 
-def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
+def _prep_kernels(part: Partition, split_phase: bool, dims: dict, key_blocks: bool) -> list:
+    """The prep kernel; with `key_blocks`, two where that pays: one for the K-free results, then
+    one for the K-wide ones on blocks of K's columns, which loads the first one's results instead
+    of computing them. It pays where the K-wide results need no key beyond their own but through
+    the first's results (passes/key_blocks.key_cut), an SM runs more warps of them on key blocks
+    than of the one kernel and no fewer of the first, and the two do no inverse, decayed product
+    or matmul twice. KDA's backward prep (168 KB, 255 registers: 4 warps an SM) is P Γ, d P and
+    d v_new's intra-chunk term, then W and the keys' sub-block sums of d P on key blocks, which
+    read d P as it is stored."""
+    whole = _prep_kernel(part, split_phase, dims)
     ir = part.chunk
-    b = build(ir, part.prep, part.provided, tiled=False, dims=dims)
+    wide = tuple(x for x in part.crossing if "K" in ir.node(x).shape)
+    rest = tuple(x for x in part.crossing if x not in wide)
+    if not key_blocks or not wide or not rest:
+        return [whole]
+
+    def of(crossing, provided):  # the prep of these results, given the `provided` values
+        return replace(part, prep=tuple(x for x in part.prep if x in ir.closure(crossing, stop=provided)),
+                       crossing=crossing, provided=tuple(x for x in part.prep if x in provided))
+
+    first = of(rest, set(part.provided))
+    given = set(part.provided) | set(rest)
+    then = of(wide, given)
+    cut, _ = key_cut(ir, [x for x in then.prep if x not in given], given)
+    if cut != () or not all(_read_as_stored(ir, x, set(then.prep)) for x in rest if x in then.prep):
+        return [whole]
+    first_k = _prep_kernel(first, split_phase, dims, suffix="_" + "_".join(map(ident, rest)))
+    tried = [(_warps_an_sm(k, dims), k) for k in
+             (_prep_kernel(then, split_phase, dims, width, "_" + "_".join(map(ident, wide)))
+              for width in KEY_BLOCK_WIDTHS if width < dims["K"])]
+    if not tried:
+        return [whole]
+    warps, then_k = max(tried, key=lambda t: (t[0], t[1].key_block))
+
+    def work(k):  # (inverses, decayed products, matmuls)
+        ops = [st.op for st in k.body]
+        return ops.count("inverse"), ops.count("decayed_product"), ops.count("gemm")
+
+    twice = any(a + b > c for a, b, c in zip(work(first_k), work(then_k), work(whole)))
+    if twice or warps <= _warps_an_sm(whole, dims) or _warps_an_sm(first_k, dims) < _warps_an_sm(whole, dims):
+        return [whole]
+    return [first_k, then_k]
+
+
+# steps after which a block rounds as it did before them (a mask, a sign): io(keep(x)) = keep(io(x))
+_ROUNDING_EXACT = ("keep", "tril", "neg")
+
+
+def _read_as_stored(ir: ChunkIR, x: str, nodes: set) -> bool:
+    """Whether a kernel computing `nodes` that loads `x` (as a prep stores it) computes what the
+    kernel that computed x did: x is stored in float32, or every reader reaches a matmul, whose
+    operands are io blocks anyway, through masks and signs alone. GDN's backward prep scales its
+    d P by the decay before the products: loaded in bf16, d P would round twice."""
+    if crossing_tensor(ir, x, "in").dtype == "float32":
+        return True
+
+    def exact(y):
+        users = [u for u in ir.users(y) if u.name in nodes]
+        return all(u.op == "matmul" or (u.op in _ROUNDING_EXACT and exact(u.name)) for u in users)
+    return exact(x)
+
+
+def _prep_kernel(part: Partition, split_phase: bool, dims: dict, key_block: int = 0, suffix: str = "") -> Kernel:
+    """The prep kernel of `part` (`key_block`: on blocks of that many of K's columns; `suffix`:
+    to its name, one of several)."""
+    ir = part.chunk
+    dims = dim_sizes((dims["K"], dims["V"]), key_block)  # (budgeted at the block's width)
+    b = build(ir, part.prep, part.provided, tiled=False, dims=dims, key_blocked=bool(key_block))
     stores = []
     for x in part.crossing:
         if x in b.io_copy:  # already rounded to io in shared memory for a wgmma: the store reads that
@@ -367,14 +433,16 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict) -> Kernel:
     threads = more_warpgroups(threads_for(b, body), peak, fragments)
     # the inverse's sweeps and merges wait on shared memory (short_sb stalls, H200 ncu): a prep
     # holding one asks for every CTA an SM can hold (the solve-only prep: 6 where ptxas alone
-    # chose registers for 5; 2 % faster, NOTES session 23)
-    ctas = ctas_per_sm(peak, fragments, threads) if inverses else 0
+    # chose registers for 5; 2 % faster, NOTES session 23); so does one on key blocks (_key_block)
+    ctas = ctas_per_sm(peak, fragments, threads) if inverses or key_block else 0
     ctas = ctas if ctas > 1 else 0  # (one is what ptxas assumes unasked)
-    return Kernel(f"{ir.name}_prep", (("chunk_slot", "CH"), ("value_head", "HV")), threads, params,
+    grid = ((("key_block", "K/BK"),) if key_block else ()) + (("chunk_slot", "CH"), ("value_head", "HV"))
+    keys = f", on blocks of {key_block} keys" if key_block else ""
+    return Kernel(f"{ir.name}_prep{suffix}", grid, threads, params,
                   list(b.buffers.values()), [], body, [],
-                  roles=(f"all {threads // 32} warps: " + "; ".join(work),),
-                  doc="parallel over chunks: " + ", ".join(work), kind="prep", nodes=part.prep,
-                  shared_peak=peak, ctas_per_sm=ctas)
+                  roles=(f"all {threads // 32} warps: " + "; ".join(work) + keys,),
+                  doc=f"parallel over chunks{keys}: " + ", ".join(work), kind="prep", nodes=part.prep,
+                  shared_peak=peak, ctas_per_sm=ctas, key_block=key_block)
 
 
 def _rows_block(b: Builder, x: str, free: list, own: bool) -> str | None:
@@ -386,7 +454,7 @@ def _rows_block(b: Builder, x: str, free: list, own: bool) -> str | None:
     the mask pass, ~30 % of its time); written to shared memory, the chunk leaves as a bulk copy
     of 128-byte rows (session 16, H200: that prep 1.07 → 0.85 ms at 16/64, with the padding)."""
     shape, dtype = b.ir.node(x).shape, "float32" if log_space(b.ir, x) else "io"
-    block = next((n for n in free if b.buffers[n].shape == shape and b.buffers[n].dtype == dtype), None)
+    block = next((n for n in free if b.buffers[n].shape == b.held_as(shape) and b.buffers[n].dtype == dtype), None)
     if block is not None:
         free.remove(block)
         return block

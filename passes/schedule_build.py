@@ -48,11 +48,15 @@ class Builder:
         self.users = {n: [u.name for u in ir.users(n) if u.name in self.nodes] for n in self.nodes}
         self.io_copy: dict[str, str] = {}  # node -> the shared io-dtype copy made for a wgmma
 
+    def held_as(self, shape) -> tuple:
+        """A value's shape as this kernel's buffers hold it (its V-block, its key block)."""
+        return _dims(shape, self.tiled, self.key_blocked)
+
     def buf(self, name, shape, dtype, scope) -> str:
         name = ident(name)
         name = f"{name}_f" if name in RESERVED else name
         if name not in self.buffers:
-            self.buffers[name] = Buffer(name, _dims(shape, self.tiled, self.key_blocked), dtype, scope)
+            self.buffers[name] = Buffer(name, self.held_as(shape), dtype, scope)
         return name
 
     # ---- expressions -------------------------------------------------------------------------
@@ -223,7 +227,7 @@ class Builder:
         (src,) = blocks
         buf = self.buffers[self.place[src]]
         loaded = any(st.dst == buf.name for st in self.loads if st.op == "load")
-        if not loaded or buf.dtype != "io" or buf.shape != _dims(shape, self.tiled, self.key_blocked):
+        if not loaded or buf.dtype != "io" or buf.shape != self.held_as(shape):
             return None
         readers = [u for u in self.users[src] if u != name]
         if any(u not in self.place and not self._inlined_into(u, name) for u in readers):

@@ -68,19 +68,20 @@ def emulated_kernels(op, cu_seqlens: torch.Tensor, scale: float, block_v: int = 
         yield emu
 
 
-def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=None) -> dict:
+def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=None,
+                  rounding: torch.dtype | None = None) -> dict:
     """One training step of `op` through the GPU path's host code with every kernel emulated: the
     forward (kernels/forward.py) on `args` (as `testing.random_inputs` makes them), then the backward
-    (kernels/backward.py) from random cotangents; `segments`: both context-parallel. Returns o,
-    final, d_o, d_final, grads (by input), d_h0 and the emulator (whose `seen` holds every kernel's
-    tensors)."""
+    (kernels/backward.py) from random cotangents; `segments`: both context-parallel; `rounding`:
+    KernelEmulator's. Returns o, final, d_o, d_final, grads (by input), d_h0 and the emulator (whose
+    `seen` holds every kernel's tensors)."""
     from .kernels import backward as bwd
     from .kernels import forward as fwd
 
     inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args.get("initial_state"),
                                       args.get("cu_seqlens"), False)
     cu = packed_cu_seqlens(dims.B, dims.T, args.get("cu_seqlens"), "cpu", torch.int32)
-    with emulated_kernels(op, cu, scale, block_v) as emu:
+    with emulated_kernels(op, cu, scale, block_v, rounding) as emu:
         o, final, kept = fwd.forward(op.program, inputs, op.kinds, dims, scale, args.get("initial_state"),
                                      args.get("cu_seqlens"), op._head_logs(dims.HV), segments, keep=True)
         gen = torch.Generator().manual_seed(seed)

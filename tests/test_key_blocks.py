@@ -1,10 +1,10 @@
-"""Out kernels on blocks of K's columns (schedule._key_block, QLA_KEY_BLOCKS=1; off by default until
-the H200 measures it): KDA's d q d k d g kernel loads d A_T, which the d v d β kernel computes whole,
+"""Kernels on blocks of K's columns (schedule._key_block, QLA_KEY_BLOCKS=1; off by default until the
+H200 measures it): KDA's d q d k d g kernel loads d A_T, which the d v d β kernel computes whole,
 and runs a CTA per (key block, chunk, value head); GLA's and RetNet's out kernels split into d v
-and the keys' gradients, these on key blocks. The switch is read when the schedule is imported, so
-the programs with it on come from a child process; the training step through the GPU path's host
-code, every kernel interpreted (qla_compiler/emulate.py), is compared with the same step on the
-kernels without key blocks."""
+and the keys' gradients, these on key blocks; KDA's and DeltaNet's preps split the same way. The
+switch is read when the schedule is imported, so the programs with it on come from a child
+process; the training step through the GPU path's host code, every kernel interpreted
+(qla_compiler/emulate.py), is compared with the same step on the kernels without key blocks."""
 from __future__ import annotations
 
 import os
@@ -22,9 +22,10 @@ from qla_compiler.passes.key_blocks import key_cut
 from qla_compiler.testing import random_inputs, rel_err
 
 CU = [0, 1, 41, 141, 200]  # a 1-token sequence, partial chunks
-SHAPES = {"K = 64 (two blocks)": dict(K=64, V=32), "K = 100 (a 128 tile: four blocks, the last masked)": dict(K=100, V=48)}
+SHAPES = {"K = 64 (two blocks)": dict(K=64, V=32),
+          "K = 100 (a 128 tile: four blocks, the last masked)": dict(K=100, V=48)}
 
-SPECS = ("kda", "gla", "retnet")
+SPECS = ("kda", "gla", "retnet", "delta_net")
 CHILD = """
 import sys, torch
 import qla_compiler
@@ -37,21 +38,22 @@ for spec in {specs!r}:
     for name, shape in {shapes!r}.items():
         args = random_inputs(op, T=200, H=1, HV=2, cu_seqlens={cu!r}, initial_state=True, dtype=torch.bfloat16,
                              seed=5, **shape)
-        step = emulated_step(op, args)
+        step = emulated_step(op, args, rounding=torch.bfloat16)
         out[spec, name] = dict(grads=step["grads"], d_h0=step["d_h0"], calls=[n for n, _ in step["emulator"].calls])
     out[spec] = op.program.backward_program.kernels
+    out[spec, "training"] = op.program.training_program.kernels
 torch.save(out, sys.argv[1])
 """
 
 
 @pytest.fixture(scope="module")
 def blocked(tmp_path_factory):
-    """What the child process with QLA_KEY_BLOCKS=1 computed: each shape's gradients and kernel calls,
-    and the backward's kernels."""
+    """What the child process with QLA_KEY_BLOCKS=1 computed: each spec's and shape's gradients and
+    kernel calls, and each spec's backward and training-forward kernels."""
     path = tmp_path_factory.mktemp("key_blocks") / "out.pt"
     env = {**os.environ, "QLA_KEY_BLOCKS": "1"}
-    subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS, shapes=SHAPES, cu=CU), str(path)], check=True, env=env,
-                   timeout=900)
+    subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS, shapes=SHAPES, cu=CU), str(path)], check=True,
+                   env=env, timeout=900)
     return torch.load(path, weights_only=False)
 
 
@@ -84,14 +86,15 @@ def test_glas_and_retnets_out_kernels_split_where_neither_part_repeats_work(bloc
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("spec", SPECS)
 def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, blocked, spec, shape):
-    """The same training step on both sets of kernels: every gradient agrees to float32's rounding of
-    a handed-over value (the blocks' columns are the whole kernel's columns; a block reading
+    """The same training step on both sets of kernels, each buffer rounded to its dtype as on the GPU
+    (a value one kernel hands another crosses memory in the dtype the whole kernel's buffer held it
+    in): every gradient agrees (the blocks' columns are the whole kernel's columns; a block reading
     another's columns, or the state's rows at the wrong key, is O(1)), and both meet autograd
     through the float64 recurrence (bf16 blocks between kernels: ~3e-3)."""
     op = ops[spec]
     args = random_inputs(op, T=200, H=1, HV=2, cu_seqlens=CU, initial_state=True, dtype=torch.bfloat16, seed=5,
                          **SHAPES[shape])
-    whole = emulated_step(op, args)
+    whole = emulated_step(op, args, rounding=torch.bfloat16)
     got = blocked[spec, shape]
     assert any(k.key_block for k in blocked[spec].kernels)
     assert [k.name for k in blocked[spec].kernels] == got["calls"][-len(blocked[spec].kernels):]
@@ -117,6 +120,27 @@ def test_the_lowering_runs_a_cta_per_key_block(blocked):
     assert "k0 = i_kb * BK" in kernel and "T.annotate_min_blocks_per_sm(2)" in kernel
     assert "S0_chunks[i_slot, i_hv, k0:k0 + BK, 0:VP]" in kernel
     assert "k[0, t0 + i, i_h, k0 + j]" in kernel and "k0 + j < K" in kernel  # (K = 100: masked loads)
+
+
+def test_preps_split_where_their_k_wide_results_need_no_other_key(blocked):
+    """KDA's backward prep (4 warps an SM) is P Γ, d P and d v_new's intra-chunk term, then W and the
+    keys' sums of d P on key blocks, which load d P as the first stores it; the training forward's
+    prep is the solve and U, then the cumulative gates and W on key blocks, which load T
+    (schedule._prep_kernels). GDN's preps stay whole: they scale T_r and d P by the decay before
+    their products, and loaded in bf16 those would round twice."""
+    for spec, program, loads in (("kda", "backward", "d_P_rows"), ("kda", "training", "T_rows"),
+                                 ("delta_net", "backward", None), ("delta_net", "training", "T_rows")):
+        kernels = blocked[spec] if program == "backward" else blocked[spec, program]
+        first, then = [k for k in kernels.kernels if k.kind == "prep"]
+        assert (first.key_block, then.key_block) == (0, 32), (spec, program)
+        assert all("K" in p.shape for p in then.params if p.role == "out"), (spec, program)
+        if loads:
+            assert loads in {p.name for p in first.params if p.role == "out"}, (spec, program)
+            assert loads in {p.name for p in then.params if p.role == "in"}, (spec, program)
+    for program in ("backward_program", "training_program"):
+        part = getattr(qla_compiler.compile_spec("gdn"), program).stage("partition")
+        kir = qla_compiler.passes.schedule.schedule(part, key_blocks=True)
+        assert [k.key_block for k in kir.kernels if k.kind == "prep"] == [0], program
 
 
 def test_a_kernel_that_needs_every_key_is_not_cut():
