@@ -40,9 +40,9 @@ from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, ident,
                              input_params, log_space)
 from .schedule_fused import fused_kernel
-from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes,
-                              live_fragments, live_shared, more_warpgroups, place_loads, reads, smem_bytes,
-                              threads_for, zero_pad)
+from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, REGISTER_OVERHEAD, SM_REGISTERS, SMEM_BUDGET, THREADS,
+                              ctas_per_sm, dim_sizes, live_fragments, live_shared, more_warpgroups, place_loads, reads,
+                              smem_bytes, threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
 
@@ -189,9 +189,9 @@ def _key_block(part: Partition, group: tuple, k: Kernel, others: list, split_pha
     blocks of K's columns; None where it does not. Its outputs must all be K-wide, and what needs
     every key in it must be a few K-free values one of the other out kernels holds whole in float32
     (`others`: the values each holds; passes/key_blocks.key_cut), which it loads. Its block is the
-    width of ir.kernel.KEY_BLOCK_WIDTHS, narrower than K's tile, at which an SM runs the most of its
-    warps (ctas_per_sm's model of shared memory and registers; the wider on a tie: each block loads
-    the K-free blocks again), where that is more than without blocks. KDA's d q d k d g kernel at
+    width of ir.kernel.KEY_BLOCK_WIDTHS, narrower than K's tile, with the best _occupancy (the most
+    warps an SM, then no spills; the wider on a tie: each block loads the K-free blocks again),
+    where that is better than without blocks. KDA's d q d k d g kernel at
     K = 128, 8 warps an SM at 255 registers: blocks of 32 keys, 16 warps (2 CTAs of 256 threads,
     56 fragment registers a thread)."""
     ir = part.chunk
@@ -200,9 +200,9 @@ def _key_block(part: Partition, group: tuple, k: Kernel, others: list, split_pha
     cut, _ = key_cut(ir, k.nodes, part.out_loads)
     if cut is None or any(not any(x in held for held in others) for x in cut):
         return None
-    tried = [(_warps_an_sm(_out_built(part, group, "", split_phase, dims, partial, takes=cut, key_block=width)[0],
-                           dims), width) for width in KEY_BLOCK_WIDTHS if width < dims["K"]]
-    if tried and max(tried)[0] > _warps_an_sm(k, dims):
+    tried = [(_occupancy(_out_built(part, group, "", split_phase, dims, partial, takes=cut, key_block=width)[0],
+                         dims), width) for width in KEY_BLOCK_WIDTHS if width < dims["K"]]
+    if tried and max(tried)[0] > _occupancy(k, dims):
         return cut, max(tried)[1]
     return None
 
@@ -210,7 +210,7 @@ def _key_block(part: Partition, group: tuple, k: Kernel, others: list, split_pha
 def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, dims: dict) -> list:
     """The groups of outputs for out kernels where one kernel fits them all and key blocks are
     on: the K-wide outputs apart from the rest, where the K-wide ones' kernel then runs on key blocks
-    (block_of), the rest's kernel runs as many warps an SM as the one kernel, and the two do no
+    (block_of), the rest's kernel's _occupancy is no worse than the one kernel's, and the two do no
     decayed product or matmul twice (_recomputed). Else all in one. GLA's out kernel (200 KB, 8
     warps an SM at 255 registers, 14 matmuls and 3 decayed products) is d v (96 KB, 5 and 1) and
     d q d k d g (9 and 2, on blocks of 32 keys: 56 KB, 12 warps an SM); GDN's would compute 21
@@ -222,17 +222,22 @@ def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, 
         return [roles]
     one, (rest_k, rest_held), wide_k = build_group(roles)[0], build_group(rest), build_group(wide)[0]
     twice = [a + b > c for a, b, c in zip(_recomputed(wide_k)[:2], _recomputed(rest_k)[:2], _recomputed(one)[:2])]
-    if any(twice) or _warps_an_sm(rest_k, dims) < _warps_an_sm(one, dims) or not block_of(wide, [rest_held]):
+    if any(twice) or _occupancy(rest_k, dims) < _occupancy(one, dims) or not block_of(wide, [rest_held]):
         return [roles]
     return [wide, rest]
 
 
-def _warps_an_sm(k: Kernel, dims: dict) -> int:
-    """The warps of a parallel kernel an SM holds at once, by ctas_per_sm's model (at its key block)."""
+def _occupancy(k: Kernel, dims: dict) -> tuple:
+    """(the warps of a parallel kernel an SM holds at once, whether each thread's live fragments fit
+    its registers there), by ctas_per_sm's model at its key block: compared as a pair, more warps
+    first, then no spills. KDA's d q d k d g kernel on 512 threads (QLA_MORE_WARPGROUPS) runs 16
+    warps an SM and spills; on key blocks of 32, 16 without spilling."""
     at = dim_sizes((dims["K"], dims["V"]), k.key_block)
     buffers = {b.name: b for b in k.buffers}
-    peak = max(live_shared(buffers, k.body, at), default=0)
-    return ctas_per_sm(peak, live_fragments(buffers, k.body, at), k.threads) * k.threads // 32
+    peak, fragments = max(live_shared(buffers, k.body, at), default=0), live_fragments(buffers, k.body, at)
+    ctas = ctas_per_sm(peak, fragments, k.threads)
+    need = fragments // (4 * k.threads) + REGISTER_OVERHEAD
+    return ctas * k.threads // 32, need <= min(255, SM_REGISTERS // (ctas * k.threads))
 
 
 def _out_groups(roles: tuple, kernel_of, fits) -> list:
@@ -320,9 +325,9 @@ def _prep_kernels(part: Partition, split_phase: bool, dims: dict, key_blocks: bo
     """The prep kernel; with `key_blocks`, two where that pays: one for the K-free results, then
     one for the K-wide ones on blocks of K's columns, which loads the first one's results instead
     of computing them. It pays where the K-wide results need no key beyond their own but through
-    the first's results (passes/key_blocks.key_cut), an SM runs more warps of them on key blocks
-    than of the one kernel and no fewer of the first, and the two do no inverse, decayed product
-    or matmul twice. KDA's backward prep (168 KB, 255 registers: 4 warps an SM) is P Γ, d P and
+    the first's results (passes/key_blocks.key_cut), the second's _occupancy on key blocks is
+    better than the one kernel's and the first's no worse, and the two do no inverse, decayed
+    product or matmul twice. KDA's backward prep (168 KB, 255 registers: 4 warps an SM) is P Γ, d P and
     d v_new's intra-chunk term, then W and the keys' sub-block sums of d P on key blocks, which
     read d P as it is stored."""
     whole = _prep_kernel(part, split_phase, dims)
@@ -343,19 +348,19 @@ def _prep_kernels(part: Partition, split_phase: bool, dims: dict, key_blocks: bo
     if cut != () or not all(_read_as_stored(ir, x, set(then.prep)) for x in rest if x in then.prep):
         return [whole]
     first_k = _prep_kernel(first, split_phase, dims, suffix="_" + "_".join(map(ident, rest)))
-    tried = [(_warps_an_sm(k, dims), k) for k in
+    tried = [(_occupancy(k, dims), k) for k in
              (_prep_kernel(then, split_phase, dims, width, "_" + "_".join(map(ident, wide)))
               for width in KEY_BLOCK_WIDTHS if width < dims["K"])]
     if not tried:
         return [whole]
-    warps, then_k = max(tried, key=lambda t: (t[0], t[1].key_block))
+    best, then_k = max(tried, key=lambda t: (t[0], t[1].key_block))
 
     def work(k):  # (inverses, decayed products, matmuls)
         ops = [st.op for st in k.body]
         return ops.count("inverse"), ops.count("decayed_product"), ops.count("gemm")
 
     twice = any(a + b > c for a, b, c in zip(work(first_k), work(then_k), work(whole)))
-    if twice or warps <= _warps_an_sm(whole, dims) or _warps_an_sm(first_k, dims) < _warps_an_sm(whole, dims):
+    if twice or best <= _occupancy(whole, dims) or _occupancy(first_k, dims) < _occupancy(whole, dims):
         return [whole]
     return [first_k, then_k]
 

@@ -167,3 +167,14 @@ def test_the_verifier_holds_a_kernel_on_key_blocks_to_its_grid_and_buffers(block
     for what, kernel in bad.items():
         with pytest.raises(ValueError, match="key block|K wide"):
             Kernel.verify(kernel)
+
+
+def test_with_twice_the_warpgroups_too_the_blocks_are_the_ones_that_do_not_spill():
+    """With QLA_MORE_WARPGROUPS=1 as well, KDA's d q d k d g kernel runs 16 warps an SM either way:
+    whole on 512 threads it spills (104 fragment registers a thread and the rest past 128), on
+    64-key blocks it does not (schedule._occupancy: more warps first, then no spills)."""
+    code = ("import qla_compiler; p = qla_compiler.compile_spec('kda').backward_program; "
+            "print({k.name: (k.threads, k.key_block) for k in p.kernels.kernels if k.kind == 'out'})")
+    env = {**os.environ, "QLA_KEY_BLOCKS": "1", "QLA_MORE_WARPGROUPS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert eval(out) == {"kda_backward_out_d_v_d_beta": (256, 0), "kda_backward_out_d_q_d_k_d_g": (512, 64)}  # noqa: S307
