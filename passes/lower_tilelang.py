@@ -137,6 +137,8 @@ class _Render:
         self.k = kernel
         self.dtype = {b.name: b.dtype for b in kernel.buffers}
         self.tiles = shape.padded  # head dim -> its tile's constant, where they differ
+        if kernel.key_block:  # and the key block's: its kernel's own (_key_block_constant)
+            self.tiles["BK"] = _key_block_constant(kernel.key_block)
         self.params = {p.name: p for p in kernel.params}
         self.aliases = {}  # a private copy's name -> the buffer it copies (lower_kernel)
         self.sync_stores = False  # whole-block stores wait for their reads (see _bulk_store)
@@ -193,7 +195,8 @@ class _Render:
                     f"{self._zero(s.dst)})"]
         if s.op in ("load", "load_chunk_state"):
             K, V = self.tiles.get("K", "K"), self.tiles.get("V", "V")  # (a per-chunk state is padded)
-            rows = "k0:k0 + BK" if self.k.key_block else f"0:{K}"  # (a kernel on key blocks: its block's rows)
+            # (a kernel on key blocks: its block's rows)
+            rows = f"k0:k0 + {self.tiles['BK']}" if self.k.key_block else f"0:{K}"
             src = self._global(s.srcs[0], scan) if s.op == "load" else \
                 f"{s.srcs[0]}[i_slot, i_hv, {rows}, {'v0:v0 + BV' if scan else f'0:{V}'}]"
             if not a.get("async"):
@@ -413,7 +416,7 @@ class _Render:
             raise PassError("lower", f"{p.name}: zero columns are read by the scans' V-blocks alone")
         start = f"v0 - {p.zero_columns}" if p.zero_columns else "v0"  # (TMA reads zeros before column 0)
         if p.shape[3] == "K" and self.k.key_block:
-            return head, "k0", "BK"
+            return head, "k0", self.tiles["BK"]
         return (head, start, "BV") if (p.shape[3] == "V" and scan) else (head, "0", width)
 
     def _global(self, name, scan: bool) -> str:
@@ -460,9 +463,9 @@ def _signature(kernel: Kernel, r: _Render) -> list[str]:
 _GRID_INDEX = {"chunk_slot": "i_slot", "value_head": "i_hv", "v_block": "i_v", "sequence": "i_n", "key_block": "i_kb"}
 
 
-def _grid(kernel: Kernel, V: str, K: str = "K") -> str:
+def _grid(kernel: Kernel, V: str, K: str = "K", BK: str = "BK") -> str:
     """The kernel's launch, its grid's axes in the KernelIR's order (the first is blockIdx.x)."""
-    extents = ", ".join({"V/BV": f"{V} // BV", "K/BK": f"{K} // BK"}.get(e, e) for _, e in kernel.grid)
+    extents = ", ".join({"V/BV": f"{V} // BV", "K/BK": f"{K} // {BK}"}.get(e, e) for _, e in kernel.grid)
     return f"    with T.Kernel({extents}, threads={kernel.threads}) as ({', '.join(_GRID_INDEX[a] for a, _ in kernel.grid)}):"
 
 
@@ -603,12 +606,13 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
     if scan:
         out += _per_sequence_grid(kernel, r.tiles.get("V", "V"))
     else:
-        out += [_grid(kernel, r.tiles.get("V", "V"), r.tiles.get("K", "K")),
+        out += [_grid(kernel, r.tiles.get("V", "V"), r.tiles.get("K", "K"), r.tiles.get("BK", "BK")),
                 "        i_h = i_hv // G",
                 "        t0 = chunk_map[i_slot, 0]",
                 "        n_valid = chunk_map[i_slot, 1]  # 0 for unused slots: nothing is stored"]
         if kernel.key_block:
-            out.append("        k0 = i_kb * BK  # the block of K's columns (of the state's rows) this CTA computes")
+            out.append(f"        k0 = i_kb * {r.tiles['BK']}  # the block of K's columns (of the state's rows) this CTA "
+                       "computes")
         if kernel.ctas_per_sm:
             out.append(f"        T.annotate_min_blocks_per_sm({kernel.ctas_per_sm})  # registers for "
                        f"{kernel.ctas_per_sm} CTAs an SM (launch bounds)")
@@ -701,13 +705,11 @@ ARRIVE = 'annotations={"emit_arrive": 1}'
 SCAN_STORE_WAIT = "T.tma_store_wait()"
 
 
-def _key_block(kir: KernelIR, shape: ShapeClass) -> int:
-    """The key block of the module's kernels on key blocks (Kernel.key_block), or K's tile where
-    that is narrower: one module constant, so they must agree."""
-    widths = {k.key_block for k in kir.kernels if k.key_block}
-    if len(widths) > 1:
-        raise PassError("lower", f"kernels on key blocks of {sorted(widths)} keys in one module; the module has one BK")
-    return min(widths.pop(), shape.KP)
+def _key_block_constant(width: int) -> str:
+    """The module constant of the kernels on blocks of `width` keys (Kernel.key_block): one a width,
+    since a program's kernels may run on blocks of different widths (a prep on 32, an out kernel on
+    64)."""
+    return f"BK{width}"
 
 
 def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
@@ -735,8 +737,9 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
           if any(b.warp_columns for k in kir.kernels for b in k.buffers) else []),
         "",
         f"H, HV, K, V, BV, C = {shape.H}, {shape.HV}, {shape.K}, {shape.V}, {shape.BV}, {kir.chunk_size}",
-        *([f"BK = {_key_block(kir, shape)}  # the keys of a block the kernels on key blocks run on (their K-wide "
-           "buffers' width)"] if any(k.key_block for k in kir.kernels) else []),
+        *(f"{_key_block_constant(w)} = {min(w, shape.KP)}  # the keys of a block of the kernels on {w}-key blocks "
+          "(K's tile where that is narrower): their K-wide buffers' width"
+          for w in sorted({k.key_block for k in kir.kernels if k.key_block})),
         *([f"{', '.join(shape.padded.values())} = {', '.join(str(getattr(shape, t)) for t in shape.padded.values())}"
            "  # the tiles of the head dims narrower than a power of two: the op's tensors load and "
            "store masked"] if shape.padded else []),

@@ -40,9 +40,9 @@ from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, ident,
                              input_params, log_space)
 from .schedule_fused import fused_kernel
-from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, REGISTER_OVERHEAD, SM_REGISTERS, SMEM_BUDGET, THREADS,
-                              ctas_per_sm, dim_sizes, live_fragments, live_shared, more_warpgroups, place_loads, reads,
-                              smem_bytes, threads_for, zero_pad)
+from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes,
+                              live_fragments, live_shared, more_warpgroups, occupancy, place_loads, reads, smem_bytes,
+                              threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
 
@@ -88,7 +88,6 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     check_v_columns(ir, part.scan)
     kir = KernelIR(ir.name, ir.chunk_size, head_dims=tuple(head_dims))
     dims = dim_sizes(head_dims)
-    blocks_of = {k: dim_sizes(head_dims, k) for k in KEY_BLOCK_WIDTHS}  # (a kernel on key blocks)
     kir.host.append("chunk_map = (first token, length) of every chunk of every sequence "
                     "(torch on the device: no synchronisation)")
     if part.prep:
@@ -101,7 +100,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         kir.kernels += _out_kernels(part, split_phase_loads, dims, partial, key_blocks=key_blocks)
     for k in kir.kernels:
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
-            buffers, at = {b.name: b for b in k.buffers}, blocks_of.get(k.key_block, dims)
+            buffers, at = {b.name: b for b in k.buffers}, dim_sizes(head_dims, k.key_block)
             k.shared_peak = max(live_shared(buffers, k.body, at), default=0)
             k.fragment_peak = -(-live_fragments(buffers, k.body, at) // (4 * k.threads))
     kir.over_budget = tuple(k.name for k in kir.kernels if k.shared_peak > SMEM_BUDGET)
@@ -228,16 +227,10 @@ def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, 
 
 
 def _occupancy(k: Kernel, dims: dict) -> tuple:
-    """(the warps of a parallel kernel an SM holds at once, whether each thread's live fragments fit
-    its registers there), by ctas_per_sm's model at its key block: compared as a pair, more warps
-    first, then no spills. KDA's d q d k d g kernel on 512 threads (QLA_MORE_WARPGROUPS) runs 16
-    warps an SM and spills; on key blocks of 32, 16 without spilling."""
+    """schedule_memory.occupancy of a parallel kernel, at its key block."""
     at = dim_sizes((dims["K"], dims["V"]), k.key_block)
     buffers = {b.name: b for b in k.buffers}
-    peak, fragments = max(live_shared(buffers, k.body, at), default=0), live_fragments(buffers, k.body, at)
-    ctas = ctas_per_sm(peak, fragments, k.threads)
-    need = fragments // (4 * k.threads) + REGISTER_OVERHEAD
-    return ctas * k.threads // 32, need <= min(255, SM_REGISTERS // (ctas * k.threads))
+    return occupancy(max(live_shared(buffers, k.body, at), default=0), live_fragments(buffers, k.body, at), k.threads)
 
 
 def _out_groups(roles: tuple, kernel_of, fits) -> list:

@@ -186,7 +186,7 @@ def more_warpgroups(threads: int, shared_peak: int, fragment_bytes: int, on: boo
         256
     """
     def warps(n):
-        return ctas_per_sm(shared_peak, fragment_bytes, n) * n // 32
+        return occupancy(shared_peak, fragment_bytes, n)[0]
     more = on and threads < 4 * THREADS and warps(threads) < WARPS_ENOUGH and warps(2 * threads) > warps(threads)
     return 2 * threads if more else threads
 
@@ -212,10 +212,28 @@ def ctas_per_sm(shared_peak: int, fragment_bytes: int, threads: int) -> int:
         5
     """
     by_shared = SM_SHARED // (shared_peak + CTA_RESERVED)
-    # (registers go to a thread in 8s: ptxas's cap at n CTAs is 64K / (threads · n) rounded down to 8)
-    per_thread = -(-(fragment_bytes // (4 * threads) + REGISTER_OVERHEAD) // 8) * 8
-    by_registers = SM_REGISTERS // (threads * per_thread)
+    by_registers = SM_REGISTERS // (threads * _registers_a_thread(fragment_bytes, threads))
     return max(1, min(by_shared, by_registers))
+
+
+def _registers_a_thread(fragment_bytes: int, threads: int) -> int:
+    """The registers a thread needs: its share of the live fragments and REGISTER_OVERHEAD, in the
+    8s registers go to a thread in (ptxas's cap at n CTAs is 64K / (threads · n) rounded down to 8)."""
+    return -(-(fragment_bytes // (4 * threads) + REGISTER_OVERHEAD) // 8) * 8
+
+
+def occupancy(shared_peak: int, fragment_bytes: int, threads: int) -> tuple:
+    """(the warps of a parallel kernel an SM holds at once, ctas_per_sm's CTAs of it; whether each
+    thread's registers then hold what it needs, or it spills): compared as a pair, more warps
+    first, then no spills. KDA's d q d k d g kernel whole on 512 threads runs 16 warps an SM and
+    spills; on 64-key blocks, 16 without spilling.
+
+        >>> occupancy(184 * 1024, 208 * 4 * 256, 512), occupancy(104 * 1024, 112 * 4 * 256, 512)
+        ((16, False), (16, True))
+    """
+    ctas = ctas_per_sm(shared_peak, fragment_bytes, threads)
+    cap = min(255, SM_REGISTERS // (ctas * threads))
+    return ctas * threads // 32, _registers_a_thread(fragment_bytes, threads) <= cap
 
 
 def reads(st: Stmt) -> set:

@@ -115,10 +115,10 @@ def test_the_lowering_runs_a_cta_per_key_block(blocked):
 
     src = lower(blocked["kda"], ShapeClass(H=2, HV=4, K=100, V=48))
     kernel = src[src.index("def kda_backward_out_d_q_d_k_d_g("):]
-    assert "BK = 32  #" in src
-    assert "with T.Kernel(KP // BK, CH, HV, threads=256) as (i_kb, i_slot, i_hv):" in kernel
-    assert "k0 = i_kb * BK" in kernel and "T.annotate_min_blocks_per_sm(2)" in kernel
-    assert "S0_chunks[i_slot, i_hv, k0:k0 + BK, 0:VP]" in kernel
+    assert "BK32 = 32  #" in src
+    assert "with T.Kernel(KP // BK32, CH, HV, threads=256) as (i_kb, i_slot, i_hv):" in kernel
+    assert "k0 = i_kb * BK32" in kernel and "T.annotate_min_blocks_per_sm(2)" in kernel
+    assert "S0_chunks[i_slot, i_hv, k0:k0 + BK32, 0:VP]" in kernel
     assert "k[0, t0 + i, i_h, k0 + j]" in kernel and "k0 + j < K" in kernel  # (K = 100: masked loads)
 
 
@@ -172,9 +172,15 @@ def test_the_verifier_holds_a_kernel_on_key_blocks_to_its_grid_and_buffers(block
 def test_with_twice_the_warpgroups_too_the_blocks_are_the_ones_that_do_not_spill():
     """With QLA_MORE_WARPGROUPS=1 as well, KDA's d q d k d g kernel runs 16 warps an SM either way:
     whole on 512 threads it spills (104 fragment registers a thread and the rest past 128), on
-    64-key blocks it does not (schedule._occupancy: more warps first, then no spills)."""
-    code = ("import qla_compiler; p = qla_compiler.compile_spec('kda').backward_program; "
-            "print({k.name: (k.threads, k.key_block) for k in p.kernels.kernels if k.kind == 'out'})")
+    64-key blocks it does not (schedule_memory.occupancy: more warps first, then no spills). Its
+    backward prep stays on 32-key blocks: the module has a constant a width."""
+    code = ("import qla_compiler; from qla_compiler.passes.lower_tilelang import ShapeClass, lower; "
+            "p = qla_compiler.compile_spec('kda').backward_program; "
+            "print({k.name: (k.threads, k.key_block) for k in p.kernels.kernels if k.kind == 'out'}); "
+            "src = lower(p.kernels, ShapeClass(H=2, HV=4, K=128, V=128)); "
+            "print([ln.split('  #')[0] for ln in src.splitlines() if ln.startswith('BK')])")
     env = {**os.environ, "QLA_KEY_BLOCKS": "1", "QLA_MORE_WARPGROUPS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    assert eval(out) == {"kda_backward_out_d_v_d_beta": (256, 0), "kda_backward_out_d_q_d_k_d_g": (512, 64)}  # noqa: S307
+    outs, constants = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                     env=env).stdout.splitlines()
+    assert eval(outs) == {"kda_backward_out_d_v_d_beta": (256, 0), "kda_backward_out_d_q_d_k_d_g": (512, 64)}  # noqa: S307
+    assert eval(constants) == ["BK32 = 32", "BK64 = 64"]  # noqa: S307
