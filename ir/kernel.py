@@ -306,6 +306,10 @@ class Kernel:
     # a parallel kernel: the most shared memory its live buffers take at once, in bytes, at the
     # KernelIR's head-dim tiles (what the schedule budgets; 0 where it budgets otherwise)
     shared_peak: int = 0
+    # a parallel kernel: the shared memory it asks at launch, its blocks placed where each first
+    # fits through its life (schedule_memory.packed_shared; more than shared_peak where a wide
+    # block finds no gap as wide; 0 where the schedule budgets otherwise)
+    shared_packed: int = 0
     # a parallel kernel: the CTAs an SM is to hold at once, asked of ptxas as launch bounds (each
     # thread's registers then fit 64K / (threads · ctas_per_sm)); 0 where ptxas chooses alone
     ctas_per_sm: int = 0
@@ -425,6 +429,8 @@ class Kernel:
     def __str__(self) -> str:
         grid = ", ".join(f"{a}:{e}" for a, e in self.grid)
         peak = f"  shared ≤ {self.shared_peak / 1024:.0f} KB" if self.shared_peak else ""
+        if self.shared_packed > self.shared_peak + 8 * 1024:  # (alignment alone adds a few KB)
+            peak += f" ({self.shared_packed / 1024:.0f} KB as placed)"
         peak += f"  {self.ctas_per_sm} CTAs an SM" if self.ctas_per_sm else ""
         peak += f"  fragments ≤ {self.fragment_peak} registers a thread" if self.fragment_peak else ""
         peak += f"  key blocks BK = {self.key_block}" if self.key_block else ""
@@ -481,8 +487,9 @@ class KernelIR:
     # forward's load ring is budgeted at 64, or at 32 where 64 would leave it under 3 deep)
     block_v_max: int = 64
     # the kernels whose live shared memory exceeds the schedule's budget at those tiles (one output's
-    # blocks alone are too many): no launch can run them, so a caller takes V in narrower column
-    # blocks where the program allows it (Program.backward_columns)
+    # blocks alone are too many), or whose blocks as placed exceed what a CTA may ask: no launch can
+    # run them, so a caller takes V in narrower column blocks where the program allows it
+    # (Program.backward_columns)
     over_budget: tuple = ()
     # the kernels whose live fragments at their peak exceed a thread's registers (Kernel.fragment_peak
     # over the schedule's budget, at the most threads it gives a parallel kernel): ptxas spills

@@ -159,12 +159,21 @@ def load_kernels(program, shape: ShapeClass) -> Kernels:
 
 def lower_to_cuda(program, shape: ShapeClass) -> dict:
     """CUDA C++ source of every kernel for sm_90a, without a GPU (used by --emit cuda and CI)."""
+    return {name: artifact.kernel_source for name, artifact in _lowered(program, shape).items()}
+
+
+def launch_shared_bytes(program, shape: ShapeClass) -> dict:
+    """The dynamic shared memory each kernel asks at launch, as TileLang placed its blocks, without
+    a GPU (what schedule_memory.packed_shared estimates; a launch asking more than a CTA may fails)."""
+    return {name: max(int(f.attrs.get("dyn_shared_memory_buf", 0)) for f in artifact.device_mod.functions.values())
+            for name, artifact in _lowered(program, shape).items()}
+
+
+def _lowered(program, shape: ShapeClass) -> dict:
+    """Each kernel's TileLang artifact, lowered for sm_90a on the CPU."""
     import tilelang
     from tvm.target import Target
 
     mod = import_module(write_module(program, shape))
-    out = {}
     with Target(TARGET) as target:
-        for k in program.kernels.kernels:
-            out[k.name] = tilelang.lower(getattr(mod, k.name), target=target).kernel_source
-    return out
+        return {k.name: tilelang.lower(getattr(mod, k.name), target=target) for k in program.kernels.kernels}

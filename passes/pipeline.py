@@ -305,12 +305,14 @@ class Program:
         keys (passes/key_blocks.py: no delta rule, no K×K matrix), blocks of K halved down to 64,
         each a problem of its own keys (with V's column blocks inside, if it still needs them): the
         host places the keys' gradients and the state's, and sums the others' (kernels/backward.py).
-        GLA's backward at K = 256 needs 216 KB for its d g kernel even on 64 of V's columns.
+        GLA's backward at K = 256 needed 216 KB for its d g kernel even on 64 of V's columns; with its
+        out kernels on blocks of K's columns (schedule.KEY_BLOCKS, the default) it fits on 128 of V's
+        columns with K whole, and blocks of K are where that is off (QLA_KEY_BLOCKS=0).
 
             >>> import qla_compiler
-            >>> keys, values, each = qla_compiler.compile_spec("gla").scheduled_for((256, 128)).backward_blocks()
+            >>> keys, values, each = qla_compiler.compile_spec("gla").scheduled_for((256, 256)).backward_blocks()
             >>> keys, values, each.head_dims, each.partial
-            (128, 128, (128, 128), ('value',))
+            (256, 128, (256, 128), ('key',))
         """
         if "backward_blocks" not in self._derived:
             K = self.head_dims[0]

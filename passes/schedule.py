@@ -40,9 +40,9 @@ from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, ident,
                              input_params, log_space)
 from .schedule_fused import fused_kernel
-from .schedule_memory import (FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes,
-                              live_fragments, live_shared, more_warpgroups, occupancy, place_loads, reads, smem_bytes,
-                              threads_for, zero_pad)
+from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
+                              dim_sizes, live_fragments, live_shared, more_warpgroups, occupancy, packed_shared,
+                              place_loads, reads, smem_bytes, threads_for, zero_pad)
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
 
@@ -64,9 +64,10 @@ SPLIT_PHASE_LOADS = os.environ.get("QLA_SPLIT_PHASE_LOADS", "1") == "1"
 # GLA's and RetNet's one out kernel splits for it: _split_for_key_blocks). KDA's d q d k d g kernel
 # holds one 256-thread CTA an SM at 255 registers (11.4 of the 19.3 ms training step at
 # 16/16:8x4096, session 33); on blocks of 32 keys its fragments are a quarter as wide, and an SM
-# holds two CTAs. Off until the H200 measures it: QLA_KEY_BLOCKS=1 turns it on (the generated
-# source differs, so both variants cache side by side).
-KEY_BLOCKS = os.environ.get("QLA_KEY_BLOCKS", "0") == "1"
+# holds two CTAs. Measured (H100, 16/16:8x4096, session 36): KDA's training step 19.8 → 12.7 ms
+# (d q d k d g 11.9 → 5.6), GLA's 10.5 → 6.1 (its backward out kernels 8.7 → 4.3). On by default;
+# QLA_KEY_BLOCKS=0 turns it off (the generated source differs: both variants cache side by side).
+KEY_BLOCKS = os.environ.get("QLA_KEY_BLOCKS", "1") == "1"
 
 
 def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS,
@@ -102,8 +103,10 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
             buffers, at = {b.name: b for b in k.buffers}, dim_sizes(head_dims, k.key_block)
             k.shared_peak = max(live_shared(buffers, k.body, at), default=0)
+            k.shared_packed = packed_shared(buffers, k.body, at)
             k.fragment_peak = -(-live_fragments(buffers, k.body, at) // (4 * k.threads))
-    kir.over_budget = tuple(k.name for k in kir.kernels if k.shared_peak > SMEM_BUDGET)
+    kir.over_budget = tuple(k.name for k in kir.kernels
+                            if k.shared_peak > SMEM_BUDGET or k.shared_packed > CTA_SHARED_MAX)
     kir.over_registers = tuple(k.name for k in kir.kernels if k.fragment_peak > FRAGMENT_REGISTERS)
     return _verified(kir)
 
@@ -314,20 +317,26 @@ def _handed_over(part: Partition, parts: list, cuts: dict) -> dict:
     return handed
 
 
+# A prep that runs this occupancy whole (warps an SM, no spill) stays whole on key blocks too:
+# split, KDA's backward prep (4 warps an SM, spilling) went 2.30 → 0.95 + 0.51 ms, its training
+# forward prep (8 warps, no spill) 1.47 → 1.14 + 0.33 (H100, 16/16:8x4096; NOTES, session 36)
+PREP_FED = (8, True)
+
+
 def _prep_kernels(part: Partition, split_phase: bool, dims: dict, key_blocks: bool) -> list:
     """The prep kernel; with `key_blocks`, two where that pays: one for the K-free results, then
     one for the K-wide ones on blocks of K's columns, which loads the first one's results instead
     of computing them. It pays where the K-wide results need no key beyond their own but through
-    the first's results (passes/key_blocks.key_cut), the second's _occupancy on key blocks is
-    better than the one kernel's and the first's no worse, and the two do no inverse, decayed
-    product or matmul twice. KDA's backward prep (168 KB, 255 registers: 4 warps an SM) is P Γ, d P and
-    d v_new's intra-chunk term, then W and the keys' sub-block sums of d P on key blocks, which
-    read d P as it is stored."""
+    the first's results (passes/key_blocks.key_cut), the one kernel is starved (under PREP_FED),
+    the second's _occupancy on key blocks is better than the one kernel's and the first's no
+    worse, and the two do no inverse, decayed product or matmul twice. KDA's backward prep (168 KB,
+    255 registers: 4 warps an SM) is P Γ, d P and d v_new's intra-chunk term, then W and the keys'
+    sub-block sums of d P on key blocks, which read d P as it is stored."""
     whole = _prep_kernel(part, split_phase, dims)
     ir = part.chunk
     wide = tuple(x for x in part.crossing if "K" in ir.node(x).shape)
     rest = tuple(x for x in part.crossing if x not in wide)
-    if not key_blocks or not wide or not rest:
+    if not key_blocks or not wide or not rest or _occupancy(whole, dims) >= PREP_FED:
         return [whole]
 
     def of(crossing, provided):  # the prep of these results, given the `provided` values

@@ -28,6 +28,12 @@ FRAGMENT_REGISTERS = 224
 # bounds), which caps each thread's registers at 64K / (threads · CTAs): the GDN solve-only prep
 # 4 → 6 CTAs an SM with T built in A's place, 0.61 → 0.60 ms at 16/64 (H200, session 23).
 SM_SHARED, CTA_RESERVED, SM_REGISTERS = 228 * 1024, 1024, 65536
+# The most dynamic shared memory a CTA may ask for: a launch asking more fails ("Failed to set the
+# allowed dynamic shared memory size"), which GLA's d v kernel at K = V = 256 did on the H100
+# (session 36) with 192 KB live at its peak and 256 KB as TileLang placed its blocks (packed_shared)
+CTA_SHARED_MAX = SM_SHARED - CTA_RESERVED
+# packed_shared's alignment of every block: TileLang aligns a TMA-swizzled block to 1024 bytes
+PACK_ALIGN = 1024
 # registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
 # fragment registers, 96 in all uncapped, 79 and no spills at a cap of 80)
 REGISTER_OVERHEAD = 48
@@ -133,15 +139,21 @@ def _earliest_issue(b: Builder, stmts: list, name: str) -> int:
     return at
 
 
-def _live(buffers: dict, stmts: list, scope: str) -> list:
-    """The buffers of `scope` live at each statement (from first touch to last)."""
+def _lifetimes(buffers: dict, stmts: list, scope: str) -> dict:
+    """{buffer of `scope`: (its first statement, its last)}, in the order they are first touched."""
     first, last = {}, {}
     for i, st in enumerate(stmts):
         for x in reads(st) | {st.dst}:
             if x in buffers and buffers[x].scope == scope:
                 first.setdefault(x, i)
                 last[x] = i
-    return [[buffers[x] for x in first if first[x] <= i <= last[x]] for i in range(len(stmts))]
+    return {x: (first[x], last[x]) for x in first}
+
+
+def _live(buffers: dict, stmts: list, scope: str) -> list:
+    """The buffers of `scope` live at each statement (from first touch to last)."""
+    lives = _lifetimes(buffers, stmts, scope)
+    return [[buffers[x] for x, (a, b) in lives.items() if a <= i <= b] for i in range(len(stmts))]
 
 
 def live_fragments(buffers: dict, stmts: list, dims: dict) -> int:
@@ -161,9 +173,11 @@ def threads_for(b: Builder, body: list) -> int:
 # on, a kernel takes twice its warpgroups, up to four, where an SM would then run more warps by
 # ctas_per_sm's model of its shared memory and registers: each thread holds half its fragments
 # (ptxas on the CPU: KDA's d q d k d g 255 → 128 registers, GDN's backward out 217 → 128 without
-# spills, KDA's forward prep 167 → 96; NOTES, session 34). Off until the H200 measures it:
-# QLA_MORE_WARPGROUPS=1 turns it on (the generated source differs, so both variants cache side by
-# side).
+# spills, KDA's forward prep 167 → 96; NOTES, session 34). Off: on the H100 (session 36, 16/16
+# and 16/64:8x4096) it took KDA's forward 2.66 → 3.53 ms, GLA's 1.50 → 1.93, GDN's training step
+# 14.6 → 15.8; it sped KDA's and GLA's backward out kernels, but less than key blocks do
+# (schedule.KEY_BLOCKS). QLA_MORE_WARPGROUPS=1 turns it on (the generated source differs, so both
+# variants cache side by side).
 MORE_WARPGROUPS = os.environ.get("QLA_MORE_WARPGROUPS", "0") == "1"
 WARPS_ENOUGH = 16  # 4 a scheduler
 
@@ -197,6 +211,32 @@ def live_shared(buffers: dict, stmts: list, dims: dict) -> list:
     live = [smem_bytes(bs, dims) for bs in _live(buffers, stmts, "shared")]
     scratch = max(smem_bytes([INVERSE_SCRATCH[n] for n in phase], dims) for phase in INVERSE_PHASES)
     return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
+
+
+def packed_shared(buffers: dict, stmts: list, dims: dict) -> int:
+    """The end of the last shared block when each is placed, at its first touch, at the lowest
+    offset free through its whole life (a block never moves and never splits): the memory a kernel
+    asks at launch, where live_shared counts what is live at once. The two differ where a wide
+    block finds no gap as wide as itself. GLA's d v kernel at K = V = 256: 192 KB live at its peak,
+    but the entering d S (128 KB) comes after g_cum (64 KB), k and q (32 KB each) have left holes
+    of 96 KB, so it goes on top: 256 KB, as TileLang 0.1.15 placed it too. Over the kernels of
+    every spec at K × V = 128 × 128, 64 × 100 and 256 × 256 this is within −24 to +66 KB of
+    TileLang's own placement (dyn_shared_memory_buf; session 36), and exact on those past 227 KB
+    whose peak fit. The inverse's scratch counts as a block live at that statement."""
+    scratch = max(smem_bytes([INVERSE_SCRATCH[n] for n in phase], dims) for phase in INVERSE_PHASES)
+    blocks = [(a, b, buffer_bytes(buffers[x], dims)) for x, (a, b) in _lifetimes(buffers, stmts, "shared").items()]
+    blocks += [(i, i, scratch) for i, st in enumerate(stmts) if st.op == "inverse"]
+    placed, end = [], 0  # (first, last, start, stop) of each placed block
+    for begin, until, size in sorted(blocks, key=lambda b: b[0]):
+        size = -(-size // PACK_ALIGN) * PACK_ALIGN
+        at = 0
+        for _, _, start, stop in sorted((p for p in placed if p[1] >= begin), key=lambda p: p[2]):
+            if at + size <= start:
+                break
+            at = max(at, stop)
+        placed.append((begin, until, at, at + size))
+        end = max(end, at + size)
+    return end
 
 
 def ctas_per_sm(shared_peak: int, fragment_bytes: int, threads: int) -> int:

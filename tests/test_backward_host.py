@@ -2,6 +2,10 @@
 and of the backward program emulated in float64 (qla_compiler/emulate.py): the backward's
 partition and schedule, the tensors the forward keeps for it, the reverse scan, the sums over
 value-head groups. Gradients against torch autograd through the spec's float64 recurrence."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -186,32 +190,83 @@ def _key_gradient_dtypes(program) -> dict:
     return {p.name: p.dtype for k in kir.kernels.kernels for p in k.params if p.role == "out" and p.name in keys}
 
 
-@pytest.mark.parametrize("K, V, keys, segments", [(256, 128, [128, 128], None), (200, 96, [128, 72], None),
-                                                  (256, 128, [128, 128], 2)])
-def test_backward_on_blocks_of_k_matches_autograd(ops, K, V, keys, segments):
-    """GLA's backward at K = 256 does not fit even on V's column blocks (its d g kernel 216 KB at
-    V = 64), but GLA splits over keys (passes/key_blocks.py): it runs on blocks of K, each a
-    problem of its own keys. The keys' and the gates' gradients and the initial state's are the
-    blocks' side by side, v's the sum of the blocks' float32 partials. A block placed at the wrong
-    columns, or a sum missing a block, is O(1) off. Also with both scans context-parallel."""
-    op = ops["gla"]
+K_BLOCK_CASES = [(256, 128, [128, 128], None), (200, 96, [128, 72], None), (256, 128, [128, 128], 2)]
+# the K-block path runs where an out kernel does not fit whole on any of V's column blocks, and no
+# kernel runs on blocks of K's columns (QLA_KEY_BLOCKS=0): the switch is read at import, so a child
+K_BLOCK_CHILD = """
+import sys, torch
+import qla_compiler
+from qla_compiler.emulate import emulated_step
+from qla_compiler.passes.lower_tilelang import tile_width
+from qla_compiler.testing import random_inputs
+op = qla_compiler.compile("gla", target="sm90")
+out = {{}}
+for K, V, keys, segments in {cases!r}:
     args = random_inputs(op, T=130, H=1, HV=2, K=K, V=V, cu_seqlens=[0, 1, 66, 130], initial_state=True,
                          dtype=torch.bfloat16)
     step = emulated_step(op, args, segments=segments)
+    blocks = op.program.scheduled_for((tile_width(K), tile_width(V))).backward_blocks()
+    out[K, V, segments] = dict(args=args, d_o=step["d_o"], d_final=step["d_final"], grads=step["grads"],
+                               d_h0=step["d_h0"], calls=[n for n, _ in step["emulator"].calls],
+                               keys=blocks[0], partial=blocks[2].partial,
+                               d_v=[p.dtype for k in blocks[2].backward_program.kernels.kernels for p in k.params
+                                    if p.role == "out" and p.name == "d_v"])
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def on_blocks_of_k(tmp_path_factory):
+    """GLA's training steps of K_BLOCK_CASES as a process with QLA_KEY_BLOCKS=0 runs them."""
+    path = tmp_path_factory.mktemp("k_blocks") / "out.pt"
+    subprocess.run([sys.executable, "-c", K_BLOCK_CHILD.format(cases=K_BLOCK_CASES), str(path)], check=True,
+                   env={**os.environ, "QLA_KEY_BLOCKS": "0"}, timeout=900)
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("K, V, keys, segments", K_BLOCK_CASES)
+def test_backward_on_blocks_of_k_matches_autograd(ops, on_blocks_of_k, K, V, keys, segments):
+    """Without kernels on blocks of K's columns (QLA_KEY_BLOCKS=0), GLA's backward at K = 256 does
+    not fit even on V's column blocks (its d g kernel 216 KB at V = 64), but GLA splits over keys
+    (passes/key_blocks.py): it runs on blocks of K, each a problem of its own keys. The keys' and
+    the gates' gradients and the initial state's are the blocks' side by side, v's the sum of the
+    blocks' float32 partials. A block placed at the wrong columns, or a sum missing a block, is O(1)
+    off. Also with both scans context-parallel."""
+    op, got = ops["gla"], on_blocks_of_k[K, V, segments]
+    args = got["args"]
+    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in args.items()}
+    o_ref, s_ref = op.reference(**ref)
+    torch.autograd.backward([o_ref, s_ref], [got["d_o"].double(), got["d_final"].double()])
+    for name in op.input_names:
+        assert got["grads"][name].shape == args[name].shape and got["grads"][name].dtype == args[name].dtype, name
+        assert rel_err(got["grads"][name], ref[name].grad) <= 1e-2, name
+    assert rel_err(got["d_h0"], ref["initial_state"].grad) <= 1e-2
+    assert got["calls"].count("gla_backward_out") == len(keys)  # one out kernel a block of keys
+    assert got["keys"] == 128 and got["partial"] == ("value",) and got["d_v"] == ["float32"]
+
+
+def test_with_key_blocks_glas_backward_takes_k_whole(ops):
+    """By default GLA's out kernels at K = 256 fit on blocks of K's columns, so its backward takes K
+    whole, and V on column blocks of 128 (its d v kernel at V = 256: 192 KB live at once, 256 KB
+    as placed: KernelIR.over_budget). The gradients meet autograd through the float64 recurrence."""
+    op = ops["gla"]
+    wide = op.program.scheduled_for((256, 256))
+    assert "gla_backward_out_d_v" in wide.backward_program.kernels.over_budget
+    keys, values, each = wide.backward_blocks()
+    assert (keys, values, each.partial) == (256, 128, ("key",))
+    assert any(k.key_block for k in each.backward_program.kernels.kernels)
+    args = random_inputs(op, T=130, H=1, HV=2, K=256, V=256, cu_seqlens=[0, 1, 66, 130], initial_state=True,
+                         dtype=torch.bfloat16)
+    step = emulated_step(op, args)
     ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
            for n, x in args.items()}
     o_ref, s_ref = op.reference(**ref)
     torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
     for name in op.input_names:
-        assert step["grads"][name].shape == args[name].shape and step["grads"][name].dtype == args[name].dtype, name
         assert rel_err(step["grads"][name], ref[name].grad) <= 1e-2, name
     assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
-    out = [n for n, _ in step["emulator"].calls if n == "gla_backward_out"]
-    assert len(out) == len(keys)  # one out kernel a block of keys (the forward on K whole)
-    each = op.program.scheduled_for((tile_width(K), tile_width(V))).backward_blocks()
-    assert each[0] == 128 and each[2].partial == ("value",)
-    d_v = {p.name: p.dtype for k in each[2].backward_program.kernels.kernels for p in k.params if p.role == "out"}
-    assert d_v["d_v"] == "float32"
+    assert [w for n, w in step["emulator"].calls if n == "gla_backward_out_d_v"] == [128, 128]
 
 
 @pytest.mark.parametrize("spec, K, V", [("gla", 256, 512), ("gdn", 64, 320)])

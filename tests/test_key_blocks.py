@@ -1,12 +1,14 @@
-"""Kernels on blocks of K's columns (schedule._key_block, QLA_KEY_BLOCKS=1; off by default until the
-H200 measures it): KDA's d q d k d g kernel loads d A_T, which the d v d β kernel computes whole,
-and runs a CTA per (key block, chunk, value head); GLA's and RetNet's out kernels split into d v
-and the keys' gradients, these on key blocks; KDA's and DeltaNet's preps split the same way. The
-switch is read when the schedule is imported, so the programs with it on come from a child
-process; the training step through the GPU path's host code, every kernel interpreted
-(qla_compiler/emulate.py), is compared with the same step on the kernels without key blocks."""
+"""Kernels on blocks of K's columns (schedule._key_block; on by default since session 36,
+QLA_KEY_BLOCKS=0 turns it off): KDA's d q d k d g kernel loads d A_T, which the d v d β kernel
+computes whole, and runs a CTA per (key block, chunk, value head); GLA's, RetNet's and linear
+attention's out kernels split into d v and the keys' gradients, these on key blocks; KDA's
+backward prep, starved whole, splits the same way. The switch is read when the schedule is
+imported, so the kernels without key blocks come from a child process: the training step through
+the GPU path's host code, every kernel interpreted (qla_compiler/emulate.py), is compared with the
+same step on them."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -25,11 +27,10 @@ CU = [0, 1, 41, 141, 200]  # a 1-token sequence, partial chunks
 SHAPES = {"K = 64 (two blocks)": dict(K=64, V=32),
           "K = 100 (a 128 tile: four blocks, the last masked)": dict(K=100, V=48)}
 
-SPECS = ("kda", "gla", "retnet", "delta_net")
+SPECS = ("kda", "gla", "retnet", "linear_attn")
 CHILD = """
 import sys, torch
 import qla_compiler
-import qla_compiler.passes.schedule
 from qla_compiler.emulate import emulated_step
 from qla_compiler.testing import random_inputs
 out = {{}}
@@ -39,22 +40,31 @@ for spec in {specs!r}:
         args = random_inputs(op, T=200, H=1, HV=2, cu_seqlens={cu!r}, initial_state=True, dtype=torch.bfloat16,
                              seed=5, **shape)
         step = emulated_step(op, args, rounding=torch.bfloat16)
-        out[spec, name] = dict(grads=step["grads"], d_h0=step["d_h0"], calls=[n for n, _ in step["emulator"].calls])
+        out[spec, name] = dict(grads=step["grads"], d_h0=step["d_h0"])
     out[spec] = op.program.backward_program.kernels
-    out[spec, "training"] = op.program.training_program.kernels
 torch.save(out, sys.argv[1])
 """
 
 
 @pytest.fixture(scope="module")
-def blocked(tmp_path_factory):
-    """What the child process with QLA_KEY_BLOCKS=1 computed: each spec's and shape's gradients and
-    kernel calls, and each spec's backward and training-forward kernels."""
+def whole(tmp_path_factory):
+    """What the child process with QLA_KEY_BLOCKS=0 computed: each spec's and shape's gradients,
+    and each spec's backward kernels."""
     path = tmp_path_factory.mktemp("key_blocks") / "out.pt"
-    env = {**os.environ, "QLA_KEY_BLOCKS": "1"}
+    env = {**os.environ, "QLA_KEY_BLOCKS": "0"}
     subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS, shapes=SHAPES, cu=CU), str(path)], check=True,
                    env=env, timeout=900)
     return torch.load(path, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def blocked():
+    """Each spec's backward kernels and training-forward kernels as the schedule builds them by default."""
+    out = {}
+    for spec in (*SPECS, "delta_net"):
+        program = qla_compiler.compile_spec(spec)
+        out[spec], out[spec, "training"] = program.backward_program.kernels, program.training_program.kernels
+    return out
 
 
 def test_kdas_d_q_d_k_d_g_kernel_runs_on_key_blocks_after_the_kernel_it_loads_from(blocked):
@@ -85,7 +95,7 @@ def test_glas_and_retnets_out_kernels_split_where_neither_part_repeats_work(bloc
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("spec", SPECS)
-def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, blocked, spec, shape):
+def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, whole, blocked, spec, shape):
     """The same training step on both sets of kernels, each buffer rounded to its dtype as on the GPU
     (a value one kernel hands another crosses memory in the dtype the whole kernel's buffer held it
     in): every gradient agrees (the blocks' columns are the whole kernel's columns; a block reading
@@ -94,18 +104,18 @@ def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, blocked, spec, s
     op = ops[spec]
     args = random_inputs(op, T=200, H=1, HV=2, cu_seqlens=CU, initial_state=True, dtype=torch.bfloat16, seed=5,
                          **SHAPES[shape])
-    whole = emulated_step(op, args, rounding=torch.bfloat16)
-    got = blocked[spec, shape]
-    assert any(k.key_block for k in blocked[spec].kernels)
-    assert [k.name for k in blocked[spec].kernels] == got["calls"][-len(blocked[spec].kernels):]
+    got = emulated_step(op, args, rounding=torch.bfloat16)
+    calls = [n for n, _ in got["emulator"].calls]
+    assert any(k.key_block for k in blocked[spec].kernels) and not any(k.key_block for k in whole[spec].kernels)
+    assert [k.name for k in blocked[spec].kernels] == calls[-len(blocked[spec].kernels):]
     ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
            for n, x in args.items()}
     o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [whole["d_o"].double(), whole["d_final"].double()])
+    torch.autograd.backward([o_ref, s_ref], [got["d_o"].double(), got["d_final"].double()])
     for name in op.input_names:
-        assert rel_err(got["grads"][name], whole["grads"][name]) <= 1e-5, name
+        assert rel_err(got["grads"][name], whole[spec, shape]["grads"][name]) <= 1e-5, name
         assert rel_err(got["grads"][name], ref[name].grad) <= 1e-2, name
-    assert rel_err(got["d_h0"], whole["d_h0"]) <= 1e-5
+    assert rel_err(got["d_h0"], whole[spec, shape]["d_h0"]) <= 1e-5
 
 
 def test_the_lowering_runs_a_cta_per_key_block(blocked):
@@ -122,21 +132,20 @@ def test_the_lowering_runs_a_cta_per_key_block(blocked):
     assert "k[0, t0 + i, i_h, k0 + j]" in kernel and "k0 + j < K" in kernel  # (K = 100: masked loads)
 
 
-def test_preps_split_where_their_k_wide_results_need_no_other_key(blocked):
-    """KDA's backward prep (4 warps an SM) is P Γ, d P and d v_new's intra-chunk term, then W and the
-    keys' sums of d P on key blocks, which load d P as the first stores it; the training forward's
-    prep is the solve and U, then the cumulative gates and W on key blocks, which load T
-    (schedule._prep_kernels). GDN's preps stay whole: they scale T_r and d P by the decay before
-    their products, and loaded in bf16 those would round twice."""
-    for spec, program, loads in (("kda", "backward", "d_P_rows"), ("kda", "training", "T_rows"),
-                                 ("delta_net", "backward", None), ("delta_net", "training", "T_rows")):
-        kernels = blocked[spec] if program == "backward" else blocked[spec, program]
-        first, then = [k for k in kernels.kernels if k.kind == "prep"]
-        assert (first.key_block, then.key_block) == (0, 32), (spec, program)
-        assert all("K" in p.shape for p in then.params if p.role == "out"), (spec, program)
-        if loads:
-            assert loads in {p.name for p in first.params if p.role == "out"}, (spec, program)
-            assert loads in {p.name for p in then.params if p.role == "in"}, (spec, program)
+def test_preps_split_where_their_k_wide_results_need_no_other_key_and_the_whole_is_starved(blocked):
+    """KDA's backward prep (4 warps an SM, spilling) is P Γ, d P and d v_new's intra-chunk term, then
+    W and the keys' sums of d P on key blocks, which load d P as the first stores it
+    (schedule._prep_kernels). The preps that run 8 warps an SM whole without spilling stay whole
+    (PREP_FED): split, KDA's training forward prep took as long as whole (H100, session 36). GDN's
+    preps stay whole besides: they scale T_r and d P by the decay before their products, and loaded
+    in bf16 those would round twice."""
+    first, then = [k for k in blocked["kda"].kernels if k.kind == "prep"]
+    assert (first.key_block, then.key_block) == (0, 32)
+    assert all("K" in p.shape for p in then.params if p.role == "out")
+    assert "d_P_rows" in {p.name for p in first.params if p.role == "out"}
+    assert "d_P_rows" in {p.name for p in then.params if p.role == "in"}
+    for kernels in (blocked["kda", "training"], blocked["delta_net"], blocked["delta_net", "training"]):
+        assert [k.key_block for k in kernels.kernels if k.kind == "prep"] == [0], kernels.name
     for program in ("backward_program", "training_program"):
         part = getattr(qla_compiler.compile_spec("gdn"), program).stage("partition")
         kir = qla_compiler.passes.schedule.schedule(part, key_blocks=True)
@@ -173,14 +182,29 @@ def test_with_twice_the_warpgroups_too_the_blocks_are_the_ones_that_do_not_spill
     """With QLA_MORE_WARPGROUPS=1 as well, KDA's d q d k d g kernel runs 16 warps an SM either way:
     whole on 512 threads it spills (104 fragment registers a thread and the rest past 128), on
     64-key blocks it does not (schedule_memory.occupancy: more warps first, then no spills). Its
-    backward prep stays on 32-key blocks: the module has a constant a width."""
-    code = ("import qla_compiler; from qla_compiler.passes.lower_tilelang import ShapeClass, lower; "
+    backward prep, fed on 256 threads, stays whole."""
+    code = ("import qla_compiler; "
             "p = qla_compiler.compile_spec('kda').backward_program; "
-            "print({k.name: (k.threads, k.key_block) for k in p.kernels.kernels if k.kind == 'out'}); "
-            "src = lower(p.kernels, ShapeClass(H=2, HV=4, K=128, V=128)); "
-            "print([ln.split('  #')[0] for ln in src.splitlines() if ln.startswith('BK')])")
-    env = {**os.environ, "QLA_KEY_BLOCKS": "1", "QLA_MORE_WARPGROUPS": "1"}
-    outs, constants = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                     env=env).stdout.splitlines()
-    assert eval(outs) == {"kda_backward_out_d_v_d_beta": (256, 0), "kda_backward_out_d_q_d_k_d_g": (512, 64)}  # noqa: S307
-    assert eval(constants) == ["BK32 = 32", "BK64 = 64"]  # noqa: S307
+            "print({k.name: (k.threads, k.key_block) for k in p.kernels.kernels if k.kind != 'scan'})")
+    env = {**os.environ, "QLA_MORE_WARPGROUPS": "1"}
+    outs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=env).stdout
+    assert eval(outs) == {"kda_backward_prep": (256, 0), "kda_backward_out_d_v_d_beta": (256, 0),  # noqa: S307
+                          "kda_backward_out_d_q_d_k_d_g": (512, 64)}
+
+
+def test_a_module_holds_kernels_of_two_widths(blocked):
+    """Each width has its own module constant (BK32, BK64), each kernel's buffers and loads read its
+    own: a module of KDA's backward prep on 32-key blocks and its d q d k d g kernel on 64."""
+    from qla_compiler.passes.lower_tilelang import ShapeClass, lower
+
+    kir = blocked["kda"]
+    mixed = dataclasses.replace(kir, kernels=[dataclasses.replace(k, key_block=64)
+                                              if k.name == "kda_backward_out_d_q_d_k_d_g" else k
+                                              for k in kir.kernels])
+    src = lower(mixed, ShapeClass(H=2, HV=4, K=128, V=128))
+    assert [ln.split("  #")[0] for ln in src.splitlines() if ln.startswith("BK")] == ["BK32 = 32", "BK64 = 64"]
+    out = src[src.index("def kda_backward_out_d_q_d_k_d_g("):]
+    prep = src[src.index("def kda_backward_prep_W"):src.index("def kda_backward_out")]
+    assert "k0 = i_kb * BK64" in out and "BK32" not in out
+    assert "k0 = i_kb * BK32" in prep and "BK64" not in prep
