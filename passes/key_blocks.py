@@ -9,8 +9,10 @@ column k of q, k and the gate alone, and o_t = S_tᵀ q_t is a sum over rows. Th
 Q S, Kᵀ dO, …) reaches the outputs only linearly. The delta rule breaks it (A = β K Kᵀ inside an
 inverse), and so would any K×K matrix.
 
-Why: GLA's backward at K = 256 needs more shared memory per kernel than the budget even on column
-blocks of V (its d g kernel 216 KB at V = 64); on blocks of 128 keys it fits.
+Why: GLA's backward at K = 256 needed more shared memory per kernel than the budget even on column
+blocks of V (its d g kernel 216 KB at V = 64); on blocks of 128 keys it fits. With its out kernels
+on blocks of K's columns (key_cut; schedule.KEY_BLOCKS, the default) it fits with K whole, and the
+program's blocks of K are the path where that is off.
 """
 from __future__ import annotations
 

@@ -149,9 +149,10 @@ def test_per_key_gradients_match_reference_and_fla(spec, case):
 
 @pytest.mark.parametrize("K, V", [(256, 256), (256, 512)])
 def test_gla_wide_heads_train_within_flas_error(K, V):
-    """GLA's standard heads (fla-hub's GLA-1.3B: K = 256, V = 512): the backward on blocks of K
-    (its kernels do not fit at K = 256 even on V's column blocks) and V past the widest tile on
-    blocks of V's columns, a call each. o, the final state and every gradient against the float64
+    """GLA's standard heads (fla-hub's GLA-1.3B: K = 256, V = 512): the backward with K whole, its
+    keys' gradients on blocks of K's columns, on column blocks of 128 of V (at 256 its d v kernel
+    asks 256 KB as placed: session 36), and V past the widest tile on blocks of V's columns, a
+    call each. o, the final state and every gradient against the float64
     reference, ≤ 1e-2 and within 1.5× of FLA's chunk_gla on the same inputs and cotangents."""
     op = qla_compiler.compile("gla", target="sm90")
     args = make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=K, V=V)  # (FLA's GLA has no grouped value heads)
