@@ -277,8 +277,9 @@ def _backward_block(prog, shape) -> tuple:
     if keys >= shape.K and values >= shape.V:
         return prog, shape, ""
     K, V = min(keys, shape.K), min(values, shape.V)
+    blocks = f"{K} keys × {V} of V's columns" if K < shape.K else f"{V} of V's columns (K whole)"
     return each, dataclasses.replace(shape, K=K, V=V, BV=min(shape.BV, 64)), (
-        f"the backward at K = {shape.K}, V = {shape.V} runs on blocks of {K} keys × {V} of V's columns, each a "
+        f"the backward at K = {shape.K}, V = {shape.V} runs on blocks of {blocks}, each a "
         f"problem of its own (Program.backward_blocks): one block's kernels")
 
 

@@ -68,10 +68,10 @@ def test_backward_on_blocks_shows_one_blocks_kernels(capsys):
     launches, not the whole shape's program, over its budget."""
     assert main(["gla", "--emit", "kernel", "--backward", "--shape", "H=4,HV=4,K=256,V=256"]) == 0
     first, second = capsys.readouterr().out.splitlines()[:2]
-    assert first.startswith("# the backward at K = 256, V = 256 runs on blocks of 256 keys × 128 of V's columns")
+    assert first.startswith("# the backward at K = 256, V = 256 runs on blocks of 128 of V's columns (K whole)")
     assert second.startswith("kernel_program gla_backward") and "tiles up to K=256 V=128" in second
     assert main(["gdn", "--emit", "kernel", "--backward", "--shape", "H=2,HV=2,K=256,V=256"]) == 0
-    assert "blocks of 256 keys × 64 of V's columns" in capsys.readouterr().out.splitlines()[0]
+    assert "blocks of 64 of V's columns (K whole)" in capsys.readouterr().out.splitlines()[0]
     assert main(["gdn", "--emit", "kernel", "--backward"]) == 0
     assert capsys.readouterr().out.startswith("kernel_program gdn_backward")
 
