@@ -213,7 +213,7 @@ def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, 
     """The groups of outputs for out kernels where one kernel fits them all and key blocks are
     on: the K-wide outputs apart from the rest, where the K-wide ones' kernel then runs on key blocks
     (block_of), the rest's kernel's _occupancy is no worse than the one kernel's, and the two do no
-    decayed product or matmul twice (_recomputed). Else all in one. GLA's out kernel (200 KB, 8
+    decayed product or matmul twice (_repeats_work). Else all in one. GLA's out kernel (200 KB, 8
     warps an SM at 255 registers, 14 matmuls and 3 decayed products) is d v (96 KB, 5 and 1) and
     d q d k d g (9 and 2, on blocks of 32 keys: 56 KB, 12 warps an SM); GDN's would compute 21
     matmuls for its 14."""
@@ -223,10 +223,19 @@ def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, 
     if not wide or not rest:
         return [roles]
     one, (rest_k, rest_held), wide_k = build_group(roles)[0], build_group(rest), build_group(wide)[0]
-    twice = [a + b > c for a, b, c in zip(_recomputed(wide_k)[:2], _recomputed(rest_k)[:2], _recomputed(one)[:2])]
-    if any(twice) or _occupancy(rest_k, dims) < _occupancy(one, dims) or not block_of(wide, [rest_held]):
+    if _repeats_work(wide_k, rest_k, one) or _occupancy(rest_k, dims) < _occupancy(one, dims) \
+            or not block_of(wide, [rest_held]):
         return [roles]
     return [wide, rest]
+
+
+def _repeats_work(a: Kernel, b: Kernel, whole: Kernel) -> bool:
+    """Whether kernels `a` and `b`, split from `whole`, do an inverse, a decayed product or a
+    matmul twice between them (each more in the two than in the one)."""
+    def work(k):
+        ops = [st.op for st in k.body]
+        return ops.count("inverse"), ops.count("decayed_product"), ops.count("gemm")
+    return any(x + y > z for x, y, z in zip(work(a), work(b), work(whole)))
 
 
 def _occupancy(k: Kernel, dims: dict) -> tuple:
@@ -336,7 +345,8 @@ def _prep_kernels(part: Partition, split_phase: bool, dims: dict, key_blocks: bo
     ir = part.chunk
     wide = tuple(x for x in part.crossing if "K" in ir.node(x).shape)
     rest = tuple(x for x in part.crossing if x not in wide)
-    if not key_blocks or not wide or not rest or _occupancy(whole, dims) >= PREP_FED:
+    fed = _occupancy(whole, dims)
+    if not key_blocks or not wide or not rest or fed >= PREP_FED:
         return [whole]
 
     def of(crossing, provided):  # the prep of these results, given the `provided` values
@@ -356,13 +366,7 @@ def _prep_kernels(part: Partition, split_phase: bool, dims: dict, key_blocks: bo
     if not tried:
         return [whole]
     best, then_k = max(tried, key=lambda t: (t[0], t[1].key_block))
-
-    def work(k):  # (inverses, decayed products, matmuls)
-        ops = [st.op for st in k.body]
-        return ops.count("inverse"), ops.count("decayed_product"), ops.count("gemm")
-
-    twice = any(a + b > c for a, b, c in zip(work(first_k), work(then_k), work(whole)))
-    if twice or best <= _occupancy(whole, dims) or _occupancy(first_k, dims) < _occupancy(whole, dims):
+    if _repeats_work(first_k, then_k, whole) or best <= fed or _occupancy(first_k, dims) < fed:
         return [whole]
     return [first_k, then_k]
 

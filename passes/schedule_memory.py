@@ -205,11 +205,17 @@ def more_warpgroups(threads: int, shared_peak: int, fragment_bytes: int, on: boo
     return 2 * threads if more else threads
 
 
+def _inverse_scratch(dims: dict) -> int:
+    """The shared memory the inverse building block allocates beside a kernel's buffers, at its
+    widest phase."""
+    return max(smem_bytes([INVERSE_SCRATCH[n] for n in phase], dims) for phase in INVERSE_PHASES)
+
+
 def live_shared(buffers: dict, stmts: list, dims: dict) -> list:
     """Bytes of shared memory live at each statement: every shared buffer from its first touch
     (a load's issue) to its last, plus the scratch a building block (the inverse) allocates."""
     live = [smem_bytes(bs, dims) for bs in _live(buffers, stmts, "shared")]
-    scratch = max(smem_bytes([INVERSE_SCRATCH[n] for n in phase], dims) for phase in INVERSE_PHASES)
+    scratch = _inverse_scratch(dims)
     return [n + (scratch if st.op == "inverse" else 0) for n, st in zip(live, stmts)]
 
 
@@ -223,7 +229,7 @@ def packed_shared(buffers: dict, stmts: list, dims: dict) -> int:
     every spec at K × V = 128 × 128, 64 × 100 and 256 × 256 this is within −24 to +66 KB of
     TileLang's own placement (dyn_shared_memory_buf; session 36), and exact on those past 227 KB
     whose peak fit. The inverse's scratch counts as a block live at that statement."""
-    scratch = max(smem_bytes([INVERSE_SCRATCH[n] for n in phase], dims) for phase in INVERSE_PHASES)
+    scratch = _inverse_scratch(dims)
     blocks = [(a, b, buffer_bytes(buffers[x], dims)) for x, (a, b) in _lifetimes(buffers, stmts, "shared").items()]
     blocks += [(i, i, scratch) for i, st in enumerate(stmts) if st.op == "inverse"]
     placed, end = [], 0  # (first, last, start, stop) of each placed block
