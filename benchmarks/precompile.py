@@ -63,6 +63,7 @@ def for_gpu_tests():
         for n in (1, 2, 5):
             out += classes(spec, 2, 2, 128, n, training=True)
         out += classes(spec, 1, 4, 64, 3, training=True)
+        out += classes(spec, 2, 2, 128, 3, cp=4, training=True)  # its context-parallel case
     for V in (256, 512):  # test_gpu_per_key's GLA at its standard heads: K blocks, and V's column blocks
         out += classes("gla", 2, 2, 256, 3, V=V, training=True)
     return out

@@ -34,18 +34,21 @@ import functools
 
 import torch
 
-from qla_compiler.context_parallel import NEGLIGIBLE, delta_coefficient, head_constant_logs
+from qla_compiler.context_parallel import NEGLIGIBLE, delta_coefficient, head_constant_logs, token_gate_logs
 
-# (a per-key gate's λ bounds the decay by its slowest key: context_parallel.window_skips in torch)
 DECAYS = ("gate", "head_constant", "none")
+# A per-key gate's λ is its slowest key's log decay (contraction_logs): reduced over the keys on the
+# host (one amax) and read as a gate per token, so it shares the gate's kernel.
+READ_AS = {"key_gate": "gate"}
 
 
 def kind(rec) -> tuple:
     """(decay, delta) of a recurrence's Structure, as the kernel is specialised for it."""
     st = rec.structure
-    if st.decay not in DECAYS:
-        raise ValueError(f"window search: no kernel for a {st.decay!r} decay (the torch path takes it)")
-    return st.decay, bool(st.delta)
+    decay = READ_AS.get(st.decay, st.decay)
+    if decay not in DECAYS:
+        raise ValueError(f"window search: no kernel for a {st.decay!r} decay; it takes {DECAYS + tuple(READ_AS)}")
+    return decay, bool(st.delta)
 
 
 def source(kind_: tuple, H: int, HV: int, K: int, io: str, C: int, reverse: bool) -> str:
@@ -170,11 +173,11 @@ def searcher(rec, inputs: dict, HV: int, C: int):
 
 def arguments(rec, inputs: dict, HV: int) -> list:
     """What the search takes before the layout's tensors, in source's parameter order, from a
-    call's packed inputs: the log decay (a gate per token, or the heads' constants), and with a
-    delta factor the keys and its coefficient."""
+    call's packed inputs: the log decay (a gate per token, a per-key gate's largest entry, or the
+    heads' constants), and with a delta factor the keys and its coefficient."""
     k_, st = kind(rec), rec.structure
     keys = inputs[st.write_key]
-    args = {"gate": lambda: [inputs[st.decay_name].reshape(1, keys.shape[1], HV).float().contiguous()],
+    args = {"gate": lambda: [token_gate_logs(rec, inputs, HV).reshape(1, keys.shape[1], HV).contiguous()],
             "head_constant": lambda: [head_constant_logs(rec, HV, keys.device)], "none": lambda: []}[k_[0]]()
     if k_[1]:
         args += [keys.contiguous(), delta_coefficient(rec, inputs, HV).contiguous()]

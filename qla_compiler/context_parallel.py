@@ -82,10 +82,8 @@ def contraction_logs(rec, inputs: dict, HV: int) -> torch.Tensor:
     """
     st = rec.structure
     T, device = inputs[st.write_key].shape[1], inputs[st.write_key].device
-    if st.decay == "gate":
-        lam = inputs[st.decay_name].reshape(T, HV).float()
-    elif st.decay == "key_gate":
-        lam = _per_value_head(inputs[st.decay_name].amax(-1).reshape(T, -1).float(), HV)
+    if st.decay in ("gate", "key_gate"):
+        lam = token_gate_logs(rec, inputs, HV)
     elif st.decay == "head_constant":
         lam = head_constant_logs(rec, HV, device).expand(T, HV)
     else:
@@ -97,6 +95,16 @@ def contraction_logs(rec, inputs: dict, HV: int) -> torch.Tensor:
         norm2 = _per_value_head(torch.linalg.vector_norm(x, dim=-1, dtype=wide).float() ** 2, HV)
         lam = lam + (1 - delta_coefficient(rec, inputs, HV) * norm2).abs().clamp(min=1).log()
     return lam.clamp(min=-2 * NEGLIGIBLE)
+
+
+def token_gate_logs(rec, inputs: dict, HV: int) -> torch.Tensor:
+    """[T, HV] float32: a gate's log decay per token and value head; for a per-key gate its largest
+    entry (the slowest key bounds how much the state contracts)."""
+    st = rec.structure
+    g, T = inputs[st.decay_name], inputs[st.write_key].shape[1]
+    if st.decay == "key_gate":
+        return _per_value_head(g.amax(-1).reshape(T, -1).float(), HV)
+    return g.reshape(T, HV).float()
 
 
 def head_constant_logs(rec, HV: int, device) -> torch.Tensor:

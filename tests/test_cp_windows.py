@@ -241,6 +241,31 @@ def test_window_search_kernel_lowers_to_cuda(spec):
         assert ("*(uint4*)(keys + " in src) == ("keys" in src) == (spec == "gdn")
 
 
+@pytest.mark.parametrize("spec", ["kda", "gla"])
+def test_a_per_key_gates_window_search_is_the_gates_kernel_on_its_slowest_key(spec):
+    """A per-key gate's λ is its slowest key's log decay (contraction_logs): the search takes it
+    reduced over the keys as a gate per token (one kernel for both kinds), its λ as
+    contraction_logs' (on the GPU, tests/test_gpu_window_search.py holds the skips equal). Before
+    session 37 a per-key spec's context-parallel call on the GPU raised instead (16/16 × 32768
+    tokens: the plan cuts it in 4)."""
+    import qla_compiler
+    from qla_compiler.kernels import window_search
+
+    op = qla_compiler.compile(spec, target="cpu")
+    rec = op.program.recurrence
+    assert window_search.kind(rec) == ("gate", spec == "kda")
+    args = random_inputs(op, T=70, H=2, HV=4, K=16, V=8, cu_seqlens=[0, 1, 70], seed=3)
+    g = args["g"]
+    g[0, 5, :, 3] = -torch.inf  # a reset in one key: the others still bound it
+    searched = window_search.arguments(rec, args, 4)[0]
+    assert searched.shape == (1, 70, 4) and searched.dtype == torch.float32
+    want = g.amax(-1).float()
+    want = want if want.shape[2] == 4 else want.repeat_interleave(4 // want.shape[2], dim=2)
+    assert torch.equal(searched[0], want[0])
+    if spec == "gla":  # (no delta factor: λ is the gate's bound itself)
+        assert torch.equal(contraction_logs(rec, args, 4), want[0].clamp(min=-2 * cp_mod.NEGLIGIBLE))
+
+
 def test_a_context_parallel_call_dispatches_few_torch_ops(monkeypatch):
     """Host time of a context-parallel call is mostly its torch ops (~5–10 µs each on the H200's
     host; NOTES, session 22). With the window search and the chain of segment maps kernels (stubbed

@@ -124,27 +124,50 @@ def test_per_key_gradients_match_reference_and_fla(spec, case):
     ill-conditioned in bf16 (H200, session 28, over unseeded cotangents: FLA 0.013, ours 0.006 to
     0.011; the cotangents are seeded now)."""
     op = qla_compiler.compile(spec, target="sm90")
-    args = make_inputs(op, **GRAD_CASES[case])
+    _check_gradients(op, spec, make_inputs(op, **GRAD_CASES[case]))
+
+
+def _check_gradients(op, spec, args, **call):
+    """Every input's gradient and d h0 of a training step (`call`: the op's further arguments)
+    against autograd through the float64 recurrence and FLA's on the same seeded cotangents."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if n in args]
 
-    def grads(fn, dtype_args):
+    def grads(fn, dtype_args, **kw):
         a = {k: (v.detach().clone().requires_grad_() if torch.is_tensor(v) and v.is_floating_point() else v)
              for k, v in dtype_args.items()}
-        o, s = fn(**a)
+        o, s = fn(**a, **kw)
         torch.autograd.backward([o, s], [d_o.to(o.dtype), d_s.to(s.dtype)])
         return {k: a[k].grad for k in names}
 
     T = args["q"].shape[1]
-    d_o = torch.randn(1, T, 2, 128, device="cuda", generator=gen)
+    d_o = torch.randn(1, T, args["v"].shape[2], args["v"].shape[3], device="cuda", generator=gen)
     d_s = torch.randn(args["initial_state"].shape, device="cuda", generator=gen)
-    ours = grads(op, args)
+    ours = grads(op, args, **call)
     ref = grads(op.reference, {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
                                for k, v in args.items()})
     fla = grads(_fla(spec), {k: (v.long() if k == "cu_seqlens" else v) for k, v in args.items()})
     for name in names:
         err, fe = rel_err(ours[name], ref[name]), rel_err(fla[name], ref[name])
         assert err <= max(TOL, fe) and err <= 1.5 * fe + 1e-4, (name, err, fe)
+
+
+@pytest.mark.parametrize("spec", ["gla", "kda"])
+def test_per_key_context_parallel_forward_and_gradients(spec):
+    """A long sequence cut in 4 segments (context_parallel.py: the window search on the gate's
+    slowest key, the windows scan, the chain of segment maps), forward and training step, beside
+    a 1-token and a short sequence: against the float64 reference and within 1.5× of FLA's error.
+    (Until session 37 such a call raised on the GPU: the search had no per-key kernel, and the plan
+    cuts 16/16 × 32768 tokens in 4.)"""
+    op = qla_compiler.compile(spec, target="sm90")
+    args = make_inputs(op, lens=[2500, 1, 600], how="mixed", seed=4)
+    o, s = op(**args, context_parallel=4)
+    o_ref, s_ref = reference(op, args)
+    fo, fs = _fla(spec)(**{k: (v.long() if k == "cu_seqlens" else v) for k, v in args.items()})
+    for ours, fla, ref in ((o, fo, o_ref), (s, fs, s_ref)):
+        err, fe = rel_err(ours, ref), rel_err(fla, ref)
+        assert err <= TOL and err <= 1.5 * fe + 1e-4, (err, fe)
+    _check_gradients(op, spec, args, context_parallel=4)
 
 
 @pytest.mark.parametrize("K, V", [(256, 256), (256, 512)])

@@ -1,9 +1,10 @@
 """Context parallelism's window search on the GPU (kernels/window_search.py) against its torch
 definition (context_parallel.window_skips of contraction_logs), the skips of every (segment, value
-head) equal: every decay kind the kernels take, with and without the delta factor, both walk
-directions, 2 to 8 segments, on packings with 1-token sequences and lengths no multiple of the
-chunk, value heads that decay hard, mildly and not at all, resets (g = −inf), and keys of norm up
-to 2 with β up to 3 (where the delta factor expands: λ's second term)."""
+head) equal: every decay kind the kernels take (a per-key gate's by its slowest key), with and
+without the delta factor, both walk directions, 2 to 8 segments, on packings with 1-token
+sequences and lengths no multiple of the chunk, value heads that decay hard, mildly and not at all,
+resets (g = −inf), and keys of norm up to 2 with β up to 3 (where the delta factor expands: λ's
+second term)."""
 import pytest
 import torch
 
@@ -32,6 +33,13 @@ def _inputs(op, seed):
                         + [-0.3 * torch.rand(T, generator=gen) for _ in range(HV - 3)], -1)
         g[torch.randint(0, T, (5,), generator=gen), 2] = -torch.inf  # resets in the head that never decays
         args[st.decay_name] = g[None].float()
+    if st.decay == "key_gate":  # per key: the same heads in half the keys, the other half at −5
+        g = torch.stack([torch.full((T,), -1.5), torch.full((T,), -0.02), torch.zeros(T)]
+                        + [-0.3 * torch.rand(T, generator=gen) for _ in range(HV - 3)], -1)
+        g = g[:, :, None].repeat(1, 1, K)
+        g[:, :, : K // 2] = -5.0
+        g[torch.randint(0, T, (5,), generator=gen), 2] = -torch.inf  # resets in the head that never decays
+        args[st.decay_name] = g[None].float()
     if st.delta:  # keys of norm up to 2 and β up to 3 on some tokens: |1 − β‖k‖²| > 1 there
         k = args[st.write_key].float()
         grow = torch.where(torch.rand(T, generator=gen) < 0.1, 2.0, 1.0)
@@ -43,7 +51,7 @@ def _inputs(op, seed):
 
 
 @needs_gpu
-@pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "retnet"])
+@pytest.mark.parametrize("spec", ["gdn", "delta_net", "simple_gla", "retnet", "kda", "gla"])
 def test_window_search_kernel_is_window_skips(spec):
     op = qla_compiler.compile(spec, target="sm90")
     rec = op.program.recurrence

@@ -442,7 +442,8 @@ def test_the_forward_kernels_meet_the_reference(ops, name, how):
 @pytest.mark.parametrize("name", PER_KEY)
 def test_the_forward_kernels_with_context_parallelism_meet_the_reference(ops, name):
     """Each sequence cut in two segments: the windows scan's kernels, the start states chained on
-    the host (the per-key gate's search runs in torch: kernels/window_search.py)."""
+    the host (the emulator runs the window search's torch definition; on the GPU its kernel reads
+    the gate's slowest key: kernels/window_search.py)."""
     op = ops[name]
     args = _args(op, "strong", dtype=torch.bfloat16, K=64, V=64, T=400, cu_seqlens=[0, 1, 130, 400])
     inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
