@@ -70,9 +70,10 @@ def for_gpu_tests():
 
 
 def for_per_key_bench(rows=("16/16:8x4096", "16/16:1x32768")):
-    """qla-bench --spec gla|kda --backward's classes (issue 18's rows)."""
+    """qla-bench --spec gla|kda --backward's classes (issue 18's rows), as the op's default ("auto")
+    cuts them: 16/16:1x32768 in 4 segments."""
     return [c for spec in ("gla", "kda") for H, HV, lens in map(parse_row, rows)
-            for c in classes(spec, H, HV, 128, len(lens), training=True)]
+            for c in classes(spec, H, HV, 128, len(lens), cp="auto", training=True, tokens=sum(lens))]
 
 
 def for_bench(cp=None, rows=ROWS, stages=None, backward=False, bv=None):

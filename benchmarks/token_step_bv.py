@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     rows = a.rows or DECODE_ROWS
     if a.compile:
         return compile_only(rows)
+    import torch
+
     import qla_compiler.ops as qla_ops
     from qla_compiler.bench import device_ms, state_floor_ms
     from qla_compiler.kernels import forward, token_step
@@ -78,7 +80,8 @@ def main(argv=None) -> int:
         fla = device_ms(lambda: fla_step(**args), 20)
         chosen = token_step.block_v(128, HV, len(lens), sum(lens), forward.sm_count(args["v"].device))
         per = ", ".join(f"{k[:40]} {v:.4f}" for k, v in sorted(kernels[chosen].items(), key=lambda x: -x[1]))
-        print(f"{row:<14} {state_floor_ms(HV, 128, 128, len(lens)):>7.4f} "
+        floor = state_floor_ms(HV, 128, 128, len(lens), torch.cuda.get_device_name())
+        print(f"{row:<14} {floor:>7.4f} "
               + " ".join(f"{times[b]:>7.4f}" for b in BLOCKS) + f" {fla:>7.4f}  {chosen:>6}  {per}", flush=True)
     return 0
 

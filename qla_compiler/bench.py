@@ -30,7 +30,10 @@ ROWS = ["2/8:1x32768", "2/8:1x8192", "2/8:8x4096", "4/16:1x32768", "4/16:8x4096"
 # tokens (where the token step and the chunk pipeline cross: op.DECODE_TOKENS)
 DECODE_ROWS = [f"{h}:{n}x1" for h in ("16/64", "2/8") for n in (1, 32, 256)] + \
     [f"16/64:256x{t}" for t in (2, 4, 8, 16)]
-H200_BYTES_PER_MS = 4.3e9  # HBM3e, ~4.3 TB/s as measured for copies (shared/gpu notes)
+# Bytes a ms that copies reach, by the device's name: the H200's HBM3e ~4.3 TB/s as measured
+# (shared/gpu notes, 90% of its 4.8 peak); the H100's HBM3 at the same 90% of its 3.35 (not
+# measured here). A row's floor on the other card was 1.4x off (session 36 printed the H200's).
+BYTES_PER_MS = {"H200": 4.3e9, "H100": 3.0e9}
 
 
 def parse_row(row: str):
@@ -135,10 +138,26 @@ def eager_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def state_floor_ms(HV: int, K: int, V: int, n_seqs: int) -> float:
-    """The time to read and write every sequence's float32 state once at HBM speed: a token
-    step's floor."""
-    return 2 * n_seqs * HV * K * V * 4 / H200_BYTES_PER_MS
+def state_floor_ms(HV: int, K: int, V: int, n_seqs: int, device: str = "H200") -> float:
+    """The time to read and write every sequence's float32 state once at HBM speed on `device`
+    (a name holding H100 or H200, as torch.cuda.get_device_name gives it): a token step's floor.
+
+        >>> round(state_floor_ms(64, 128, 128, 256), 3), round(state_floor_ms(64, 128, 128, 256, "NVIDIA H100 80GB HBM3"), 3)
+        (0.499, 0.716)
+    """
+    card = next((c for c in BYTES_PER_MS if c in device), None)
+    if card is None:
+        raise ValueError(f"state_floor_ms: no bandwidth known for device {device!r}; known: {list(BYTES_PER_MS)}")
+    return 2 * n_seqs * HV * K * V * 4 / BYTES_PER_MS[card]
+
+
+def _floor(HV: int, K: int, V: int, n_seqs: int) -> str:
+    import torch
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H200"
+    try:
+        return f"{state_floor_ms(HV, K, V, n_seqs, name):.4f} ms on {name}"
+    except ValueError:
+        return f"{state_floor_ms(HV, K, V, n_seqs):.4f} ms at the H200's bandwidth"
 
 
 def decode_libraries(only=None):
@@ -230,7 +249,7 @@ def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused
             except Exception as e:  # noqa: BLE001 - one failing library must not hide the others
                 print(f"{row} {name}: {type(e).__name__}: {e}", file=sys.stderr)
         results.append(res)
-        floor = f"  (the states once: {state_floor_ms(HV, K, V, len(lens)):.4f} ms)" if decode else ""
+        floor = f"  (the states once: {_floor(HV, K, V, len(lens))})" if decode else ""
         print(_line(res, libs) + floor, flush=True)
     print(_table(results, libs))
     if plot:
