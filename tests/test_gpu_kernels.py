@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import qla_compiler
-from qla_compiler.emulate import emulated_step
+from qla_compiler.emulate import emulated_kernels, emulated_step
+from qla_compiler.kernels import forward as fwd
 from qla_compiler.kernels.runtime import load_kernels
 from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.testing import random_inputs, rel_err
@@ -20,14 +21,22 @@ CASES = [(spec, *c) for spec in SPECS for c in ((2, 8, 128, 128), (2, 2, 128, 12
     [(spec, *c) for spec in ("gdn", "delta_net", "kda", "gla") for c in ((2, 4, 100, 60), (1, 2, 16, 48))]
 
 
-def _emulated(op, H, HV, K, V, BV):
-    """Run the forward and the backward with emulated kernels on the CPU: what each kernel read
-    and wrote."""
+def _emulated(op, H, HV, K, V, BV, direction):
+    """Run the `direction`'s program with emulated kernels on the CPU: what each kernel read and
+    wrote. The training forward and the backward from one training step; the inference forward
+    alone, unfused (its kernels need not be the training forward's: a prep may split in one only)."""
     cu = [0, 1, 201, 278]
     args = random_inputs(op, T=cu[-1], H=H, HV=HV, K=K, V=V, cu_seqlens=cu, initial_state=True,
                          dtype=torch.bfloat16)
-    step = emulated_step(op, args, block_v=BV)
-    return step["emulator"].seen, step["scale"]
+    if direction != "forward":
+        step = emulated_step(op, args, block_v=BV)
+        return step["emulator"].seen, step["scale"]
+    inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                                      args["cu_seqlens"], False)
+    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, BV) as emu:
+        fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
+                    op._head_logs(dims.HV), fused=False)
+    return emu.seen, scale
 
 
 def _written(name, ref, seen):
@@ -44,8 +53,7 @@ def test_kernel_matches_emulator(spec, direction, warpgroups, H, HV, K, V):
     """`warpgroups`: the forward scan's consumer warpgroups (the backward scan always has one)."""
     BV = 32  # (every class's V tile holds it; two scan warpgroups need it)
     op = qla_compiler.compile(spec)
-    seen, scale = _emulated(op, H, HV, K, V, BV)
-    # the emulated step ran the training forward; the inference forward's kernels write a subset
+    seen, scale = _emulated(op, H, HV, K, V, BV, direction)
     program = {"forward": op.program, "training": op.program.training_program,
                "backward": op.program.backward_program}[direction]
     kernels = load_kernels(program, ShapeClass(H=H, HV=HV, K=K, V=V, BV=BV, scale=scale,
