@@ -328,42 +328,52 @@ class _Render:
 
     def _decayed_product_rows(self, s: Stmt, exp: str, scan: bool) -> list[str]:
         """Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i, e^{...} never stored.
-        A thread takes one row i and `cols` columns of i's block: per k it loads X_ik and γ_ik once
-        for all of them, then per column Z_jk, γ_jk, one exponential and one multiply-add (8
-        instructions an element and k, against ~22 where each element of the wgmma accumulator's
-        fragment walked k itself: at 16/16:8x4096 on the H200 KDA's prep 1.84 → 1.28 ms, GLA's out
-        1.11 → 1.00, NOTES session 25). The sums reach the product's fragment through the C×B
-        float32 block `scratch` in shared memory. k starts at 2·(i mod 32) in each row: one column
-        of 32 rows 256 bytes apart would be one bank."""
+        Each thread sums a few elements of the lower triangle of one block (triangle_slots): per k
+        it loads X_ik and γ_ik of its two rows once for all of them, then per element Z_jk, γ_jk,
+        one exponential and one multiply-add (8 instructions an element and k, against ~22 where
+        each element of the wgmma accumulator's fragment walked k itself: at 16/16:8x4096 on the
+        H200 KDA's prep 1.84 → 1.28 ms, GLA's out 1.11 → 1.00, NOTES session 25). A thread a row's
+        half (to session 36) also summed the B(B−1)/2 elements past the diagonal, 47% of its work
+        at B = 16. The sums reach the product's fragment through the C×B float32 block `scratch` in
+        shared memory. k starts at 2·(thread mod 32) in each thread: the rows of a block, 256
+        bytes apart, would read one bank."""
         x, z, g = s.srcs
         B, scratch = s.attr["block"], s.attr["scratch"][1]
         threads = self.k.threads
-        if scan or not isinstance(threads, int) or threads % CHUNK_SIZE or B % (threads // CHUNK_SIZE):
-            raise PassError("lower", f"{s}: a thread a row takes a parallel kernel whose threads are a multiple of "
-                                     f"C = {CHUNK_SIZE} dividing the block's {B} columns, not {threads}"
-                                     + (" in a scan" if scan else ""))
-        per_row = threads // CHUNK_SIZE
-        cols = B // per_row
+        if scan or not isinstance(threads, int) or threads % CHUNK_SIZE or B % 2:
+            raise PassError("lower", f"{s}: the triangle's threads take a parallel kernel whose threads are a "
+                                     f"multiple of C = {CHUNK_SIZE} and an even block, not {threads} threads, "
+                                     f"block {B}" + (" in a scan" if scan else ""))
+        slots = triangle_slots(B, threads // CHUNK_SIZE, scratch)
         width = self._buf_shape(x).split(", ")[1]
-        row, col = f"i_t // {per_row}", f"i_t // {per_row} // {B} * {B} + i_t % {per_row} * {cols} + c"
-        k = f"(i_k + 2 * (i_t // {per_row} % 32)) % {width}"
-        return [f"i_t = T.get_thread_binding()",
-                f"{scratch}_acc = T.alloc_local(({cols},), \"float32\")",
-                f"{scratch}_row = T.alloc_local((2,), \"float32\")  # X_ik and γ_ik",
-                f"for c in T.serial({cols}):",
+        k = f"(i_k + 2 * (i_t % 32)) % {width}"
+        base, n, long = slots["base"], slots["n"], slots["long"]
+        long_row, short_row = f"{base} + {slots['long_row']}", f"{base} + {slots['short_row']}"
+        col = f"{scratch}_col[c]"
+        return ["i_t = T.get_thread_binding()",
+                *[f"{name} = {expr}  # {why}" for name, expr, why in slots["lets"]],
+                f"{scratch}_acc = T.alloc_local(({n},), \"float32\")",
+                f"{scratch}_col = T.alloc_local(({n},), \"int32\")  # each slot's column",
+                f"{scratch}_rows = T.alloc_local((4,), \"float32\")  # X_ik and γ_ik of the long row, the short row",
+                f"for c in T.unroll({n}):",
                 f"    {scratch}_acc[c] = 0.0",
+                f"    {col} = {base} + {slots['col']}",
                 f"for i_k in T.serial({width}):",
-                f"    {scratch}_row[0] = T.cast({x}[{row}, {k}], \"float32\")",
-                f"    {scratch}_row[1] = {g}[{row}, {k}]",
-                f"    for c in T.unroll({cols}):",
-                f"        {scratch}_acc[c] += {scratch}_row[0] * T.cast({z}[{col}, {k}], \"float32\") * "
-                f"{exp}({scratch}_row[1] - {g}[{col}, {k}])",
-                f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's",
-                f"    {scratch}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
-                f"i_t % {per_row} * {cols} + c <= {row} % {B}, {scratch}_acc[c], 0.0)",
+                f"    {scratch}_rows[0] = T.cast({x}[{long_row}, {k}], \"float32\")",
+                f"    {scratch}_rows[1] = {g}[{long_row}, {k}]",
+                f"    {scratch}_rows[2] = T.cast({x}[{short_row}, {k}], \"float32\")",
+                f"    {scratch}_rows[3] = {g}[{short_row}, {k}]",
+                f"    for c in T.unroll({n}):",
+                f"        {scratch}_acc[c] += T.if_then_else({long}, {scratch}_rows[0], {scratch}_rows[2]) * "
+                f"T.cast({z}[{col}, {k}], \"float32\") * "
+                f"{exp}(T.if_then_else({long}, {scratch}_rows[1], {scratch}_rows[3]) - {g}[{col}, {k}])",
+                f"for c in T.unroll({n}):",
+                f"    if {slots['valid']}:",
+                f"        {scratch}[{base} + {slots['row']}, {col} - {base}] = {scratch}_acc[c]",
                 "T.sync_threads()",
-                "for i, j in T.Parallel(C, C):",
-                f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, {scratch}[i, j % {B}], 0.0)"]
+                "for i, j in T.Parallel(C, C):  # (the scratch past the diagonal is not written)",
+                f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, T.if_then_else(j % {B} <= i % {B}, "
+                f"{scratch}[i, j % {B}], 0.0), 0.0)"]
 
     def _decayed_product_vjp(self, s: Stmt, exp: str) -> list[str]:
         """The VJP's products on the diagonal sub-blocks, a C×K result: d P ⋆_rows Z (eq
@@ -434,6 +444,33 @@ class _Render:
 
     def _zero(self, name) -> str:
         return "T.cast(0, IO)" if self.dtype[self.aliases.get(name, name)] == "io" else "0.0"
+
+
+def triangle_slots(B: int, per_row: int, prefix: str) -> dict:
+    """How each of the C·per_row threads takes its elements of the lower triangles (j ≤ i) of the
+    C/B diagonal B×B blocks: `lets`, (name, expression in the thread i_t, why) bound once, then
+    expressions in them and the thread's slot c (0 ≤ c < n).
+
+    Each block gets B·per_row threads; rows r and B−1−r of a block share 2·per_row of them, which
+    deal the B + 1 elements of the two rows' triangle (B − r of the long row, then r + 1 of the
+    short one) n = ⌈(B + 1) / (2·per_row)⌉ a thread. A slot past them (`valid` false) sums the short
+    row's diagonal element, whose exponent is 0, and is not stored. `row` and `col` are within the
+    block, whose first row is `base`.
+
+        >>> slots = triangle_slots(16, 2, "P")
+        >>> slots["n"], slots["lets"][1][:2]
+        (5, ('P_pair', 'i_t % 32 // 4'))
+    """
+    n = -(-(B + 1) // (2 * per_row))
+    base, pair, first = f"{prefix}_block", f"{prefix}_pair", f"{prefix}_first"
+    lets = [(base, f"i_t // {B * per_row} * {B}", "the first row of the thread's diagonal block"),
+            (pair, f"i_t % {B * per_row} // {2 * per_row}", f"its rows there: {B - 1} − pair and pair"),
+            (first, f"i_t % {2 * per_row} * {n}", f"its first of the two rows' {B + 1} elements")]
+    e = f"({first} + c)"
+    long = f"{e} < {B} - {pair}"
+    return {"n": n, "lets": lets, "base": base, "long_row": f"{B - 1} - {pair}", "short_row": pair, "long": long,
+            "valid": f"{e} <= {B}", "row": f"T.if_then_else({long}, {B - 1} - {pair}, {pair})",
+            "col": f"T.if_then_else({long}, {e}, T.min({e} - ({B} - {pair}), {pair}))"}
 
 
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)

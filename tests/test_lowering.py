@@ -779,3 +779,37 @@ def test_a_kernel_whose_blocks_do_not_pack_is_over_budget(ops):
     _, values, each = wide.backward_blocks()
     asked = launch_shared_bytes(each.backward_program, ShapeClass(H=2, HV=2, K=256, V=values, BV=64))
     assert values == 128 and max(asked.values()) <= CTA_SHARED_MAX, asked
+
+
+@pytest.mark.parametrize("B, per_row", [(16, 2), (16, 4), (32, 2), (32, 4)])
+def test_the_diagonal_blocks_threads_sum_each_lower_element_once(B, per_row):
+    """The decayed product on the diagonal sub-blocks (lower_tilelang.triangle_slots), its
+    expressions evaluated for every thread and slot: each element j ≤ i of each block is summed
+    by exactly one stored slot, nothing past the diagonal is stored, a slot not stored sums a
+    diagonal element (exponent 0: no inf), and a thread's elements lie in its two rows. A thread
+    a row's half (to session 36) summed every element of its row's block: 47% past the diagonal."""
+    from qla_compiler.passes.lower_tilelang import triangle_slots
+
+    class TL:  # what the expressions call of TileLang, on Python ints
+        if_then_else = staticmethod(lambda cond, a, b: a if cond else b)
+        min = staticmethod(min)
+
+    C = 64
+    slots = triangle_slots(B, per_row, "s")
+    stored = []
+    for i_t in range(C * per_row):
+        env = {"i_t": i_t, "T": TL}
+        for name, expr, _ in slots["lets"]:
+            env[name] = eval(expr, env)
+        rows = {eval(slots["long_row"], env), eval(slots["short_row"], env)}
+        for c in range(slots["n"]):
+            env["c"] = c
+            base, row, col = (eval(slots[x], env) for x in ("base", "row", "col"))
+            assert base % B == 0 and row in rows and 0 <= col <= row < B, (i_t, c, row, col)
+            if eval(slots["valid"], env):
+                stored.append((base + row, base + col))
+            else:
+                assert col == row, (i_t, c)
+    want = [(b + i, b + j) for b in range(0, C, B) for i in range(B) for j in range(i + 1)]
+    assert sorted(stored) == want
+    assert slots["n"] * 2 * per_row - (B + 1) < 2 * per_row  # fewer wasted slots than a row's threads
