@@ -9,6 +9,8 @@ module names its buffers after the math (`state`, `v_new`, `T_r_s`) and bakes th
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from qla_compiler.errors import PassError
@@ -229,6 +231,9 @@ class _Render:
                     f"transpose_B={bool(a.get('tb'))}, clear_accum={not a.get('accumulate')})"]
         if s.op == "ewise":
             idx = a["index"]
+            band = self._row_band(s)
+            if band:
+                return self._ewise_on_rows(s, *band)
             value = self.expr(a["expr"])
             if self.dtype[s.dst] in ("io", "tfloat32"):
                 value = f"T.cast({value}, {_dtype(self.dtype[s.dst])})"
@@ -325,6 +330,51 @@ class _Render:
                       "T.sync_threads()",
                       "if i_t >= 32 and i_t < C:  # the second warp: plus the first's total",
                       f"    {s.dst}[{at('i_t')}] = {run}[0] + {s.dst}[{at('31')}]"]
+
+    def _row_band(self, s: Stmt):
+        """(lo, hi, expr on those rows) where an element-wise block of shared memory is zero
+        outside the rows lo ≤ i < hi: its value a product with a factor [lo≤i<hi ? e : 0] (the
+        sub-chunk operands q_after_15 = q · [16≤i<32 ? e^{γ_i − γ_15} : 0]). None where it is not,
+        or where it reads a fragment (a loop over fewer rows than the fragment's layout has)."""
+        i = s.attr["index"][0]
+        if len(s.attr["index"]) != 2 or self._scope(s.dst) != "shared" or \
+                any(self._scope(b) != "shared" for b in _buffers_read(s.attr["expr"])):
+            return None
+
+        def band(e):
+            if e[0] == "select_rows" and e[1] == i and e[5] == ("lit", 0.0) and \
+                    isinstance(e[2], int) and isinstance(e[3], int):
+                return e[2], e[3], e[4]
+            if e[0] == "mul":
+                for k in (1, 2):
+                    if (inner := band(e[k])) is not None:
+                        return inner[0], inner[1], tuple(inner[2] if n == k else x for n, x in enumerate(e))
+            return None
+
+        found = band(s.attr["expr"])
+        return found if found and (found[0], found[1]) != (0, CHUNK_SIZE) else None
+
+    def _ewise_on_rows(self, s: Stmt, lo: int, hi: int, e) -> list[str]:
+        """An element-wise block computed on its rows lo ≤ i < hi alone, zeros stored on the rest:
+        over the whole block each thread took its share of all C rows, and the threads holding
+        rows outside the band idled while the rest formed their exponentials (a select)."""
+        i, j = s.attr["index"]
+        cols = self._buf_shape(s.dst).split(", ")[1]
+        value = self.expr(_shift_rows(e, i, lo) if lo else e)
+        if self.dtype[s.dst] in ("io", "tfloat32"):
+            value = f"T.cast({value}, {_dtype(self.dtype[s.dst])})"
+        zero = self._zero(s.dst)
+        out = []
+        for first, rows in ((0, lo), (hi, CHUNK_SIZE - hi)):
+            if rows:
+                out += [f"for {i}, {j} in T.Parallel({rows}, {cols}):",
+                        f"    {s.dst}[{f'{first} + {i}' if first else i}, {j}] = {zero}"]
+        return out + [f"for {i}, {j} in T.Parallel({hi - lo}, {cols}):  # rows {lo} to {hi - 1}; the rest are 0",
+                      f"    {s.dst}[{f'{lo} + {i}' if lo else i}, {j}] = {value}"]
+
+    def _scope(self, name) -> str:
+        name = self.aliases.get(name, name)
+        return next((b.scope for b in self.k.buffers if b.name == name), "")
 
     def _decayed_product_rows(self, s: Stmt, exp: str, scan: bool) -> list[str]:
         """Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i, e^{...} never stored.
@@ -444,6 +494,26 @@ class _Render:
 
     def _zero(self, name) -> str:
         return "T.cast(0, IO)" if self.dtype[self.aliases.get(name, name)] == "io" else "0.0"
+
+
+def _buffers_read(e) -> set:
+    """The buffers an expression reads."""
+    if e[0] == "buf":
+        return {e[1]}
+    return set().union(*(_buffers_read(x) for x in e[1:] if isinstance(x, tuple)))
+
+
+def _shift_rows(e, i: str, lo: int):
+    """The expression with the row variable `i` read as lo + i (in every index and select)."""
+    def shifted(ix):
+        return re.sub(rf"\b{i}\b", f"({lo} + {i})", ix) if isinstance(ix, str) else ix
+
+    tag = e[0]
+    if tag in ("lit", "param", "head"):
+        return e
+    if tag == "buf":
+        return (tag, e[1], *map(shifted, e[2:]))
+    return (tag, *(_shift_rows(x, i, lo) if isinstance(x, tuple) else shifted(x) for x in e[1:]))
 
 
 def triangle_slots(B: int, per_row: int, prefix: str) -> dict:

@@ -813,3 +813,35 @@ def test_the_diagonal_blocks_threads_sum_each_lower_element_once(B, per_row):
     want = [(b + i, b + j) for b in range(0, C, B) for i in range(B) for j in range(i + 1)]
     assert sorted(stored) == want
     assert slots["n"] * 2 * per_row - (B + 1) < 2 * per_row  # fewer wasted slots than a row's threads
+
+
+@pytest.mark.parametrize("name", ["kda", "gla"])
+def test_an_operand_zero_outside_a_band_of_rows_is_formed_on_those_rows(name):
+    """A shared block whose value is zero outside rows lo ≤ i < hi (a sub-chunk operand such as
+    q_after_15 = q · [16≤i<32 ? e^{γ_i − γ_15} : 0]) is computed on those rows alone and zeroed
+    on the rest (lower_tilelang._ewise_on_rows): in each forward and backward kernel the loops
+    that write such a block cover its 64 rows exactly once, and the band's loop reads row lo + i
+    wherever the expression read row i. (Over the whole block the threads holding rows outside
+    the band idled while the rest formed the exponentials.)"""
+    from qla_compiler.passes.lower_tilelang import _shift_rows
+
+    assert _shift_rows(("mul", ("buf", "q_s", "i", "j"), ("select_lower", "i", "j", ("buf", "g_s", "i", "n_valid - 1"),
+                                                          ("lit", 0.0))), "i", 16) == \
+        ("mul", ("buf", "q_s", "(16 + i)", "j"),
+         ("select_lower", "(16 + i)", "j", ("buf", "g_s", "(16 + i)", "n_valid - 1"), ("lit", 0.0)))
+    program = qla_compiler.compile_spec(name)
+    shape = ShapeClass(H=2, HV=2, K=128, V=128, BV=64)
+    banded = 0
+    for p in (program, program.backward_program):
+        for kernel in lower(p.for_shape(shape).kernels, shape).split("@T.prim_func")[1:]:
+            loops = re.findall(r"for i, j in T\.Parallel\((\d+), \w+\):.*\n\s+(\w+)\[(?:(\d+) \+ )?i, j\] = (.*)",
+                               kernel)
+            rows = {}
+            for n, buf, first, value in loops:
+                rows.setdefault(buf, []).extend(range(int(first or 0), int(first or 0) + int(n)))
+                if first and "T.cast(0, IO)" not in value:
+                    assert f"[({first} + i), j]" in value and "[i, j]" not in value, value
+            for buf, covered in rows.items():
+                assert sorted(covered) == list(range(64)), (buf, sorted(covered))
+            banded += sum(1 for buf in rows if sum(b == buf for _, b, _, _ in loops) > 1)
+    assert banded >= 6
