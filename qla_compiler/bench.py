@@ -142,8 +142,10 @@ def state_floor_ms(HV: int, K: int, V: int, n_seqs: int, device: str = "H200") -
     """The time to read and write every sequence's float32 state once at HBM speed on `device`
     (a name holding H100 or H200, as torch.cuda.get_device_name gives it): a token step's floor.
 
-        >>> round(state_floor_ms(64, 128, 128, 256), 3), round(state_floor_ms(64, 128, 128, 256, "NVIDIA H100 80GB HBM3"), 3)
-        (0.499, 0.716)
+        >>> round(state_floor_ms(64, 128, 128, 256), 3)
+        0.499
+        >>> round(state_floor_ms(64, 128, 128, 256, "NVIDIA H100 80GB HBM3"), 3)
+        0.716
     """
     card = next((c for c in BYTES_PER_MS if c in device), None)
     if card is None:
