@@ -10,7 +10,6 @@ module names its buffers after the math (`state`, `v_new`, `T_r_s`) and bakes th
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 
 from qla_compiler.errors import PassError
@@ -352,7 +351,8 @@ class _Render:
             return None
 
         found = band(s.attr["expr"])
-        return found if found and (found[0], found[1]) != (0, CHUNK_SIZE) else None
+        return found if found and 0 <= found[0] < found[1] <= CHUNK_SIZE and (found[0], found[1]) != (0, CHUNK_SIZE) \
+            else None
 
     def _ewise_on_rows(self, s: Stmt, lo: int, hi: int, e) -> list[str]:
         """An element-wise block computed on its rows lo ≤ i < hi alone, zeros stored on the rest:
