@@ -233,11 +233,8 @@ class _Render:
             band = self._row_band(s)
             if band:
                 return self._ewise_on_rows(s, *band)
-            value = self.expr(a["expr"])
-            if self.dtype[s.dst] in ("io", "tfloat32"):
-                value = f"T.cast({value}, {_dtype(self.dtype[s.dst])})"
             return [f"for {', '.join(idx)} in T.Parallel({self._buf_shape(s.dst)}):",
-                    f"    {s.dst}[{', '.join(idx)}] = {value}"]
+                    f"    {s.dst}[{', '.join(idx)}] = {self._ewise_value(s.dst, a['expr'])}"]
         if s.op == "cumsum" and "," in self._buf_shape(s.dst):
             # a C×K block, per key: a thread a column walks the C rows (no barrier; C dependent adds)
             row = "C - 1 - i" if a.get("reverse") else "i"
@@ -330,6 +327,11 @@ class _Render:
                       "if i_t >= 32 and i_t < C:  # the second warp: plus the first's total",
                       f"    {s.dst}[{at('i_t')}] = {run}[0] + {s.dst}[{at('31')}]"]
 
+    def _ewise_value(self, dst: str, e) -> str:
+        """An element-wise expression as stored in `dst` (cast to its dtype where that is narrower)."""
+        value = self.expr(e)
+        return f"T.cast({value}, {_dtype(self.dtype[dst])})" if self.dtype[dst] in ("io", "tfloat32") else value
+
     def _row_band(self, s: Stmt):
         """(lo, hi, expr on those rows) where an element-wise block of shared memory is zero
         outside the rows lo ≤ i < hi: its value a product with a factor [lo≤i<hi ? e : 0] (the
@@ -337,7 +339,7 @@ class _Render:
         or where it reads a fragment (a loop over fewer rows than the fragment's layout has)."""
         i = s.attr["index"][0]
         if len(s.attr["index"]) != 2 or self._scope(s.dst) != "shared" or \
-                any(self._scope(b) != "shared" for b in _buffers_read(s.attr["expr"])):
+                any(self._scope(b) != "shared" for b in s.reads()):
             return None
 
         def band(e):
@@ -360,9 +362,7 @@ class _Render:
         rows outside the band idled while the rest formed their exponentials (a select)."""
         i, j = s.attr["index"]
         cols = self._buf_shape(s.dst).split(", ")[1]
-        value = self.expr(_shift_rows(e, i, lo) if lo else e)
-        if self.dtype[s.dst] in ("io", "tfloat32"):
-            value = f"T.cast({value}, {_dtype(self.dtype[s.dst])})"
+        value = self._ewise_value(s.dst, _shift_rows(e, i, lo) if lo else e)
         zero = self._zero(s.dst)
         out = []
         for first, rows in ((0, lo), (hi, CHUNK_SIZE - hi)):
@@ -494,13 +494,6 @@ class _Render:
 
     def _zero(self, name) -> str:
         return "T.cast(0, IO)" if self.dtype[self.aliases.get(name, name)] == "io" else "0.0"
-
-
-def _buffers_read(e) -> set:
-    """The buffers an expression reads."""
-    if e[0] == "buf":
-        return {e[1]}
-    return set().union(*(_buffers_read(x) for x in e[1:] if isinstance(x, tuple)))
 
 
 def _shift_rows(e, i: str, lo: int):
