@@ -199,9 +199,8 @@ class Stmt:
     (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA before the
     arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
     warp, landing on that barrier). A decayed_product (einsum `eq` of its sources with
-    e^{γ_ik − γ_jk} on the diagonal `block`-blocks) with attribute scratch ("buf", name) sums the
-    blocks' lower triangles, a few elements of two rows a thread, and stages the sums in that
-    shared block."""
+    e^{γ_ik − γ_jk} on the diagonal `block`-blocks) with attribute scratch ("buf", name) sums a
+    thread a row and stages the rows' sums in that shared block."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -260,8 +259,7 @@ class Stmt:
                     f"merges of {a['tf32_from']}-blocks in tf32; built in {self.srcs[0]}'s place, which it overwrites)")
         if self.op == "decayed_product":
             x, z, g = self.srcs
-            how = (f"   (the lower triangles, a few elements a thread, staged in {a['scratch'][1]})"
-                   if a.get("scratch") else "")
+            how = f"   (a thread a row, the rows' sums staged in {a['scratch'][1]})" if a.get("scratch") else ""
             return (f"{self.dst} = decayed_product[{a['eq']}, {a['exp']}, diagonal {a['block']}-blocks] "
                     f"{x} {z} {g}{how}")
         extra = " ".join(f"{k}={v}" for k, v in a.items())

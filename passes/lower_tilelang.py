@@ -9,7 +9,6 @@ module names its buffers after the math (`state`, `v_new`, `T_r_s`) and bakes th
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from qla_compiler.errors import PassError
@@ -230,11 +229,11 @@ class _Render:
                     f"transpose_B={bool(a.get('tb'))}, clear_accum={not a.get('accumulate')})"]
         if s.op == "ewise":
             idx = a["index"]
-            band = self._row_band(s)
-            if band:
-                return self._ewise_on_rows(s, *band)
+            value = self.expr(a["expr"])
+            if self.dtype[s.dst] in ("io", "tfloat32"):
+                value = f"T.cast({value}, {_dtype(self.dtype[s.dst])})"
             return [f"for {', '.join(idx)} in T.Parallel({self._buf_shape(s.dst)}):",
-                    f"    {s.dst}[{', '.join(idx)}] = {self._ewise_value(s.dst, a['expr'])}"]
+                    f"    {s.dst}[{', '.join(idx)}] = {value}"]
         if s.op == "cumsum" and "," in self._buf_shape(s.dst):
             # a C×K block, per key: a thread a column walks the C rows (no barrier; C dependent adds)
             row = "C - 1 - i" if a.get("reverse") else "i"
@@ -327,103 +326,44 @@ class _Render:
                       "if i_t >= 32 and i_t < C:  # the second warp: plus the first's total",
                       f"    {s.dst}[{at('i_t')}] = {run}[0] + {s.dst}[{at('31')}]"]
 
-    def _ewise_value(self, dst: str, e) -> str:
-        """An element-wise expression as stored in `dst` (cast to its dtype where that is narrower)."""
-        value = self.expr(e)
-        return f"T.cast({value}, {_dtype(self.dtype[dst])})" if self.dtype[dst] in ("io", "tfloat32") else value
-
-    def _row_band(self, s: Stmt):
-        """(lo, hi, expr on those rows) where an element-wise block of shared memory is zero
-        outside the rows lo ≤ i < hi: its value a product with a factor [lo≤i<hi ? e : 0] (the
-        sub-chunk operands q_after_15 = q · [16≤i<32 ? e^{γ_i − γ_15} : 0]). None where it is not,
-        or where it reads a fragment (a loop over fewer rows than the fragment's layout has)."""
-        i = s.attr["index"][0]
-        if len(s.attr["index"]) != 2 or self._scope(s.dst) != "shared" or \
-                any(self._scope(b) != "shared" for b in s.reads()):
-            return None
-
-        def band(e):
-            if e[0] == "select_rows" and e[1] == i and e[5] == ("lit", 0.0) and \
-                    isinstance(e[2], int) and isinstance(e[3], int):
-                return e[2], e[3], e[4]
-            if e[0] == "mul":
-                for k in (1, 2):
-                    if (inner := band(e[k])) is not None:
-                        return inner[0], inner[1], tuple(inner[2] if n == k else x for n, x in enumerate(e))
-            return None
-
-        found = band(s.attr["expr"])
-        return found if found and 0 <= found[0] < found[1] <= CHUNK_SIZE and (found[0], found[1]) != (0, CHUNK_SIZE) \
-            else None
-
-    def _ewise_on_rows(self, s: Stmt, lo: int, hi: int, e) -> list[str]:
-        """An element-wise block computed on its rows lo ≤ i < hi alone, zeros stored on the rest:
-        over the whole block each thread took its share of all C rows, and the threads holding
-        rows outside the band idled while the rest formed their exponentials (a select)."""
-        i, j = s.attr["index"]
-        cols = self._buf_shape(s.dst).split(", ")[1]
-        value = self._ewise_value(s.dst, _shift_rows(e, i, lo) if lo else e)
-        zero = self._zero(s.dst)
-        out = []
-        for first, rows in ((0, lo), (hi, CHUNK_SIZE - hi)):
-            if rows:
-                out += [f"for {i}, {j} in T.Parallel({rows}, {cols}):",
-                        f"    {s.dst}[{f'{first} + {i}' if first else i}, {j}] = {zero}"]
-        return out + [f"for {i}, {j} in T.Parallel({hi - lo}, {cols}):  # rows {lo} to {hi - 1}; the rest are 0",
-                      f"    {s.dst}[{f'{lo} + {i}' if lo else i}, {j}] = {value}"]
-
-    def _scope(self, name) -> str:
-        name = self.aliases.get(name, name)
-        return next((b.scope for b in self.k.buffers if b.name == name), "")
-
     def _decayed_product_rows(self, s: Stmt, exp: str, scan: bool) -> list[str]:
         """Σ_k X_ik Z_jk e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i, e^{...} never stored.
-        Each thread sums a few elements of the lower triangle of one block (triangle_slots): per k
-        it loads X_ik and γ_ik of its two rows once for all of them, then per element Z_jk, γ_jk,
-        one exponential and one multiply-add (8 instructions an element and k, against ~22 where
-        each element of the wgmma accumulator's fragment walked k itself: at 16/16:8x4096 on the
-        H200 KDA's prep 1.84 → 1.28 ms, GLA's out 1.11 → 1.00, NOTES session 25). A thread a row's
-        half (to session 36) also summed the B(B−1)/2 elements past the diagonal, 47% of its work
-        at B = 16. The sums reach the product's fragment through the C×B float32 block `scratch` in
-        shared memory. k starts at 2·(thread mod 32) in each thread: the rows of a block, 256
-        bytes apart, would read one bank."""
+        A thread takes one row i and `cols` columns of i's block: per k it loads X_ik and γ_ik once
+        for all of them, then per column Z_jk, γ_jk, one exponential and one multiply-add (8
+        instructions an element and k, against ~22 where each element of the wgmma accumulator's
+        fragment walked k itself: at 16/16:8x4096 on the H200 KDA's prep 1.84 → 1.28 ms, GLA's out
+        1.11 → 1.00, NOTES session 25). The sums reach the product's fragment through the C×B
+        float32 block `scratch` in shared memory. k starts at 2·(i mod 32) in each row: one column
+        of 32 rows 256 bytes apart would be one bank."""
         x, z, g = s.srcs
         B, scratch = s.attr["block"], s.attr["scratch"][1]
         threads = self.k.threads
-        if scan or not isinstance(threads, int) or threads % CHUNK_SIZE or B % 2:
-            raise PassError("lower", f"{s}: the triangle's threads take a parallel kernel whose threads are a "
-                                     f"multiple of C = {CHUNK_SIZE} and an even block, not {threads} threads, "
-                                     f"block {B}" + (" in a scan" if scan else ""))
-        slots = triangle_slots(B, threads // CHUNK_SIZE, scratch)
+        if scan or not isinstance(threads, int) or threads % CHUNK_SIZE or B % (threads // CHUNK_SIZE):
+            raise PassError("lower", f"{s}: a thread a row takes a parallel kernel whose threads are a multiple of "
+                                     f"C = {CHUNK_SIZE} dividing the block's {B} columns, not {threads}"
+                                     + (" in a scan" if scan else ""))
+        per_row = threads // CHUNK_SIZE
+        cols = B // per_row
         width = self._buf_shape(x).split(", ")[1]
-        k = f"(i_k + 2 * (i_t % 32)) % {width}"
-        base, n, long = slots["base"], slots["n"], slots["long"]
-        long_row, short_row = f"{base} + {slots['long_row']}", f"{base} + {slots['short_row']}"
-        col = f"{scratch}_col[c]"
-        return ["i_t = T.get_thread_binding()",
-                *[f"{name} = {expr}  # {why}" for name, expr, why in slots["lets"]],
-                f"{scratch}_acc = T.alloc_local(({n},), \"float32\")",
-                f"{scratch}_col = T.alloc_local(({n},), \"int32\")  # each slot's column",
-                f"{scratch}_rows = T.alloc_local((4,), \"float32\")  # X_ik and γ_ik of the long row, the short row",
-                f"for c in T.unroll({n}):",
+        row, col = f"i_t // {per_row}", f"i_t // {per_row} // {B} * {B} + i_t % {per_row} * {cols} + c"
+        k = f"(i_k + 2 * (i_t // {per_row} % 32)) % {width}"
+        return [f"i_t = T.get_thread_binding()",
+                f"{scratch}_acc = T.alloc_local(({cols},), \"float32\")",
+                f"{scratch}_row = T.alloc_local((2,), \"float32\")  # X_ik and γ_ik",
+                f"for c in T.serial({cols}):",
                 f"    {scratch}_acc[c] = 0.0",
-                f"    {col} = {base} + {slots['col']}",
                 f"for i_k in T.serial({width}):",
-                f"    {scratch}_rows[0] = T.cast({x}[{long_row}, {k}], \"float32\")",
-                f"    {scratch}_rows[1] = {g}[{long_row}, {k}]",
-                f"    {scratch}_rows[2] = T.cast({x}[{short_row}, {k}], \"float32\")",
-                f"    {scratch}_rows[3] = {g}[{short_row}, {k}]",
-                f"    for c in T.unroll({n}):",
-                f"        {scratch}_acc[c] += T.if_then_else({long}, {scratch}_rows[0], {scratch}_rows[2]) * "
-                f"T.cast({z}[{col}, {k}], \"float32\") * "
-                f"{exp}(T.if_then_else({long}, {scratch}_rows[1], {scratch}_rows[3]) - {g}[{col}, {k}])",
-                f"for c in T.unroll({n}):",
-                f"    if {slots['valid']}:",
-                f"        {scratch}[{base} + {slots['row']}, {col} - {base}] = {scratch}_acc[c]",
+                f"    {scratch}_row[0] = T.cast({x}[{row}, {k}], \"float32\")",
+                f"    {scratch}_row[1] = {g}[{row}, {k}]",
+                f"    for c in T.unroll({cols}):",
+                f"        {scratch}_acc[c] += {scratch}_row[0] * T.cast({z}[{col}, {k}], \"float32\") * "
+                f"{exp}({scratch}_row[1] - {g}[{col}, {k}])",
+                f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's",
+                f"    {scratch}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
+                f"i_t % {per_row} * {cols} + c <= {row} % {B}, {scratch}_acc[c], 0.0)",
                 "T.sync_threads()",
-                "for i, j in T.Parallel(C, C):  # (the scratch past the diagonal is not written)",
-                f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, T.if_then_else(j % {B} <= i % {B}, "
-                f"{scratch}[i, j % {B}], 0.0), 0.0)"]
+                "for i, j in T.Parallel(C, C):",
+                f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, {scratch}[i, j % {B}], 0.0)"]
 
     def _decayed_product_vjp(self, s: Stmt, exp: str) -> list[str]:
         """The VJP's products on the diagonal sub-blocks, a C×K result: d P ⋆_rows Z (eq
@@ -494,46 +434,6 @@ class _Render:
 
     def _zero(self, name) -> str:
         return "T.cast(0, IO)" if self.dtype[self.aliases.get(name, name)] == "io" else "0.0"
-
-
-def _shift_rows(e, i: str, lo: int):
-    """The expression with the row variable `i` read as lo + i (in every index and select)."""
-    def shifted(ix):
-        return re.sub(rf"\b{i}\b", f"({lo} + {i})", ix) if isinstance(ix, str) else ix
-
-    tag = e[0]
-    if tag in ("lit", "param", "head"):
-        return e
-    if tag == "buf":
-        return (tag, e[1], *map(shifted, e[2:]))
-    return (tag, *(_shift_rows(x, i, lo) if isinstance(x, tuple) else shifted(x) for x in e[1:]))
-
-
-def triangle_slots(B: int, per_row: int, prefix: str) -> dict:
-    """How each of the C·per_row threads takes its elements of the lower triangles (j ≤ i) of the
-    C/B diagonal B×B blocks: `lets`, (name, expression in the thread i_t, why) bound once, then
-    expressions in them and the thread's slot c (0 ≤ c < n).
-
-    Each block gets B·per_row threads; rows r and B−1−r of a block share 2·per_row of them, which
-    deal the B + 1 elements of the two rows' triangle (B − r of the long row, then r + 1 of the
-    short one) n = ⌈(B + 1) / (2·per_row)⌉ a thread. A slot past them (`valid` false) sums the short
-    row's diagonal element, whose exponent is 0, and is not stored. `row` and `col` are within the
-    block, whose first row is `base`.
-
-        >>> slots = triangle_slots(16, 2, "P")
-        >>> slots["n"], slots["lets"][1][:2]
-        (5, ('P_pair', 'i_t % 32 // 4'))
-    """
-    n = -(-(B + 1) // (2 * per_row))
-    base, pair, first = f"{prefix}_block", f"{prefix}_pair", f"{prefix}_first"
-    lets = [(base, f"i_t // {B * per_row} * {B}", "the first row of the thread's diagonal block"),
-            (pair, f"i_t % {B * per_row} // {2 * per_row}", f"its rows there: {B - 1} − pair and pair"),
-            (first, f"i_t % {2 * per_row} * {n}", f"its first of the two rows' {B + 1} elements")]
-    e = f"({first} + c)"
-    long = f"{e} < {B} - {pair}"
-    return {"n": n, "lets": lets, "base": base, "long_row": f"{B - 1} - {pair}", "short_row": pair, "long": long,
-            "valid": f"{e} <= {B}", "row": f"T.if_then_else({long}, {B - 1} - {pair}, {pair})",
-            "col": f"T.if_then_else({long}, {e}, T.min({e} - ({B} - {pair}), {pair}))"}
 
 
 # scratch buffers a statement's template needs: suffix -> (scope, shape, dtype)

@@ -475,8 +475,8 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             block = diff.attr["block"]
             attrs = (("block", block), ("eq", n.attr["eq"]), ("exp", ir.node(R).op))
-            if n.attr["eq"] == DECAYED_PRODUCT:  # a C×C result, summed by threads in no wgmma layout:
-                # its sums reach the fragment's layout through shared memory (C × the block's columns)
+            if n.attr["eq"] == DECAYED_PRODUCT:  # a C×C result, summed a thread a row: its rows'
+                # sums reach the fragment's layout through shared memory (C × the block's columns)
                 attrs += (("scratch", ("buf", b.buf(f"{name}_rows", ("C", str(block)), "float32", "shared"))),)
             b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), g), attrs))
         elif op == "inv_unit_lower":

@@ -374,8 +374,7 @@ def test_sm90_kernels_hold_no_whole_chunk_decay_block(name, capsys):
     out = next(k for k in kernels if k.name == f"{name}_out")
     assert [(st.attr["block"], st.attr["eq"]) for st in out.body if st.op == "decayed_product"] == \
         [(SUBCHUNK, "ik,jk,ijk->ij")]
-    # its lower triangles summed a few elements a thread, staged in a C×16 float32 block the
-    # schedule budgets
+    # summed a thread a row, the rows' sums staged in a C×16 float32 block the schedule budgets
     scratch = next(st.attr["scratch"][1] for st in out.body if st.op == "decayed_product")
     assert next(b for b in out.buffers if b.name == scratch) == Buffer(scratch, ("C", str(SUBCHUNK)), "float32", "shared")
     with pytest.raises(ValueError, match="stages its sums in no float32 shared block"):
