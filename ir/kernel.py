@@ -188,7 +188,9 @@ class Stmt:
     """op: load | load_vec | load_chunk_state | wait_load | zero_pad | copy | gemm | ewise | cumsum |
     reduce | inverse | decayed_product | store | store_vec | store_chunk_state | store_state | load_state, and in a
     token step load_token | load_slot | store_token (one token's row, or its scalar). A load with
-    attribute async only starts the copy; wait_load (same dst) waits for it. In the token step a
+    attribute async only starts the copy; wait_load (same dst) waits for it. A load_chunk_state
+    with attribute cast converts a float32 state into its io block on the way (a synchronous copy),
+    and a store_chunk_state from the state fragment writes it as it is. In the token step a
     state load with attribute slot takes the state's slot in its pool from that int32 [N] tensor,
     a state store from that int32 buffer, which a load_slot filled (−1: not stored). A
     load_token loads the current token's row (in the prologue the current token is the first),
@@ -333,7 +335,8 @@ class Kernel:
         pad their rows; a warp-specialised kernel's roles are whole warpgroups, in order, covering
         its threads; their register budgets are setmaxnreg's (multiples of 8 in [24, 256]) and fit
         the SM; every wait and arrival names a barrier; every ring has an owner among the roles; a
-        decayed product's scratch is a float32 shared block of the kernel."""
+        decayed product's scratch is a float32 shared block of the kernel; a chunk state's load
+        converts its dtype only where marked cast, and then synchronously (TMA copies bytes)."""
         if any(s.op in ("load_token", "load_slot") for s in self.prologue + self.body) and self.kind != "token_step":
             raise ValueError(f"{self.name}: loads a token's row, and only a token step walks tokens")
         if self.kind == "token_step":
@@ -347,6 +350,13 @@ class Kernel:
                                              or len(src.shape) > 2 or st.dst not in slots):
                     raise ValueError(f"{self.name}: `{st}` loads a slot from no int32 [N] or [N, L] input into "
                                      "an int32 [1] fragment")
+        tensors, blocks = {p.name: p for p in self.params}, {b.name: b for b in self.buffers}
+        for st in self.body:
+            if st.op == "load_chunk_state" and st.srcs[0] in tensors and st.dst in blocks:
+                converts = tensors[st.srcs[0]].dtype != blocks[st.dst].dtype
+                if converts != bool(st.attr.get("cast")) or (converts and st.attr.get("async")):
+                    raise ValueError(f"{self.name}: `{st}` loads {tensors[st.srcs[0]].dtype} into "
+                                     f"{blocks[st.dst].dtype}: a load that converts is marked cast, and is not async")
         axes = tuple(sorted(a for a, _ in self.grid))
         if axes not in GRID_AXES:
             raise ValueError(f"{self.name}: grid over {', '.join(a for a, _ in self.grid)}; a kernel runs over "

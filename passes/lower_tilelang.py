@@ -286,7 +286,9 @@ class _Render:
                     f"        {s.dst}[0, t0 + i, i_hv] = {s.srcs[0]}[i]"]
         if s.op == "store_chunk_state":
             K = self.tiles.get("K", "K")
-            return [f"{self._bulk_store(scan)}({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:{K}, v0:v0 + BV])"]
+            # (a float32 state from its fragment: each thread writes its own elements)
+            store = "T.copy" if self.dtype[s.srcs[0]] == "float32" else self._bulk_store(scan)
+            return [f"{store}({s.srcs[0]}, {s.dst}[i_slot, i_hv, 0:{K}, v0:v0 + BV])"]
         if s.op in ("load_state", "store_state") and self.tiles:  # the op's state, in a wider tile
             state, glob = (s.dst, s.srcs[0]) if s.op == "load_state" else (s.srcs[0], s.dst)
             inside = "i < K and v0 + j < V"
@@ -399,8 +401,7 @@ class _Render:
 
     def bulk_stores(self) -> bool:
         """Whether the body stores whole io blocks (with _bulk_store: TMA copies in the scan)."""
-        return any(s.op == "store_chunk_state" or (s.op == "store" and self.dtype[s.srcs[0]] == "io")
-                   for s in self.k.body)
+        return any(s.op in ("store_chunk_state", "store") and self.dtype[s.srcs[0]] == "io" for s in self.k.body)
 
     def _buf_shape(self, name) -> str:
         name = self.aliases.get(name, name)

@@ -38,7 +38,7 @@ from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, KernelIR, Stmt, Ten
 from .key_blocks import key_cut
 from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, ident,
-                             input_params, log_space)
+                             input_params, log_space, state_dtype)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
                               dim_sizes, live_fragments, live_shared, more_warpgroups, occupancy, packed_shared,
@@ -547,9 +547,12 @@ def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     s_node = ir.next_state
     if b.place.get(s_node) != "state":
         raise PassError("schedule", f"the next state {s_node} is not accumulated in the state fragment")
-    stores = []
+    stores, state_stores = [], []
     for x in part.carried:
-        if x == ir.state_in:
+        if x == ir.state_in and state_dtype(ir, x) == "float32":
+            # straight from the registers, before the chunk updates them (no shared block to wait for)
+            state_stores.append(Stmt("store_chunk_state", global_name(ir, x), ("state",)))
+        elif x == ir.state_in:
             b.operand(x)  # the io copy of the entering state is what the out kernel reads
             stores.append(Stmt("store_chunk_state", global_name(ir, x), ("state_s",)))
         else:
@@ -569,6 +572,8 @@ def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     body = _issue_stores_early(b.loads + zero_pad(b.loads, only_partial=True) + b.copies
                                + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body,
                                stores)
+    first_update = next(i for i, st in enumerate(body) if st.dst == "state")
+    body[first_update:first_update] = state_stores
     # each load of the loop gets a buffer per stage, and the rest of shared memory is fixed
     per_stage = smem_bytes([b.buffers[st.dst] for st in b.loads], dims)
     fixed = smem_bytes(b.buffers.values(), dims) - per_stage

@@ -16,6 +16,7 @@ from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPU
 from qla_compiler.kernels.tri_inverse_scratch import TF32_FROM as INVERSE_TF32_FROM
 
 from .chunk_per_key import DECAYED_PRODUCT
+from .key_blocks import key_blocks
 from .lowerable import on_sub_blocks
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "key_gate": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
@@ -146,8 +147,8 @@ class Builder:
         if name in self.place and self.buffers[self.place[name]].scope == "shared" \
                 and self.buffers[self.place[name]].dtype == "io":
             return self.place[name]
-        if n.op == "state_in":
-            return "state_s"
+        if n.op == "state_in" and self.place.get(name) == "state":
+            return "state_s"  # (the scan's io copy of its state fragment)
         src = self.reusable_block(name)
         if src is not None:  # write over the loaded block it is computed from
             reuse = self.place[src]
@@ -155,30 +156,40 @@ class Builder:
             del self.place[src]  # that buffer now holds `name`; a later read of src is an error
             self.place[name] = reuse
             return reuse
-        dst = self.buf(f"{name}_s", n.shape, "io", "shared")
+        held = self.place.get(name)
+        dst = self.buf(f"{name}_io_s" if held == ident(f"{name}_s") else f"{name}_s", n.shape, "io", "shared")
         if dst not in [s.dst for s in self.body]:
-            if name in self.place:  # a fragment: copy (and cast) it
+            if held is not None:  # a float32 fragment or shared block: copy (and cast) it
                 self.body.append(Stmt("copy", dst, (self.place[name],)))
             else:
                 self.ewise(dst, name)
             self.io_copy[name] = dst
         return dst
 
-    def low_part(self, args, operands):
+    def low_part(self, args, operands, stored: bool = False):
         """The operands of A·B_lo when a state-chain product pairs a spec input A (exact in the io
         dtype) with a block B computed in float32: B ≈ B_hi + B_lo, two io roundings, so that
         A·B_hi + A·B_lo carries ~16 bits of B instead of 8. The state chain sums these products
         over every chunk (the backward's qᵀ(Γ ⊙ dO) sets d_S0's error); a tf32 product would need
-        both operands in float32: twice the shared memory and half the tensor-core rate."""
+        both operands in float32: twice the shared memory and half the tensor-core rate.
+        `stored`: split only a state loaded in float32 (state_dtype), whatever the product: v·d Sᵀ
+        sums over V for each key as the per-key Γ term does (GLA's d g at K = 256: 1.86e-3 with
+        its bf16 copy, 1.52e-3 split; the emulator, session 38)."""
         exact = [self.ir.node(a).op == "input" for a in args]
         if exact.count(True) != 1:
             return None
         computed, hi = args[exact.index(False)], operands[exact.index(False)]
-        if self.io_copy.get(computed) != hi or computed in self.place:
-            return None  # loaded, or copied from a fragment: no float32 expression to split
+        held = self.place.get(computed)
         idx = ("i", "j")
+        if held is not None and self.buffers[held].scope == "shared" and self.buffers[held].dtype == "float32" \
+                and self.ir.node(computed).op == "state_in":
+            value = ("buf", held, *idx)  # a state loaded in float32, beside its io copy
+        elif stored or self.io_copy.get(computed) != hi or computed in self.place:
+            return None  # loaded, or copied from a fragment: no float32 expression to split
+        else:
+            value = self.ex(computed, idx)
         lo = self.buf(f"{hi.removesuffix('_s')}_lo_s", self.ir.node(computed).shape, "io", "shared")
-        residual = ("sub", self.ex(computed, idx), ("buf", hi, *idx))
+        residual = ("sub", value, ("buf", hi, *idx))
         self.body.append(Stmt("ewise", lo, (), (("expr", residual), ("index", idx))))
         return tuple(lo if o == hi else o for o in operands)
 
@@ -383,8 +394,13 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
             continue
         per_chunk = n.op == "input" and n.attr.get("kind") == "saved_state"
         if (n.op == "state_in" and n.name in b.loaded) or per_chunk:  # a state per chunk slot
-            b.place[n.name] = b.buf(f"{n.name}_s", n.shape, "io", "shared")
-            b.loads.append(Stmt("load_chunk_state", b.place[n.name], (src,)))
+            # a float32 state read here by tensor cores alone is cast to io on its way in
+            # (state_dtype): no float32 copy in shared memory
+            stored32 = n.op == "state_in" and state_dtype(ir, n.name) == "float32"
+            held32 = stored32 and any(ir.node(u).op != "matmul" for u in b.users[n.name])
+            b.place[n.name] = b.buf(f"{n.name}_s", n.shape, "float32" if held32 else "io", "shared")
+            cast = (("cast", True),) if stored32 and not held32 else ()
+            b.loads.append(Stmt("load_chunk_state", b.place[n.name], (src,), cast))
         elif n.op == "input" or n.name in b.loaded:
             kind = n.attr.get("kind", "vector" if n.shape == ("C",) else "block")
             if kind in ("scalar", "gate", "vector"):
@@ -456,6 +472,9 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
             A, B = b.operand(n.args[0]), b.operand(n.args[1])
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             b.body.append(Stmt("gemm", b.place[name], (A, B), tuple(sorted(n.attrs))))
+            low = b.low_part(n.args, (A, B), stored=True)
+            if low is not None:
+                b.body.append(Stmt("gemm", b.place[name], low, tuple(sorted(n.attrs)) + (("accumulate", True),)))
         elif op in ("cumsum", "rev_cumsum"):  # prefix sums, or suffix sums (a cumsum's VJP)
             src = b.shared(n.args[0])
             b.place[name] = b.buf(f"{name}_s", n.shape, "float32", "shared")
@@ -496,7 +515,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
                 attrs = tuple(sorted(mm.attrs)) + (("accumulate", True),)
                 # (the backward's chain only: there it set d_S0's error, 2.5–4× FLA's without it;
                 # the forwards' final states were within FLA's error, and each split costs a wgmma)
-                low = b.low_part(mm.args, (A, B)) if pipelined and frag == "state" and ir.reverse else None
+                low = b.low_part(mm.args, (A, B), stored=not (pipelined and frag == "state" and ir.reverse))
                 b.body.append(Stmt("gemm", frag, (A, B), attrs))
                 if low is not None:
                     b.body.append(Stmt("gemm", frag, low, attrs))
@@ -560,6 +579,22 @@ def log_space(ir: ChunkIR, name: str) -> bool:
     return bool(inputs) and all(i.attr["kind"] in ("gate", "key_gate") for i in inputs)
 
 
+def state_dtype(ir: ChunkIR, name: str) -> str:
+    """The dtype a chunk state `name` crosses memory in: float32 where the program sums it,
+    element-wise times another state, over V into one value per key (a per-key gate's Γ term,
+    Σ_v S0 ⊙ dS) and the state's rows never mix (key_blocks: no delta rule); else the io dtype.
+    There each row of the state is a decayed sum of k_t[k]·v_tᵀ, as large as the gate's horizon
+    makes it, and the Γ term, each key's share of its gate's gradient, is a small difference of
+    large products: in bf16 GLA's d g at K = 256 was 2.2e-3 against FLA's 1.35e-3, 1.5e-3 with
+    d S in float32 (sessions 37–38; FLA's GLA keeps its states in float32 for this term). A delta
+    rule holds the state near the values (S k ≈ v): KDA's d g gains 10% so and matches FLA's in
+    bf16; a scalar gate's Γ term sums all K·V products and matches FLA's too."""
+    per_key = any(ir.node(u).op == "mul" and all(ir.node(a).shape == ("K", "V") for a in ir.node(u).args)
+                  and any(ir.node(r).op == "rowsum" for r in ir.graph.successors(u))
+                  for u in ir.graph.successors(name))
+    return "float32" if per_key and key_blocks(ir)[0] is not None else "io"
+
+
 def crossing_tensor(ir: ChunkIR, name: str, role: str, wide: bool = False) -> Tensor:
     """The global tensor `name` crosses memory in between kernels; `wide`: in float32 whatever it
     holds (a block one out kernel stores for another, as the fragment holds it)."""
@@ -568,7 +603,8 @@ def crossing_tensor(ir: ChunkIR, name: str, role: str, wide: bool = False) -> Te
         return Tensor(g, ("1", "T", "HV", n.shape[1]), "float32", role,
                       "rows of the chunk's block, per token, float32 (one out kernel's, for another)", padded=True)
     if n.op == "state_in":
-        return Tensor(g, ("CH", "HV", "K", "V"), "io", role, "the state entering every chunk", padded=True)
+        return Tensor(g, ("CH", "HV", "K", "V"), state_dtype(ir, name), role, "the state entering every chunk",
+                      padded=True)
     if n.shape == ("C",):
         return Tensor(g, ("1", "T", "HV"), "float32", role, "per token")
     if log_space(ir, name):

@@ -93,7 +93,8 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
     before its first reader, so its latency overlaps the work in between. A partial chunk's rows
     past the sequence belong to the next one (TMA cannot mask them): they are zeroed after the
     wait. An issue after other work is marked `sync`: its memory may be what an earlier block
-    used, which other threads (or their wgmmas) may still be reading."""
+    used, which other threads (or their wgmmas) may still be reading. A load marked `cast` (a
+    float32 state into an io block) stays synchronous: TMA copies bytes and converts nothing."""
     def rows(ld):  # a synchronous block load, masked to the chunk's rows on the way
         return Stmt(ld.op, ld.dst, ld.srcs, ld.attrs + (("rows", "n_valid"),)) if ld.op == "load" else ld
 
@@ -102,7 +103,7 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
         touched = reads(st) | {st.dst}  # a write (a store staged in the block) needs the load first too
         for ld in [ld for ld in pending if ld.dst in touched]:
             pending.remove(ld)
-            if split_phase and ld.op in ("load", "load_chunk_state"):
+            if split_phase and ld.op in ("load", "load_chunk_state") and not ld.attr.get("cast"):
                 issues.append(Stmt(ld.op, ld.dst, ld.srcs, ld.attrs + (("async", True),)))
                 out.append(Stmt("wait_load", ld.dst))
                 if ld.op == "load":

@@ -112,8 +112,11 @@ def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, whole, blocked, 
            for n, x in args.items()}
     o_ref, s_ref = op.reference(**ref)
     torch.autograd.backward([o_ref, s_ref], [got["d_o"].double(), got["d_final"].double()])
+    # (1e-4: each gradient rounds to bf16 once, but GLA's whole d q d k d g kernel stages d k's
+    # float32 sum in a fragment where the blocks' sum it in one expression; a float32 rounding
+    # there flips a few of the bf16 ones, 2.4e-5 of d k at K = 64)
     for name in op.input_names:
-        assert rel_err(got["grads"][name], whole[spec, shape]["grads"][name]) <= 1e-5, name
+        assert rel_err(got["grads"][name], whole[spec, shape]["grads"][name]) <= 1e-4, name
         assert rel_err(got["grads"][name], ref[name].grad) <= 1e-2, name
     assert rel_err(got["d_h0"], whole[spec, shape]["d_h0"]) <= 1e-5
 
