@@ -202,7 +202,10 @@ class Stmt:
     arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
     warp, landing on that barrier). A decayed_product (einsum `eq` of its sources with
     e^{γ_ik − γ_jk} on the diagonal `block`-blocks) with attribute scratch ("buf", name) sums a
-    thread a row and stages the rows' sums in that shared block."""
+    thread a row and stages the rows' sums in that shared block; with a fourth source X2 and
+    attributes second ("buf", name) and second_scratch ("buf", name) it also forms X2's product
+    with the same Z and exponentials into that fragment, in the same loop (one exponential an
+    element for both: KDA's q ⋆ k beside k ⋆ k)."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -227,8 +230,11 @@ class Stmt:
         return names
 
     def writes(self) -> set:
-        """The buffers it writes: its destination, and a reduction's accumulators."""
-        return ({self.dst} if self.dst else set()) | (set(self.srcs[1:]) if self.op == "reduce" else set())
+        """The buffers it writes: its destination, a reduction's accumulators, and a paired decayed
+        product's second result and scratch."""
+        second = {self.attr[k][1] for k in ("second", "second_scratch") if k in self.attr} \
+            if self.op == "decayed_product" else set()
+        return ({self.dst} if self.dst else set()) | (set(self.srcs[1:]) if self.op == "reduce" else set()) | second
 
     def renamed(self, names: dict) -> "Stmt":
         """The statement with buffers renamed (old -> new), in its destination, sources and
@@ -260,8 +266,13 @@ class Stmt:
             return (f"{self.dst} = inverse {self.srcs[0]}   (16-blocks by substitution in float32, "
                     f"merges of {a['tf32_from']}-blocks in tf32; built in {self.srcs[0]}'s place, which it overwrites)")
         if self.op == "decayed_product":
-            x, z, g = self.srcs
+            x, z, g = self.srcs[:3]
             how = f"   (a thread a row, the rows' sums staged in {a['scratch'][1]})" if a.get("scratch") else ""
+            if a.get("second"):
+                x2 = self.srcs[3] if len(self.srcs) > 3 else "(no X2)"
+                return (f"{self.dst}, {a['second'][1]} = decayed_product[{a['eq']}, {a['exp']}, diagonal "
+                        f"{a['block']}-blocks] {x} {z} {g} and {x2} {z} {g}   (one exponential for both; "
+                        f"a thread a row, the rows' sums staged in {a['scratch'][1]} and {a['second_scratch'][1]})")
             return (f"{self.dst} = decayed_product[{a['eq']}, {a['exp']}, diagonal {a['block']}-blocks] "
                     f"{x} {z} {g}{how}")
         extra = " ".join(f"{k}={v}" for k, v in a.items())
@@ -393,8 +404,13 @@ class Kernel:
                              "threads an SM")
         shared = {b.name for b in self.buffers if b.scope == "shared" and b.dtype == "float32"}
         for st in (*self.prologue, *self.body, *self.epilogue):
-            if st.op == "decayed_product" and st.attr.get("scratch") and st.attr["scratch"][1] not in shared:
+            if st.op == "decayed_product" and any(st.attr.get(k) and st.attr[k][1] not in shared
+                                                   for k in ("scratch", "second_scratch")):
                 raise ValueError(f"{self.name}: `{st}` stages its sums in no float32 shared block of the kernel")
+            if st.op == "decayed_product" and bool(st.attr.get("second")) != (len(st.srcs) == 4) \
+                    or st.attr.get("second") and not st.attr.get("second_scratch"):
+                raise ValueError(f"{self.name}: `{st}`: a second product takes a fourth source, a second result "
+                                 "and a second scratch block")
         for b in self.buffers:
             if b.warp_columns and (b.scope != "fragment" or len(b.shape) != 2
                                    or b.warp_columns not in WARP_COLUMN_COUNTS):

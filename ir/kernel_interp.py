@@ -276,11 +276,15 @@ class _Run:
             x = b[s.srcs[0]]
             b[s.dst] = x.flip(1).cumsum(1).flip(1) if a.get("reverse") else x.cumsum(1)
         elif s.op == "decayed_product":  # einsum(eq) with R_ijk = e^{γ_ik − γ_jk} on the diagonal sub-blocks, j ≤ i
-            x, z, g = (b[n] for n in s.srcs)
+            x, z, g = (b[n] for n in s.srcs[:3])
             d = OPS["masked_diff"].eval(None, (g,), {"mask": "lower", "block": int(a["block"])}, (("C", "K"),))
             exp = {"exp": torch.exp, "exp2": torch.exp2}[a["exp"]]
             ins, out = a["eq"].split("->")
-            b[s.dst] = torch.einsum(",".join(f"n{t}" for t in ins.split(",")) + f"->n{out}", x, z, exp(d))
+            eq = ",".join(f"n{t}" for t in ins.split(",")) + f"->n{out}"
+            b[s.dst] = torch.einsum(eq, x, z, exp(d))
+            if a.get("second"):  # X2's product with the same Z and exponentials, into a float32 fragment
+                second = torch.einsum(eq, b[s.srcs[3]], z, exp(d))
+                b[a["second"][1]] = second.float().to(F64) if self.sz.rounding is not None else second
         elif s.op == "reduce":
             src, *accs = s.srcs
             prev = b[src]

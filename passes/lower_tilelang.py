@@ -337,7 +337,7 @@ class _Render:
         1.11 → 1.00, NOTES session 25). The sums reach the product's fragment through the C×B
         float32 block `scratch` in shared memory. k starts at 2·(i mod 32) in each row: one column
         of 32 rows 256 bytes apart would be one bank."""
-        x, z, g = s.srcs
+        x, z, g = s.srcs[:3]
         B, scratch = s.attr["block"], s.attr["scratch"][1]
         threads = self.k.threads
         if scan or not isinstance(threads, int) or threads % CHUNK_SIZE or B % (threads // CHUNK_SIZE):
@@ -349,23 +349,48 @@ class _Render:
         width = self._buf_shape(x).split(", ")[1]
         row, col = f"i_t // {per_row}", f"i_t // {per_row} // {B} * {B} + i_t % {per_row} * {cols} + c"
         k = f"(i_k + 2 * (i_t // {per_row} % 32)) % {width}"
-        return [f"i_t = T.get_thread_binding()",
-                f"{scratch}_acc = T.alloc_local(({cols},), \"float32\")",
-                f"{scratch}_row = T.alloc_local((2,), \"float32\")  # X_ik and γ_ik",
-                f"for c in T.serial({cols}):",
-                f"    {scratch}_acc[c] = 0.0",
-                f"for i_k in T.serial({width}):",
-                f"    {scratch}_row[0] = T.cast({x}[{row}, {k}], \"float32\")",
-                f"    {scratch}_row[1] = {g}[{row}, {k}]",
-                f"    for c in T.unroll({cols}):",
-                f"        {scratch}_acc[c] += {scratch}_row[0] * T.cast({z}[{col}, {k}], \"float32\") * "
-                f"{exp}({scratch}_row[1] - {g}[{col}, {k}])",
-                f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's",
-                f"    {scratch}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
-                f"i_t % {per_row} * {cols} + c <= {row} % {B}, {scratch}_acc[c], 0.0)",
-                "T.sync_threads()",
-                "for i, j in T.Parallel(C, C):",
-                f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, {scratch}[i, j % {B}], 0.0)"]
+        if not s.attr.get("second"):
+            return [f"i_t = T.get_thread_binding()",
+                    f"{scratch}_acc = T.alloc_local(({cols},), \"float32\")",
+                    f"{scratch}_row = T.alloc_local((2,), \"float32\")  # X_ik and γ_ik",
+                    f"for c in T.serial({cols}):",
+                    f"    {scratch}_acc[c] = 0.0",
+                    f"for i_k in T.serial({width}):",
+                    f"    {scratch}_row[0] = T.cast({x}[{row}, {k}], \"float32\")",
+                    f"    {scratch}_row[1] = {g}[{row}, {k}]",
+                    f"    for c in T.unroll({cols}):",
+                    f"        {scratch}_acc[c] += {scratch}_row[0] * T.cast({z}[{col}, {k}], \"float32\") * "
+                    f"{exp}({scratch}_row[1] - {g}[{col}, {k}])",
+                    f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's",
+                    f"    {scratch}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
+                    f"i_t % {per_row} * {cols} + c <= {row} % {B}, {scratch}_acc[c], 0.0)",
+                    "T.sync_threads()",
+                    "for i, j in T.Parallel(C, C):",
+                    f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, {scratch}[i, j % {B}], 0.0)"]
+        # with a second X (a paired product: KDA's q beside k), its row too, and per element the
+        # factor Z_jk e^{γ_ik − γ_jk} once for both sums
+        pairs = [(x, s.dst, scratch), (s.srcs[3], s.attr["second"][1], s.attr["second_scratch"][1])]
+        lines = ["i_t = T.get_thread_binding()"]
+        lines += [f"{sc}_acc = T.alloc_local(({cols},), \"float32\")" for _, _, sc in pairs]
+        lines += [f"{scratch}_row = T.alloc_local(({len(pairs) + 1},), \"float32\")  # γ_ik, then X_ik of each",
+                  f"{scratch}_e = T.alloc_local((1,), \"float32\")  # Z_jk e^(γ_ik − γ_jk)",
+                  f"for c in T.serial({cols}):"]
+        lines += [f"    {sc}_acc[c] = 0.0" for _, _, sc in pairs]
+        lines += [f"for i_k in T.serial({width}):", f"    {scratch}_row[0] = {g}[{row}, {k}]"]
+        lines += [f"    {scratch}_row[{n + 1}] = T.cast({xx}[{row}, {k}], \"float32\")"
+                  for n, (xx, _, _) in enumerate(pairs)]
+        lines += [f"    for c in T.unroll({cols}):",
+                  f"        {scratch}_e[0] = T.cast({z}[{col}, {k}], \"float32\") * "
+                  f"{exp}({scratch}_row[0] - {g}[{col}, {k}])"]
+        lines += [f"        {sc}_acc[c] += {scratch}_row[{n + 1}] * {scratch}_e[0]"
+                  for n, (_, _, sc) in enumerate(pairs)]
+        lines.append(f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's")
+        lines += [f"    {sc}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
+                  f"i_t % {per_row} * {cols} + c <= {row} % {B}, {sc}_acc[c], 0.0)" for _, _, sc in pairs]
+        lines += ["T.sync_threads()", "for i, j in T.Parallel(C, C):"]
+        lines += [f"    {dst}[i, j] = T.if_then_else(i // {B} == j // {B}, {sc}[i, j % {B}], 0.0)"
+                  for _, dst, sc in pairs]
+        return lines
 
     def _decayed_product_vjp(self, s: Stmt, exp: str) -> list[str]:
         """The VJP's products on the diagonal sub-blocks, a C×K result: d P ⋆_rows Z (eq

@@ -15,7 +15,9 @@ run in order:
     keeps the state in registers, and stores the values the output needs (`carried`: the state
     entering each chunk, and v_new for the delta rule).
   * `out`, one CTA per (chunk, value head): everything else that depends on the state (the output),
-    parallel over chunks again; it recomputes Q Kᵀ and the decay mask rather than loading them.
+    parallel over chunks again; it recomputes Q Kᵀ and the decay mask rather than loading them
+    (with SHARE_DECAYS, a per-key decayed product whose exponentials the prep forms anyway is
+    prepared instead: _sharing_exponentials).
 
 So GDN, DeltaNet and simple GLA compile to three kernels, RetNet and linear attention to two
 (nothing is long enough to prepare).
@@ -27,6 +29,7 @@ So GDN, DeltaNet and simple GLA compile to three kernels, RetNet and linear atte
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import networkx as nx
@@ -34,8 +37,15 @@ import networkx as nx
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 
+from .chunk_per_key import DECAYED_PRODUCT
+
 # state-free results worth computing once and passing through memory
 PREPARED_OPS = ("inv_unit_lower", "cumsum")
+# A decayed product sharing its exponentials with one the prep forms (KDA's q⋆k beside k⋆k) is
+# prepared too, and its C×C sum crosses memory (_sharing_exponentials). Off by default until timed
+# on a GPU (session 38's plan); QLA_SHARE_DECAYS=1 turns it on (the generated source differs:
+# both variants cache side by side).
+SHARE_DECAYS = os.environ.get("QLA_SHARE_DECAYS", "0") == "1"
 ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
 
@@ -135,11 +145,32 @@ def _folded_into_prep(ir: ChunkIR, scan: set, prepared: set, elsewhere: set) -> 
     return out
 
 
-def partition(ir: ChunkIR, keep=(), provided=()) -> Partition:
+def _sharing_exponentials(ir: ChunkIR, prep: set, out: set, dependent: set) -> set:
+    """The state-free C×C sums the out kernel would build on a decayed product Σ_k X_ik Z_jk
+    e^{γ_ik − γ_jk} whose Z and exponentials (R) a decayed product of the prep shares (KDA's
+    P_diag = q ⋆ k beside the inverse's KKt_R_diag = k ⋆ k): prepared, the two run in one loop
+    with one exponential an element (schedule_build pairs them in one statement), and the sum
+    (P, with its sub-chunk products) crosses memory in place of the out kernel's own pass."""
+    tops = set()
+    for x in out:
+        n = ir.node(x)
+        if n.op != "contract" or n.attr["eq"] != DECAYED_PRODUCT or x in dependent or not any(
+                ir.node(y).op == "contract" and ir.node(y).args[1:] == n.args[1:]
+                and ir.node(y).attr["eq"] == n.attr["eq"] for y in prep):
+            continue
+        top = x
+        while len(users := [u.name for u in ir.users(top)]) == 1 and ir.node(users[0]).op == "add" \
+                and users[0] not in dependent:
+            top = users[0]
+        tops.add(top)
+    return tops
+
+
+def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECAYS) -> Partition:
     """`keep`: state-free values to store per token although no later kernel reads them (the
     forward for training keeps its inverses for the backward). `provided`: state-free values
     already in memory (a backward's recomputed forward values that the forward stored): every
-    kernel loads them and none recomputes them."""
+    kernel loads them and none recomputes them. `share_decays`: _sharing_exponentials."""
     provided = set(provided)
     state_in, s_next = ir.state_in, ir.next_state
     results = list(ir.outputs.values())  # o (a backward: the gradients)
@@ -181,6 +212,12 @@ def partition(ir: ChunkIR, keep=(), provided=()) -> Partition:
         scan = ir.closure(chain, stop=prepared_scan)
     used = (scan & prepared_scan) | (out & prepared) | set(keep)
     prep = ir.closure(used - provided, stop=provided)
+    shared = _sharing_exponentials(ir, prep, out, dependent) if share_decays else set()
+    if shared:
+        prepared |= shared
+        out = ir.closure(out_roots | carried, stop=prepared | carried)
+        used = (scan & prepared_scan) | (out & prepared) | set(keep)
+        prep = ir.closure(used - provided, stop=provided)
     loaded = (used | prep) & provided
     order = [n.name for n in ir.order()]
     crossing = tuple(x for x in order if x in used - provided)

@@ -382,7 +382,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
     a block wide ("BK")."""
     b = Builder(ir, nodes, loaded, tiled, dims, kept, key_blocked)
     pipelined = tiled
-    order = [n for n in ir.order() if n.name in b.nodes]
+    order = _pairs_together([n for n in ir.order() if n.name in b.nodes], ir)
     acc = _accumulation(ir, [n.name for n in order], b.loaded, b.kept)
     fused_matmuls = {m for _, m in acc.values()}
     in_place = {x for x, _ in acc.values()}
@@ -491,13 +491,24 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
             X, Z, R = n.args
             diff = ir.node(ir.node(R).args[0])
             g = b.shared(diff.args[0])
-            b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             block = diff.attr["block"]
             attrs = (("block", block), ("eq", n.attr["eq"]), ("exp", ir.node(R).op))
+            b.place[name] = b.buf(name, n.shape, "float32", "fragment")
+            srcs = (b.operand(X), b.operand(Z), g)
             if n.attr["eq"] == DECAYED_PRODUCT:  # a C×C result, summed a thread a row: its rows'
                 # sums reach the fragment's layout through shared memory (C × the block's columns)
                 attrs += (("scratch", ("buf", b.buf(f"{name}_rows", ("C", str(block)), "float32", "shared"))),)
-            b.body.append(Stmt("decayed_product", b.place[name], (b.operand(X), b.operand(Z), g), attrs))
+                # a product of the same Z and exponentials here (partition._sharing_exponentials)
+                # runs in the same loop: one exponential an element for both
+                m = next((m for m in order if m.name in b.nodes and m.name not in b.place and m.op == "contract"
+                          and m.args[1:] == n.args[1:] and m.attr["eq"] == DECAYED_PRODUCT), None)
+                if m is not None:
+                    b.place[m.name] = b.buf(m.name, m.shape, "float32", "fragment")
+                    srcs += (b.operand(m.args[0]),)
+                    attrs += (("second", ("buf", b.place[m.name])),
+                              ("second_scratch", ("buf", b.buf(f"{m.name}_rows", ("C", str(block)), "float32",
+                                                               "shared"))))
+            b.body.append(Stmt("decayed_product", b.place[name], srcs, attrs))
         elif op == "inv_unit_lower":
             if ident(f"{n.args[0]}_s") in b.buffers:  # the inverse overwrites its input block
                 raise PassError("schedule", f"{name}: the inverse's input {n.args[0]} needs a block of its own")
@@ -550,6 +561,38 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
     for root, term in due.pop(len(order) - 1, []):
         add_term(root, term)
     return b
+
+
+def _sum_top(ir: ChunkIR, name: str, within: set) -> str:
+    """The last of the sums a block is added into alone (P_diag → P_sum → … → P)."""
+    while len(users := [u.name for u in ir.users(name)]) == 1 and users[0] in within \
+            and ir.node(users[0]).op == "add":
+        name = users[0]
+    return name
+
+
+def _pairs_together(order: list, ir: ChunkIR) -> list:
+    """Program order, with the sum built on a decayed product that shares another's Z and
+    exponentials (build pairs the two: one loop) moved up beside the other's, each of its nodes
+    right after its arguments: the sub-chunk blocks both sums read (KDA's k_upto_*) die there
+    rather than after the inverse, and the second sum is stored before it. In program order,
+    KDA's prep held 152 KB of shared memory (1 CTA an SM); so, 104 KB (2, as without the pair)."""
+    names = [n.name for n in order]
+    within = set(names)
+    products = [n for n in order if n.op == "contract" and n.attr["eq"] == DECAYED_PRODUCT]
+    for i, n in enumerate(products):
+        m = next((m for m in products[i + 1:] if m.args[1:] == n.args[1:]), None)
+        if m is None:
+            continue
+        top_n, top_m = _sum_top(ir, n.name, within), _sum_top(ir, m.name, within)
+        first, pos = nx.ancestors(ir.graph, top_n) | {top_n}, {x: k for k, x in enumerate(names)}
+        second = nx.ancestors(ir.graph, top_m) | {top_m}
+        moved = [x for x in names if x in second and x not in first and pos[x] > pos[top_n]]
+        names = [x for x in names if x not in moved]
+        for x in moved:  # each right after the last of its arguments: P_1 beside KKt_R_1, …
+            at = max((names.index(a) for a in ir.node(x).args if a in within), default=-1) + 1
+            names.insert(at, x)
+    return [ir.node(x) for x in names]
 
 
 def ident(name: str) -> str:

@@ -7,6 +7,9 @@ asks; in float32, 1e-5 and 1e-4 (measured: ≤ 3e-6 under the worst gates below)
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -442,6 +445,67 @@ def test_gla_keeps_the_state_cotangent_in_float32_for_its_gate_gradient(ops):
                 output_final_state=True)
     step = emulated_kernel_step(op, args, rounding=torch.bfloat16)
     assert rel_err(step["grads"]["g"], step["grads_ref"]["g"]) <= 1.7e-3
+
+
+SHARED_P_CHILD = """
+import sys, torch
+import qla_compiler
+from qla_compiler.emulate import emulated_kernels, emulated_step
+from qla_compiler.kernels import forward as fwd
+from qla_compiler.testing import random_inputs
+op = qla_compiler.compile("kda", target="sm90")
+out = {"kernels": op.program.kernels, "runs": {}}
+for how in ("random", "strong"):
+    args = random_inputs(op, T=200, H=2, HV=2, K=64, V=32, cu_seqlens=[0, 1, 41, 141, 200], initial_state=True,
+                         dtype=torch.bfloat16, seed=3)
+    if how == "strong":
+        args["g"] = args["g"] * 8
+    inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                                      args["cu_seqlens"], False)
+    with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=torch.bfloat16):
+        out["runs"][how] = (args, fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
+                                              args["cu_seqlens"], op._head_logs(dims.HV)))
+out["backward"] = op.program.backward_program.kernels
+step = emulated_step(op, out["runs"]["random"][0], rounding=torch.bfloat16)
+out["grads"] = (step["grads"], step["d_h0"])
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_kdas_q_k_product_shares_the_preps_exponentials_when_asked(ops, tmp_path):
+    """With QLA_SHARE_DECAYS=1 (partition.SHARE_DECAYS: off until timed on a GPU) KDA's prep forms
+    q ⋆ k beside the inverse's k ⋆ k in one statement, one exponential an element for both, and
+    its sub-chunk products beside k ⋆ k's (2 CTAs an SM, as without it); P crosses memory, and
+    neither the out kernel nor the backward's d v kernel (the training forward keeps P) forms a
+    decayed product. With the GPU's roundings emulated, its o, final state and gradients are the
+    default's bit for bit: P crosses in bf16, as the default rounds it for its wgmma. (A wrong
+    operand or a wrong row in the pair is O(1) off.)"""
+    path = tmp_path / "shared.pt"
+    subprocess.run([sys.executable, "-c", SHARED_P_CHILD, str(path)], check=True,
+                   env={**os.environ, "QLA_SHARE_DECAYS": "1"}, timeout=600)
+    got = torch.load(path, weights_only=False)
+    prep, _, out = got["kernels"].kernels
+    paired = [st for st in prep.body if st.op == "decayed_product"]
+    assert len(paired) == 1 and {paired[0].dst, paired[0].attr["second"][1]} == {"P_diag", "KKt_R_diag"}
+    assert "P_rows" in [p.name for p in prep.params if p.role == "out"] and prep.ctas_per_sm == 2
+    assert not any(st.op == "decayed_product" for st in out.body) and "P_rows" in [p.name for p in out.params]
+    assert "one exponential for both" in str(prep)
+    op = ops["kda"]
+    for how, (args, (o, final)) in got["runs"].items():
+        inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
+                                          args["cu_seqlens"], False)
+        with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=torch.bfloat16):
+            o_default, final_default = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
+                                                   args["cu_seqlens"], op._head_logs(dims.HV))
+        assert torch.equal(o, o_default) and torch.equal(final, final_default), how
+    d_v = got["backward"].kernels[0]
+    assert "P_rows" in [p.name for p in d_v.params] and not any(st.op == "decayed_product" for st in d_v.body)
+    default = emulated_step(op, got["runs"]["random"][0], rounding=torch.bfloat16)
+    grads, d_h0 = got["grads"]
+    assert all(torch.equal(grads[n], default["grads"][n]) for n in grads) and torch.equal(d_h0, default["d_h0"])
+    with pytest.raises(ValueError, match="a second product takes a fourth source"):
+        replace(prep, body=[replace(st, srcs=st.srcs[:3]) if st.op == "decayed_product" else st
+                            for st in prep.body]).verify()
 
 
 @pytest.mark.parametrize("how", ["random", "strong", "zero", "mixed", "reset", "same keys"])
