@@ -43,9 +43,27 @@ from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.recurrence import RecurrenceIR
 
 DECAYED_PRODUCT = "ik,jk,ijk->ij"  # (X ⋆ Z)_ij = Σ_k X_ik Z_jk R_ijk
+
 # the two its VJP makes: d X = d P ⋆_rows Z (Σ_{j≤i} d P_ij Z_jk R_ijk) and d Z = d P ⋆_cols X
 # (Σ_{i≥j} d P_ij X_ik R_ijk)
 ROWS_PRODUCT, COLS_PRODUCT = "ij,jk,ijk->ik", "ij,ik,ijk->jk"
+
+
+def shares_exponentials(ir: ChunkIR, a: str, b: str) -> bool:
+    """Two decayed products X ⋆ Z of the same Z and decays R (KDA's q ⋆ k and k ⋆ k): one loop can
+    form both, one exponential an element (partition._sharing_exponentials, schedule_build)."""
+    x, y = ir.node(a), ir.node(b)
+    return a != b and x.op == y.op == "contract" and x.attr["eq"] == y.attr["eq"] == DECAYED_PRODUCT \
+        and x.args[1:] == y.args[1:]
+
+
+def sum_top(ir: ChunkIR, name: str, within) -> str:
+    """The last of the sums a block is added into alone, through nodes in `within` (P_diag →
+    P_sum → … → P)."""
+    while len(users := [u.name for u in ir.users(name)]) == 1 and users[0] in within \
+            and ir.node(users[0]).op == "add":
+        name = users[0]
+    return name
 
 
 def derive_per_key_chunks(ir: RecurrenceIR, chunk_size: int, floor: float, coefficient) -> ChunkIR:

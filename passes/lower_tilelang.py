@@ -349,41 +349,30 @@ class _Render:
         width = self._buf_shape(x).split(", ")[1]
         row, col = f"i_t // {per_row}", f"i_t // {per_row} // {B} * {B} + i_t % {per_row} * {cols} + c"
         k = f"(i_k + 2 * (i_t // {per_row} % 32)) % {width}"
-        if not s.attr.get("second"):
-            return [f"i_t = T.get_thread_binding()",
-                    f"{scratch}_acc = T.alloc_local(({cols},), \"float32\")",
-                    f"{scratch}_row = T.alloc_local((2,), \"float32\")  # X_ik and γ_ik",
-                    f"for c in T.serial({cols}):",
-                    f"    {scratch}_acc[c] = 0.0",
-                    f"for i_k in T.serial({width}):",
-                    f"    {scratch}_row[0] = T.cast({x}[{row}, {k}], \"float32\")",
-                    f"    {scratch}_row[1] = {g}[{row}, {k}]",
-                    f"    for c in T.unroll({cols}):",
-                    f"        {scratch}_acc[c] += {scratch}_row[0] * T.cast({z}[{col}, {k}], \"float32\") * "
-                    f"{exp}({scratch}_row[1] - {g}[{col}, {k}])",
-                    f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's",
-                    f"    {scratch}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
-                    f"i_t % {per_row} * {cols} + c <= {row} % {B}, {scratch}_acc[c], 0.0)",
-                    "T.sync_threads()",
-                    "for i, j in T.Parallel(C, C):",
-                    f"    {s.dst}[i, j] = T.if_then_else(i // {B} == j // {B}, {scratch}[i, j % {B}], 0.0)"]
         # with a second X (a paired product: KDA's q beside k), its row too, and per element the
         # factor Z_jk e^{γ_ik − γ_jk} once for both sums
-        pairs = [(x, s.dst, scratch), (s.srcs[3], s.attr["second"][1], s.attr["second_scratch"][1])]
+        pairs = [(x, s.dst, scratch)] + ([(s.srcs[3], s.attr["second"][1], s.attr["second_scratch"][1])]
+                                         if s.attr.get("second") else [])
+        n = len(pairs)
+        factor = f"T.cast({z}[{col}, {k}], \"float32\") * {exp}({scratch}_row[{n}] - {g}[{col}, {k}])"
         lines = ["i_t = T.get_thread_binding()"]
         lines += [f"{sc}_acc = T.alloc_local(({cols},), \"float32\")" for _, _, sc in pairs]
-        lines += [f"{scratch}_row = T.alloc_local(({len(pairs) + 1},), \"float32\")  # γ_ik, then X_ik of each",
-                  f"{scratch}_e = T.alloc_local((1,), \"float32\")  # Z_jk e^(γ_ik − γ_jk)",
-                  f"for c in T.serial({cols}):"]
+        lines.append(f"{scratch}_row = T.alloc_local(({n + 1},), \"float32\")  # "
+                     + ("X_ik and γ_ik" if n == 1 else "X_ik of each, then γ_ik"))
+        if n > 1:
+            lines.append(f"{scratch}_e = T.alloc_local((1,), \"float32\")  # Z_jk e^(γ_ik − γ_jk)")
+        lines.append(f"for c in T.serial({cols}):")
         lines += [f"    {sc}_acc[c] = 0.0" for _, _, sc in pairs]
-        lines += [f"for i_k in T.serial({width}):", f"    {scratch}_row[0] = {g}[{row}, {k}]"]
-        lines += [f"    {scratch}_row[{n + 1}] = T.cast({xx}[{row}, {k}], \"float32\")"
-                  for n, (xx, _, _) in enumerate(pairs)]
-        lines += [f"    for c in T.unroll({cols}):",
-                  f"        {scratch}_e[0] = T.cast({z}[{col}, {k}], \"float32\") * "
-                  f"{exp}({scratch}_row[0] - {g}[{col}, {k}])"]
-        lines += [f"        {sc}_acc[c] += {scratch}_row[{n + 1}] * {scratch}_e[0]"
-                  for n, (_, _, sc) in enumerate(pairs)]
+        lines.append(f"for i_k in T.serial({width}):")
+        lines += [f"    {scratch}_row[{i}] = T.cast({xx}[{row}, {k}], \"float32\")"
+                  for i, (xx, _, _) in enumerate(pairs)]
+        lines += [f"    {scratch}_row[{n}] = {g}[{row}, {k}]", f"    for c in T.unroll({cols}):"]
+        if n == 1:
+            lines.append(f"        {scratch}_acc[c] += {scratch}_row[0] * {factor}")
+        else:
+            lines.append(f"        {scratch}_e[0] = {factor}")
+            lines += [f"        {sc}_acc[c] += {scratch}_row[{i}] * {scratch}_e[0]"
+                      for i, (_, _, sc) in enumerate(pairs)]
         lines.append(f"for c in T.serial({cols}):  # j ≤ i: the terms past the diagonal are another row's")
         lines += [f"    {sc}[{row}, i_t % {per_row} * {cols} + c] = T.if_then_else("
                   f"i_t % {per_row} * {cols} + c <= {row} % {B}, {sc}_acc[c], 0.0)" for _, _, sc in pairs]

@@ -37,7 +37,7 @@ import networkx as nx
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
 
-from .chunk_per_key import DECAYED_PRODUCT
+from .chunk_per_key import shares_exponentials, sum_top
 
 # state-free results worth computing once and passing through memory
 PREPARED_OPS = ("inv_unit_lower", "cumsum")
@@ -151,19 +151,9 @@ def _sharing_exponentials(ir: ChunkIR, prep: set, out: set, dependent: set) -> s
     P_diag = q ⋆ k beside the inverse's KKt_R_diag = k ⋆ k): prepared, the two run in one loop
     with one exponential an element (schedule_build pairs them in one statement), and the sum
     (P, with its sub-chunk products) crosses memory in place of the out kernel's own pass."""
-    tops = set()
-    for x in out:
-        n = ir.node(x)
-        if n.op != "contract" or n.attr["eq"] != DECAYED_PRODUCT or x in dependent or not any(
-                ir.node(y).op == "contract" and ir.node(y).args[1:] == n.args[1:]
-                and ir.node(y).attr["eq"] == n.attr["eq"] for y in prep):
-            continue
-        top = x
-        while len(users := [u.name for u in ir.users(top)]) == 1 and ir.node(users[0]).op == "add" \
-                and users[0] not in dependent:
-            top = users[0]
-        tops.add(top)
-    return tops
+    free = set(ir.graph) - dependent
+    return {sum_top(ir, x, free) for x in out
+            if x in free and any(shares_exponentials(ir, x, y) for y in prep)}
 
 
 def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECAYS) -> Partition:

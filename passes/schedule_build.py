@@ -15,7 +15,7 @@ from qla_compiler.ir.kernel import Buffer, Stmt, Tensor
 from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE, INPUT_ROW_PAD as INVERSE_ROW_PAD
 from qla_compiler.kernels.tri_inverse_scratch import TF32_FROM as INVERSE_TF32_FROM
 
-from .chunk_per_key import DECAYED_PRODUCT
+from .chunk_per_key import DECAYED_PRODUCT, shares_exponentials, sum_top
 from .key_blocks import key_blocks
 from .lowerable import on_sub_blocks
 
@@ -500,8 +500,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
                 attrs += (("scratch", ("buf", b.buf(f"{name}_rows", ("C", str(block)), "float32", "shared"))),)
                 # a product of the same Z and exponentials here (partition._sharing_exponentials)
                 # runs in the same loop: one exponential an element for both
-                m = next((m for m in order if m.name in b.nodes and m.name not in b.place and m.op == "contract"
-                          and m.args[1:] == n.args[1:] and m.attr["eq"] == DECAYED_PRODUCT), None)
+                m = next((m for m in order if m.name not in b.place and shares_exponentials(ir, name, m.name)), None)
                 if m is not None:
                     b.place[m.name] = b.buf(m.name, m.shape, "float32", "fragment")
                     srcs += (b.operand(m.args[0]),)
@@ -563,14 +562,6 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
     return b
 
 
-def _sum_top(ir: ChunkIR, name: str, within: set) -> str:
-    """The last of the sums a block is added into alone (P_diag → P_sum → … → P)."""
-    while len(users := [u.name for u in ir.users(name)]) == 1 and users[0] in within \
-            and ir.node(users[0]).op == "add":
-        name = users[0]
-    return name
-
-
 def _pairs_together(order: list, ir: ChunkIR) -> list:
     """Program order, with the sum built on a decayed product that shares another's Z and
     exponentials (build pairs the two: one loop) moved up beside the other's, each of its nodes
@@ -579,12 +570,12 @@ def _pairs_together(order: list, ir: ChunkIR) -> list:
     KDA's prep held 152 KB of shared memory (1 CTA an SM); so, 104 KB (2, as without the pair)."""
     names = [n.name for n in order]
     within = set(names)
-    products = [n for n in order if n.op == "contract" and n.attr["eq"] == DECAYED_PRODUCT]
+    products = [n.name for n in order if n.op == "contract"]
     for i, n in enumerate(products):
-        m = next((m for m in products[i + 1:] if m.args[1:] == n.args[1:]), None)
+        m = next((m for m in products[i + 1:] if shares_exponentials(ir, n, m)), None)
         if m is None:
             continue
-        top_n, top_m = _sum_top(ir, n.name, within), _sum_top(ir, m.name, within)
+        top_n, top_m = sum_top(ir, n, within), sum_top(ir, m, within)
         first, pos = nx.ancestors(ir.graph, top_n) | {top_n}, {x: k for k, x in enumerate(names)}
         second = nx.ancestors(ir.graph, top_m) | {top_m}
         moved = [x for x in names if x in second and x not in first and pos[x] > pos[top_n]]
