@@ -374,14 +374,17 @@ def test_sm90_kernels_hold_no_whole_chunk_decay_block(name, capsys):
     kernels = prog.kernels.kernels
     assert [k.name for k in kernels] == [f"{name}_prep", f"{name}_scan", f"{name}_out"]
     assert not any(b.shape == ("C", "C", "K") for k in kernels for b in k.buffers)
-    out = next(k for k in kernels if k.name == f"{name}_out")
-    assert [(st.attr["block"], st.attr["eq"]) for st in out.body if st.op == "decayed_product"] == \
+    # q ⋆ k: in the out kernel, or in the prep beside k ⋆ k where that forms the same exponentials
+    # (KDA, partition.SHARE_DECAYS)
+    holder = next(k for k in kernels if k.name == f"{name}_{'prep' if name == 'kda' else 'out'}")
+    assert [(st.attr["block"], st.attr["eq"]) for st in holder.body if st.op == "decayed_product"] == \
         [(SUBCHUNK, "ik,jk,ijk->ij")]
     # summed a thread a row, the rows' sums staged in a C×16 float32 block the schedule budgets
-    scratch = next(st.attr["scratch"][1] for st in out.body if st.op == "decayed_product")
-    assert next(b for b in out.buffers if b.name == scratch) == Buffer(scratch, ("C", str(SUBCHUNK)), "float32", "shared")
+    scratch = next(st.attr["scratch"][1] for st in holder.body if st.op == "decayed_product")
+    assert next(b for b in holder.buffers if b.name == scratch) == \
+        Buffer(scratch, ("C", str(SUBCHUNK)), "float32", "shared")
     with pytest.raises(ValueError, match="stages its sums in no float32 shared block"):
-        replace(out, buffers=[b for b in out.buffers if b.name != scratch]).verify()
+        replace(holder, buffers=[b for b in holder.buffers if b.name != scratch]).verify()
     crossing = [p for k in kernels for p in k.params if p.name == "g_cum_log2_rows"]
     assert crossing and all(p.dtype == "float32" for p in crossing)  # γ never rounds to bf16
     assert [n.name for n in prog.backward.order() if n.shape == ("C", "C", "K")] == ["g_cum_log2_diff_diag", "R_diag"]
@@ -447,7 +450,7 @@ def test_gla_keeps_the_state_cotangent_in_float32_for_its_gate_gradient(ops):
     assert rel_err(step["grads"]["g"], step["grads_ref"]["g"]) <= 1.7e-3
 
 
-SHARED_P_CHILD = """
+UNSHARED_CHILD = """
 import sys, torch
 import qla_compiler
 from qla_compiler.emulate import emulated_kernels, emulated_step
@@ -465,44 +468,47 @@ for how in ("random", "strong"):
     with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=torch.bfloat16):
         out["runs"][how] = (args, fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
                                               args["cu_seqlens"], op._head_logs(dims.HV)))
-out["backward"] = op.program.backward_program.kernels
 step = emulated_step(op, out["runs"]["random"][0], rounding=torch.bfloat16)
 out["grads"] = (step["grads"], step["d_h0"])
 torch.save(out, sys.argv[1])
 """
 
 
-def test_kdas_q_k_product_shares_the_preps_exponentials_when_asked(ops, tmp_path):
-    """With QLA_SHARE_DECAYS=1 (partition.SHARE_DECAYS: off until timed on a GPU) KDA's prep forms
+def test_kdas_q_k_product_shares_the_preps_exponentials(ops, tmp_path):
+    """By default (partition.SHARE_DECAYS; QLA_SHARE_DECAYS=0 turns it off) KDA's prep forms
     q ⋆ k beside the inverse's k ⋆ k in one statement, one exponential an element for both, and
     its sub-chunk products beside k ⋆ k's (2 CTAs an SM, as without it); P crosses memory, and
     neither the out kernel nor the backward's d v kernel (the training forward keeps P) forms a
-    decayed product. With the GPU's roundings emulated, its o, final state and gradients are the
-    default's bit for bit: P crosses in bf16, as the default rounds it for its wgmma. (A wrong
-    operand or a wrong row in the pair is O(1) off.)"""
-    path = tmp_path / "shared.pt"
-    subprocess.run([sys.executable, "-c", SHARED_P_CHILD, str(path)], check=True,
-                   env={**os.environ, "QLA_SHARE_DECAYS": "1"}, timeout=600)
+    decayed product. With the GPU's roundings emulated, its o, final state and gradients are those
+    of the kernels that form q ⋆ k in the out kernel (a child process with the switch off), bit for
+    bit: P crosses in bf16, as the out kernel rounds it for its wgmma. (A wrong operand or a wrong
+    row in the pair is O(1) off.)"""
+    path = tmp_path / "unshared.pt"
+    subprocess.run([sys.executable, "-c", UNSHARED_CHILD, str(path)], check=True,
+                   env={**os.environ, "QLA_SHARE_DECAYS": "0"}, timeout=600)
     got = torch.load(path, weights_only=False)
-    prep, _, out = got["kernels"].kernels
+    op = ops["kda"]
+    prep, _, out = op.program.kernels.kernels
     paired = [st for st in prep.body if st.op == "decayed_product"]
     assert len(paired) == 1 and {paired[0].dst, paired[0].attr["second"][1]} == {"P_diag", "KKt_R_diag"}
     assert "P_rows" in [p.name for p in prep.params if p.role == "out"] and prep.ctas_per_sm == 2
     assert not any(st.op == "decayed_product" for st in out.body) and "P_rows" in [p.name for p in out.params]
     assert "one exponential for both" in str(prep)
-    op = ops["kda"]
+    unshared_prep, _, unshared_out = got["kernels"].kernels
+    assert not any(st.attr.get("second") for st in unshared_prep.body)
+    assert any(st.op == "decayed_product" for st in unshared_out.body)
     for how, (args, (o, final)) in got["runs"].items():
         inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
                                           args["cu_seqlens"], False)
         with emulated_kernels(op, args["cu_seqlens"].to(torch.int32), scale, rounding=torch.bfloat16):
-            o_default, final_default = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
-                                                   args["cu_seqlens"], op._head_logs(dims.HV))
-        assert torch.equal(o, o_default) and torch.equal(final, final_default), how
-    d_v = got["backward"].kernels[0]
+            o_shared, final_shared = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"],
+                                                 args["cu_seqlens"], op._head_logs(dims.HV))
+        assert torch.equal(o, o_shared) and torch.equal(final, final_shared), how
+    d_v = op.program.backward_program.kernels.kernels[0]
     assert "P_rows" in [p.name for p in d_v.params] and not any(st.op == "decayed_product" for st in d_v.body)
-    default = emulated_step(op, got["runs"]["random"][0], rounding=torch.bfloat16)
+    shared = emulated_step(op, got["runs"]["random"][0], rounding=torch.bfloat16)
     grads, d_h0 = got["grads"]
-    assert all(torch.equal(grads[n], default["grads"][n]) for n in grads) and torch.equal(d_h0, default["d_h0"])
+    assert all(torch.equal(grads[n], shared["grads"][n]) for n in grads) and torch.equal(d_h0, shared["d_h0"])
     with pytest.raises(ValueError, match="a second product takes a fourth source"):
         replace(prep, body=[replace(st, srcs=st.srcs[:3]) if st.op == "decayed_product" else st
                             for st in prep.body]).verify()
