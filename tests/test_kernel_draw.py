@@ -14,7 +14,8 @@ CROSSING = {"gdn": {"g_cum", "W_rows", "U_rows", "S0_chunks", "v_new_rows"},
             "simple_gla": {"g_cum", "S0_chunks"}, "retnet": {"S0_chunks"}, "linear_attn": {"S0_chunks"},
             # a per-key gate's cumulative gates cross in float32 (schedule_build.log_space)
             "gla": {"g_cum_log2_rows", "S0_chunks"},
-            "kda": {"g_cum_log2_rows", "W_rows", "U_rows", "S0_chunks", "v_new_rows"}}
+            # (and KDA's q ⋆ k, formed beside k ⋆ k in the prep: partition.SHARE_DECAYS)
+            "kda": {"g_cum_log2_rows", "W_rows", "U_rows", "P_rows", "S0_chunks", "v_new_rows"}}
 
 
 @pytest.fixture(scope="module")
