@@ -205,7 +205,10 @@ class Stmt:
     thread a row and stages the rows' sums in that shared block; with a fourth source X2 and
     attributes second ("buf", name) and second_scratch ("buf", name) it also forms X2's product
     with the same Z and exponentials into that fragment, in the same loop (one exponential an
-    element for both: KDA's q ⋆ k beside k ⋆ k)."""
+    element for both: KDA's q ⋆ k beside k ⋆ k); with attribute slots "triangle" its threads take
+    only the blocks' lower triangles (schedule_build.product_slots), else a thread a row. A VJP's
+    product (eq ij,jk,ijk->ik or ij,ik,ijk->jk) with attribute slots "row_pairs" sums a thread a
+    pair of rows, staged in its scratch block."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -267,12 +270,15 @@ class Stmt:
                     f"merges of {a['tf32_from']}-blocks in tf32; built in {self.srcs[0]}'s place, which it overwrites)")
         if self.op == "decayed_product":
             x, z, g = self.srcs[:3]
-            how = f"   (a thread a row, the rows' sums staged in {a['scratch'][1]})" if a.get("scratch") else ""
+            whole = "a thread a row" if a["eq"] == "ik,jk,ijk->ij" else "each element walking its block"
+            slots = {"triangle": "the block's lower triangle in tiles of half its rows",
+                     "row_pairs": "a thread the terms of rows r and B−1−r"}.get(a.get("slots"), whole)
+            how = f"   ({slots}, the rows' sums staged in {a['scratch'][1]})" if a.get("scratch") else ""
             if a.get("second"):
                 x2 = self.srcs[3] if len(self.srcs) > 3 else "(no X2)"
                 return (f"{self.dst}, {a['second'][1]} = decayed_product[{a['eq']}, {a['exp']}, diagonal "
                         f"{a['block']}-blocks] {x} {z} {g} and {x2} {z} {g}   (one exponential for both; "
-                        f"a thread a row, the rows' sums staged in {a['scratch'][1]} and {a['second_scratch'][1]})")
+                        f"{slots}, the rows' sums staged in {a['scratch'][1]} and {a['second_scratch'][1]})")
             return (f"{self.dst} = decayed_product[{a['eq']}, {a['exp']}, diagonal {a['block']}-blocks] "
                     f"{x} {z} {g}{how}")
         extra = " ".join(f"{k}={v}" for k, v in a.items())
@@ -407,6 +413,12 @@ class Kernel:
             if st.op == "decayed_product" and any(st.attr.get(k) and st.attr[k][1] not in shared
                                                    for k in ("scratch", "second_scratch")):
                 raise ValueError(f"{self.name}: `{st}` stages its sums in no float32 shared block of the kernel")
+            # (ik,jk,ijk->ij: the C×C product's einsum; the others are the VJP's)
+            if st.op == "decayed_product" and "slots" in st.attr and st.attr["slots"] != (
+                    "triangle" if st.attr["eq"] == "ik,jk,ijk->ij" else "row_pairs" if st.attr.get("scratch") else None):
+                raise ValueError(f"{self.name}: `{st}`: slots {st.attr['slots']!r}; a decayed product's threads take "
+                                 "whole blocks (no attribute), a C×C product's the blocks' triangles (\"triangle\"), "
+                                 "a VJP's product staged in a scratch block row pairs (\"row_pairs\")")
             if st.op == "decayed_product" and bool(st.attr.get("second")) != (len(st.srcs) == 4) \
                     or st.attr.get("second") and not st.attr.get("second_scratch"):
                 raise ValueError(f"{self.name}: `{st}`: a second product takes a fourth source, a second result "

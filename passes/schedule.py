@@ -38,7 +38,7 @@ from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, KernelIR, Stmt, Ten
 from .key_blocks import key_cut
 from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, ident,
-                             input_params, log_space, state_dtype)
+                             input_params, log_space, product_slots, state_dtype)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
                               dim_sizes, live_fragments, live_shared, more_warpgroups, occupancy, packed_shared,
@@ -450,7 +450,7 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict, key_block: int 
     grid = ((("key_block", "K/BK"),) if key_block else ()) + (("chunk_slot", "CH"), ("value_head", "HV"))
     keys = f", on blocks of {key_block} keys" if key_block else ""
     return Kernel(f"{ir.name}_prep{suffix}", grid, threads, params,
-                  list(b.buffers.values()), [], body, [],
+                  list(b.buffers.values()), [], product_slots(body, threads), [],
                   roles=(f"all {threads // 32} warps: " + "; ".join(work) + keys,),
                   doc=f"parallel over chunks{keys}: " + ", ".join(work), kind="prep", nodes=part.prep,
                   shared_peak=peak, ctas_per_sm=ctas, key_block=key_block)
@@ -653,7 +653,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     grid = ((("key_block", "K/BK"),) if key_block else ()) + (("chunk_slot", "CH"), ("value_head", "HV"))
     keys = f", on blocks of {key_block} keys" if key_block else ""
     return Kernel(f"{ir.name}_out{suffix}", grid, threads, params,
-                  list(b.buffers.values()), [], placed, [],
+                  list(b.buffers.values()), [], product_slots(placed, threads), [],
                   roles=(f"all {threads // 32} warps: {what} from the entering state and the chunk's own "
                          f"tokens{keys}",),
                   doc=f"parallel over chunks{keys}: {what}", kind="out", nodes=nodes, outputs=roles,

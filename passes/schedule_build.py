@@ -4,6 +4,7 @@ fragment a sum accumulates in)."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import replace
 
 import networkx as nx
@@ -495,6 +496,9 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
             attrs = (("block", block), ("eq", n.attr["eq"]), ("exp", ir.node(R).op))
             b.place[name] = b.buf(name, n.shape, "float32", "fragment")
             srcs = (b.operand(X), b.operand(Z), g)
+            if n.attr["eq"] != DECAYED_PRODUCT and TRIANGLE_SLOTS:  # the VJP's products, by row pairs
+                # (product_slots), stage their sums in a block of the result's shape
+                attrs += (("scratch", ("buf", b.buf(f"{name}_rows", n.shape, "float32", "shared"))),)
             if n.attr["eq"] == DECAYED_PRODUCT:  # a C×C result, summed a thread a row: its rows'
                 # sums reach the fragment's layout through shared memory (C × the block's columns)
                 attrs += (("scratch", ("buf", b.buf(f"{name}_rows", ("C", str(block)), "float32", "shared"))),)
@@ -584,6 +588,36 @@ def _pairs_together(order: list, ir: ChunkIR) -> list:
             at = max((names.index(a) for a in ir.node(x).args if a in within), default=-1) + 1
             names.insert(at, x)
     return [ir.node(x) for x in names]
+
+
+# Where a decayed product's block is cut for its threads (lower_tilelang's templates). A C×C
+# product: a thread a row walking every column of its block (a 16-block's 256 elements, 120 of
+# them past the diagonal and discarded), or "triangle", the block's lower triangle alone (136
+# elements) dealt to the threads in B/2 × B/2 tiles: the full tile under the diagonal, and the two
+# triangles on it folded into one square (the first's rows beside the second's, reversed); each
+# thread then takes half the exponentials and sums, and reads Z and γ two keys at a time. The
+# VJP's products (a C×K result): every element walking all B of its block's m, half of them
+# selected away, or "row_pairs", a thread a pair of rows r and B−1−r walking only their terms
+# (B + 1 for the two). Off until timed on a GPU; QLA_TRIANGLE_SLOTS=1 turns both on.
+TRIANGLE_SLOTS = os.environ.get("QLA_TRIANGLE_SLOTS", "0") == "1"
+CHUNK_ROWS = 64  # the chunk the kernels' thread mappings are built for
+
+
+def product_slots(body: list, threads, triangle: bool = TRIANGLE_SLOTS) -> list:
+    """The body with each decayed product marked with the slots its threads take (attribute
+    `slots`; unmarked, the templates that walk whole blocks), where asked: a C×C product's
+    "triangle" where its tiles fit whole warps' lanes (threads a multiple of C, each tile row's B/2
+    columns dealt evenly to threads / C lanes); a VJP's product staged in a scratch block its
+    "row_pairs" (threads a multiple of the chunk's C/2 row pairs)."""
+    def slots(st):
+        if not (triangle and st.op == "decayed_product" and isinstance(threads, int) and st.attr["block"] % 2 == 0):
+            return None
+        if st.attr["eq"] == DECAYED_PRODUCT:
+            fits = threads % CHUNK_ROWS == 0 and (st.attr["block"] // 2) % (threads // CHUNK_ROWS) == 0
+            return "triangle" if fits else None
+        return "row_pairs" if "scratch" in st.attr and threads % (CHUNK_ROWS // 2) == 0 else None
+    marked = [(st, slots(st)) for st in body]
+    return [st if how is None else replace(st, attrs=st.attrs + (("slots", how),)) for st, how in marked]
 
 
 def ident(name: str) -> str:
