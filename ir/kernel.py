@@ -368,6 +368,9 @@ class Kernel:
                     raise ValueError(f"{self.name}: `{st}` loads a slot from no int32 [N] or [N, L] input into "
                                      "an int32 [1] fragment")
         tensors, blocks = {p.name: p for p in self.params}, {b.name: b for b in self.buffers}
+        if set(tensors) & set(blocks):  # (one name in the generated kernel: the block would shadow the tensor)
+            raise ValueError(f"{self.name}: {', '.join(sorted(set(tensors) & set(blocks)))} names both a tensor "
+                             "and a block of the kernel")
         for st in self.body:
             if st.op == "load_chunk_state" and st.srcs[0] in tensors and st.dst in blocks:
                 converts = tensors[st.srcs[0]].dtype != blocks[st.dst].dtype

@@ -498,7 +498,8 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
             srcs = (b.operand(X), b.operand(Z), g)
             if n.attr["eq"] != DECAYED_PRODUCT and TRIANGLE_SLOTS:  # the VJP's products, by row pairs
                 # (product_slots), stage their sums in a block of the result's shape
-                attrs += (("scratch", ("buf", b.buf(f"{name}_rows", n.shape, "float32", "shared"))),)
+                # (not `_rows`: a handed-over product crosses memory under that name, global_name)
+                attrs += (("scratch", ("buf", b.buf(f"{name}_sums", n.shape, "float32", "shared"))),)
             if n.attr["eq"] == DECAYED_PRODUCT:  # a C×C result, summed a thread a row: its rows'
                 # sums reach the fragment's layout through shared memory (C × the block's columns)
                 attrs += (("scratch", ("buf", b.buf(f"{name}_rows", ("C", str(block)), "float32", "shared"))),)

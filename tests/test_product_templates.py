@@ -173,3 +173,15 @@ def test_a_vjp_product_template_computes_its_sums(spec, threads, slots):
             exec("\n".join(lines), {"T": _T(), **consts, **buffers})
         want = _vjp_expected(w, y, g, B, rows=st.attr["eq"] == "ij,jk,ijk->ik")
         np.testing.assert_allclose(buffers[st.dst], want, rtol=1e-12, atol=1e-12, err_msg=f"{slots}: {st}")
+
+
+def test_a_block_named_as_a_tensor_of_its_kernel_fails_verification():
+    """A VJP product's scratch block was first named `<product>_rows`, the name under which a
+    handed-over product crosses memory: in GLA's and KDA's kernels that load it, the block shadowed
+    the tensor, and TileLang failed on a 4-index store into a 2-dimensional block (session 39). The
+    KernelIR now refuses one name for both."""
+    from qla_compiler.ir.kernel import Buffer
+    kernel, _ = _product("gla")
+    tensor = kernel.params[0].name
+    with pytest.raises(ValueError, match=f"{tensor} names both a tensor and a block"):
+        replace(kernel, buffers=kernel.buffers + [Buffer(tensor, ("C", "C"), "float32", "shared")]).verify()
