@@ -55,12 +55,14 @@ def for_gpu_tests():
         out += [Compile(spec, part, shape, None) for part in ("forward", "training", "backward")]
         wide = dataclasses.replace(shape, scan_warpgroups=2)  # the forward scan on two warpgroups
         out += [Compile(spec, "forward", wide, None), Compile(spec, "training", wide, None)]
+    # (and GLA's backward at K = V = 128 on each V-block its calls take)
+    out += [Compile("gla", "backward", ShapeClass(H=2, HV=2, K=128, V=128, BV=bv), None) for bv in (16, 32, 64)]
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
         out += classes("gdn", 2, 8, 128, 3, cp=s, training=True)
     # (test_gpu_unwritten_memory's CASES are chosen among the classes here; its fused forward of
     # 2/8 heads, 3 sequences, forced fused, compiles on the node)
-    for spec in ("gla", "kda"):  # test_gpu_per_key's: 1, 2 and 5 sequences; grouped heads at K = V = 64
-        for n in (1, 2, 5):
+    for spec in ("gla", "kda"):  # test_gpu_per_key's: 1, 2, 3 and 5 sequences; grouped heads at K = V = 64
+        for n in (1, 2, 3, 5):
             out += classes(spec, 2, 2, 128, n, training=True)
         out += classes(spec, 1, 4, 64, 3, training=True)
         out += classes(spec, 2, 2, 128, 3, cp=4, training=True)  # its context-parallel case

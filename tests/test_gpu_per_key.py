@@ -111,6 +111,8 @@ GRAD_CASES = {
     "strong per-key decay g=-5": dict(lens=[200, 130], how="strong"),
     "a reset g=-inf": dict(lens=[300], how="reset"),
     "identical keys": dict(lens=[150, 77], same_keys=True),
+    # the context-parallel case's inputs, whole: half the keys at g = 0 for 2500 tokens
+    "mixed g=0 and g=-5 keys, long": dict(lens=[2500, 1, 600], how="mixed", seed=4),
 }
 
 
