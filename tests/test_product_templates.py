@@ -1,9 +1,11 @@
-"""The decayed product's two thread mappings (passes/lower_tilelang.py: a thread a row, and the
-blocks' lower triangles) run on the CPU as the GPU runs them: the template's generated lines
-executed thread by thread with TileLang's primitives played by Python (each thread's loop up to
-the block barrier, then the block-wide read), against Σ_k X_ik Z_jk 2^{γ_ik − γ_jk} on the
-diagonal blocks, j ≤ i. The emulator interprets the statement, not its lowering: without this a
-wrong row, column, key or select in a template fails no CPU test (session 37's slots did not)."""
+"""The decayed products' thread mappings (passes/lower_tilelang.py: a C×C product's a thread a
+row and the blocks' lower triangles; the VJP's products' every element walking its block and the
+row pairs) run on the CPU as the GPU runs them: the template's generated lines executed thread by
+thread with TileLang's primitives played by Python (each thread's loop up to the block barrier,
+then the block-wide read), against their einsums on the diagonal blocks (Σ_k X_ik Z_jk
+2^{γ_ik − γ_jk}, j ≤ i, and the VJP's sums over m ≤ i or m ≥ i). The emulator interprets the
+statement, not its lowering: without this a wrong row, column, key or select in a template fails
+no CPU test (session 37's slots did not)."""
 import itertools
 from dataclasses import replace
 
@@ -13,10 +15,6 @@ import pytest
 import qla_compiler
 from qla_compiler.passes.lower_tilelang import ShapeClass, _Render
 from qla_compiler.passes.schedule_build import product_slots
-
-
-class _Barrier(Exception):
-    pass
 
 
 class _T:
