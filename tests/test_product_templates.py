@@ -183,3 +183,21 @@ def test_a_block_named_as_a_tensor_of_its_kernel_fails_verification():
     tensor = kernel.params[0].name
     with pytest.raises(ValueError, match=f"{tensor} names both a tensor and a block"):
         replace(kernel, buffers=kernel.buffers + [Buffer(tensor, ("C", "C"), "float32", "shared")]).verify()
+
+
+def test_with_the_triangle_glas_wide_heads_schedule():
+    """With QLA_TRIANGLE_SLOTS=1 (a child process: the switch is read at import), GLA's backward at
+    K = V = 256, whose key gradients' kernel loads the handed-over d q product, schedules: the
+    scratch block named `<product>_rows` failed there (see the test above)."""
+    import os
+    import subprocess
+    import sys
+    child = ("import qla_compiler\n"
+             "from qla_compiler.passes.lower_tilelang import ShapeClass\n"
+             "p = qla_compiler.compile_spec('gla', target='sm90').backward_program\n"
+             "q = p.for_shape(ShapeClass(H=2, HV=2, K=256, V=256, BV=32))\n"
+             "print(sum(st.attr.get('slots') == 'row_pairs' for k in q.kernels.kernels for st in k.body))\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "QLA_TRIANGLE_SLOTS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= 1  # the row pairs are there
