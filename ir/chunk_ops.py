@@ -345,8 +345,12 @@ _op("causal_mask", 0, _fixed(("C", "C")),
     "1 where j ≤ i (mask=lower) or j < i (mask=strict), else 0")
 _op("matmul", 2, _matmul_shape, _matmul, "X · Y (ta, tb: transpose an operand)")
 _op("tril", 1, _same, _tril, "keep the lower triangle (strict: below the diagonal; of C×C×K: over i, j)")
-# the per-key decay's products, Σ_k X_ik Z_jk R_ijk (eq="ik,jk,ijk->ij"), and their VJPs: an
+# the per-key decay's products, Σ_k X_ik Z_jk R_ijk (eq DECAYED_PRODUCT), and their VJPs: an
 # einsum, whose every index names a block dim
+DECAYED_PRODUCT = "ik,jk,ijk->ij"  # (X ⋆ Z)_ij = Σ_k X_ik Z_jk R_ijk
+# the two its VJP makes: d X = d P ⋆_rows Z (Σ_{j≤i} d P_ij Z_jk R_ijk) and d Z = d P ⋆_cols X
+# (Σ_{i≥j} d P_ij X_ik R_ijk)
+ROWS_PRODUCT, COLS_PRODUCT = "ij,jk,ijk->ik", "ij,ik,ijk->jk"
 _op("contract", -1, _contract_shape, _contract, "einsum over the block dims (eq: its subscripts)")
 _op("inv_unit_lower", 1, _same, _inv_unit_lower, "(I + A)⁻¹ for strictly lower triangular A")
 

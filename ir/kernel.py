@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .chunk_ops import DECAYED_PRODUCT
 from .display import rich_html
 
 # ---- expressions -----------------------------------------------------------------------------
@@ -270,7 +271,7 @@ class Stmt:
                     f"merges of {a['tf32_from']}-blocks in tf32; built in {self.srcs[0]}'s place, which it overwrites)")
         if self.op == "decayed_product":
             x, z, g = self.srcs[:3]
-            whole = "a thread a row" if a["eq"] == "ik,jk,ijk->ij" else "each element walking its block"
+            whole = "a thread a row" if a["eq"] == DECAYED_PRODUCT else "each element walking its block"
             slots = {"triangle": "the block's lower triangle in tiles of half its rows",
                      "row_pairs": "a thread the terms of rows r and B−1−r"}.get(a.get("slots"), whole)
             how = f"   ({slots}, the rows' sums staged in {a['scratch'][1]})" if a.get("scratch") else ""
@@ -416,9 +417,8 @@ class Kernel:
             if st.op == "decayed_product" and any(st.attr.get(k) and st.attr[k][1] not in shared
                                                    for k in ("scratch", "second_scratch")):
                 raise ValueError(f"{self.name}: `{st}` stages its sums in no float32 shared block of the kernel")
-            # (ik,jk,ijk->ij: the C×C product's einsum; the others are the VJP's)
             if st.op == "decayed_product" and "slots" in st.attr and st.attr["slots"] != (
-                    "triangle" if st.attr["eq"] == "ik,jk,ijk->ij" else "row_pairs" if st.attr.get("scratch") else None):
+                    "triangle" if st.attr["eq"] == DECAYED_PRODUCT else "row_pairs" if st.attr.get("scratch") else None):
                 raise ValueError(f"{self.name}: `{st}`: slots {st.attr['slots']!r}; a decayed product's threads take "
                                  "whole blocks (no attribute), a C×C product's the blocks' triangles (\"triangle\"), "
                                  "a VJP's product staged in a scratch block row pairs (\"row_pairs\")")

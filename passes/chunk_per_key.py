@@ -40,13 +40,8 @@ there), as it does for a scalar gate of the same strength.
 from __future__ import annotations
 
 from qla_compiler.ir.chunk import ChunkIR
+from qla_compiler.ir.chunk_ops import DECAYED_PRODUCT
 from qla_compiler.ir.recurrence import RecurrenceIR
-
-DECAYED_PRODUCT = "ik,jk,ijk->ij"  # (X ⋆ Z)_ij = Σ_k X_ik Z_jk R_ijk
-
-# the two its VJP makes: d X = d P ⋆_rows Z (Σ_{j≤i} d P_ij Z_jk R_ijk) and d Z = d P ⋆_cols X
-# (Σ_{i≥j} d P_ij X_ik R_ijk)
-ROWS_PRODUCT, COLS_PRODUCT = "ij,jk,ijk->ik", "ij,ik,ijk->jk"
 
 
 def shares_exponentials(ir: ChunkIR, a: str, b: str) -> bool:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qla_compiler.errors import PassError
+from qla_compiler.ir.chunk_ops import COLS_PRODUCT, DECAYED_PRODUCT, ROWS_PRODUCT
 from qla_compiler.ir.kernel import Kernel, KernelIR, Stmt, format_expr
 from qla_compiler.kernels.tri_inverse_scratch import SCRATCH as INVERSE_SCRATCH, TF32_FROM as INVERSE_TF32_FROM
 
-from .chunk_per_key import COLS_PRODUCT, DECAYED_PRODUCT, ROWS_PRODUCT
 
 IO_DTYPES = ("bfloat16", "float16")
 HEAD_DIM_RANGE = (16, 256)  # K and V the kernels take, each on its own
@@ -356,8 +356,7 @@ class _Render:
         k = f"(i_k + 2 * (i_t // {per_row} % 32)) % {width}"
         # with a second X (a paired product: KDA's q beside k), its row too, and per element the
         # factor Z_jk e^{γ_ik − γ_jk} once for both sums
-        pairs = [(x, s.dst, scratch)] + ([(s.srcs[3], s.attr["second"][1], s.attr["second_scratch"][1])]
-                                         if s.attr.get("second") else [])
+        pairs = _products(s)
         n = len(pairs)
         factor = f"T.cast({z}[{col}, {k}], \"float32\") * {exp}({scratch}_row[{n}] - {g}[{col}, {k}])"
         lines = ["i_t = T.get_thread_binding()"]
@@ -412,8 +411,7 @@ class _Render:
         h, p = B // 2, threads // CHUNK_SIZE
         w = h // p  # a thread's columns of its tile row
         width = self._buf_shape(x).split(", ")[1]
-        pairs = [(x, s.dst, scratch)] + ([(s.srcs[3], s.attr["second"][1], s.attr["second_scratch"][1])]
-                                         if s.attr.get("second") else [])
+        pairs = _products(s)
         n = len(pairs)
         b0 = f"i_t // {B * p} * {B}"
         sq = f"i_t % {B * p} // {h * p}"  # 0: the tile L, 1: the folded square
@@ -616,6 +614,13 @@ SCRATCH = {
 }
 
 _DIMS = {"T": "Tok", "N": "N", "N+1": "NP1", "CH": "CH", "1": "1", "S": "Slots", "L": "L", "W": "Words"}
+
+
+def _products(s: Stmt) -> list:
+    """(X, result, scratch block) of each product a decayed_product statement forms: its own, and
+    a paired second one's (KDA's q ⋆ k beside k ⋆ k)."""
+    second = [(s.srcs[3], s.attr["second"][1], s.attr["second_scratch"][1])] if s.attr.get("second") else []
+    return [(s.srcs[0], s.dst, s.attr["scratch"][1])] + second
 
 
 def _param(p, tiles: dict) -> str:

@@ -16,9 +16,8 @@ than build a kernel that computes something else or fail deep inside TileLang.
 from __future__ import annotations
 
 from qla_compiler.ir.chunk import ChunkIR
-from qla_compiler.ir.chunk_ops import EXPONENTIALS
+from qla_compiler.ir.chunk_ops import COLS_PRODUCT, DECAYED_PRODUCT, EXPONENTIALS, ROWS_PRODUCT
 
-from .chunk_per_key import COLS_PRODUCT, DECAYED_PRODUCT, ROWS_PRODUCT
 
 # the decayed products with a lowering rule on the diagonal sub-blocks: X ⋆ Z, and its VJP's
 # d P ⋆_rows Z and d P ⋆_cols X (lower_tilelang's decayed_product, by eq)

@@ -29,9 +29,8 @@ from __future__ import annotations
 import sympy as sp
 
 from qla_compiler.ir.chunk import ChunkIR
-from qla_compiler.ir.chunk_ops import EXPONENTIALS
+from qla_compiler.ir.chunk_ops import COLS_PRODUCT, EXPONENTIALS, ROWS_PRODUCT
 
-from .chunk_per_key import COLS_PRODUCT, ROWS_PRODUCT
 from .rewrite import Rewrite, add_once, arg, is_op
 
 D_R = "ij,ik,jk->ijk"  # d R_ijk = d P_ij X_ik Z_jk

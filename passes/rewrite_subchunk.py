@@ -42,9 +42,8 @@ from __future__ import annotations
 import sympy as sp
 
 from qla_compiler.ir.chunk import ChunkIR
-from qla_compiler.ir.chunk_ops import EXPONENTIALS
+from qla_compiler.ir.chunk_ops import COLS_PRODUCT, DECAYED_PRODUCT, EXPONENTIALS, ROWS_PRODUCT
 
-from .chunk_per_key import COLS_PRODUCT, DECAYED_PRODUCT, ROWS_PRODUCT
 from .rewrite import Rewrite, add_once, arg, is_op
 
 SUBCHUNK = 16  # tokens a sub-chunk (B)

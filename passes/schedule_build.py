@@ -11,12 +11,12 @@ import networkx as nx
 
 from qla_compiler.errors import PassError
 from qla_compiler.ir.chunk import ChunkIR
-from qla_compiler.ir.chunk_ops import EXPONENTIALS
+from qla_compiler.ir.chunk_ops import DECAYED_PRODUCT, EXPONENTIALS
 from qla_compiler.ir.kernel import Buffer, Stmt, Tensor
 from qla_compiler.kernels.tri_inverse_scratch import INPUT_DTYPE as INVERSE_INPUT_DTYPE, INPUT_ROW_PAD as INVERSE_ROW_PAD
 from qla_compiler.kernels.tri_inverse_scratch import TF32_FROM as INVERSE_TF32_FROM
 
-from .chunk_per_key import DECAYED_PRODUCT, shares_exponentials, sum_top
+from .chunk_per_key import shares_exponentials, sum_top
 from .key_blocks import key_blocks
 from .lowerable import on_sub_blocks
 
