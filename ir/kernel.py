@@ -293,6 +293,14 @@ GRID_AXES = (("chunk_slot", "value_head"), ("chunk_slot", "key_block", "value_he
              ("sequence", "v_block", "value_head"))
 # the widths of key blocks a kernel may run on (Kernel.key_block): wgmma tiles and whole warps' columns
 KEY_BLOCK_WIDTHS = (32, 64)
+# the tensors a schedule gives its kernels beside the spec's inputs and the values crossing memory
+# (named `<node>_rows` and `<node>_chunks`): the sequence layout, the states, the output, the token
+# step's pools and slots. A spec's input of one of these names would be a second parameter of the
+# same name (qla_compiler/spec.py refuses them; Kernel.verify refuses any repeated parameter).
+SCHEDULE_TENSORS = frozenset({
+    "cu_seqlens", "chunk_map", "chunk_offsets", "skip_chunks", "initial_state", "final_state", "o",
+    "state_pool", "state_out", "read_slot", "write_slot", "final_slot"})
+CROSSING_SUFFIXES = ("_rows", "_chunks")
 
 
 @dataclass
@@ -369,6 +377,10 @@ class Kernel:
                     raise ValueError(f"{self.name}: `{st}` loads a slot from no int32 [N] or [N, L] input into "
                                      "an int32 [1] fragment")
         tensors, blocks = {p.name: p for p in self.params}, {b.name: b for b in self.buffers}
+        if len(tensors) < len(self.params):  # (the lowering would bind one name to two arguments)
+            twice = sorted({p.name for p in self.params if sum(q.name == p.name for q in self.params) > 1})
+            raise ValueError(f"{self.name}: the parameter{'s' if len(twice) > 1 else ''} {', '.join(twice)} "
+                             "appear twice (a spec input named like a tensor the schedule adds?)")
         if set(tensors) & set(blocks):  # (one name in the generated kernel: the block would shadow the tensor)
             raise ValueError(f"{self.name}: {', '.join(sorted(set(tensors) & set(blocks)))} names both a tensor "
                              "and a block of the kernel")

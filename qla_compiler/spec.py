@@ -29,19 +29,19 @@ import sympy as sp
 from sympy.matrices.expressions.matexpr import MatrixExpr
 
 from .errors import SpecError
+from .ir.kernel import CROSSING_SUFFIXES, SCHEDULE_TENSORS
 
 K, V = sp.symbols("K V", integer=True, positive=True)
 I = sp.Identity(K)
 
-# Names an input cannot take: the op's keyword options, and names the generated kernels use for
-# their own parameters, sizes, loop variables and buffers (qla_compiler/op.py, passes/schedule.py,
-# passes/lower_tilelang.py).
+# Names an input cannot take: the op's keyword options, the tensors the schedule adds to the kernels
+# (ir/kernel.SCHEDULE_TENSORS), and names the generated kernels use for their own sizes, loop
+# variables and buffers (passes/schedule_build.py, passes/lower_tilelang.py).
 RESERVED = {
-    "scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm_in_kernel",
-    "context_parallel", "o", "final_state", "chunk_map", "state", "T", "C", "K", "V", "H", "HV", "BV",
-    "G", "N", "IO", "SCALE", "STAGES", "NP1", "CH", "Tok", "i", "j", "t0",
+    "scale", "output_final_state", "use_qk_l2norm_in_kernel", "context_parallel", "state",
+    "T", "C", "K", "V", "H", "HV", "BV", "G", "N", "IO", "SCALE", "STAGES", "NP1", "CH", "Tok", "i", "j", "t0",
     "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v", "i_c", "i_slot", "I", "exp",
-}
+} | SCHEDULE_TENSORS
 RESERVED_PREFIXES = ("d_", "log_", "qla_", "_")
 
 
@@ -74,7 +74,7 @@ def _record() -> tuple[Declared, int]:
 def _check_name(decl: Declared, line, name: str, what: str) -> None:
     if not name.isidentifier():
         raise SpecError(f"{what} name {name!r} is not a Python identifier", decl.path, line)
-    if name in RESERVED or name.startswith(RESERVED_PREFIXES) or name.endswith("_rows"):
+    if name in RESERVED or name.startswith(RESERVED_PREFIXES) or name.endswith(CROSSING_SUFFIXES):
         raise SpecError(f"{what} name {name!r} is reserved (an op option or a name the generated kernels "
                         "use); choose another", decl.path, line)
     if any(n == name for n, *_ in decl.inputs) or any(n == name for n, *_ in decl.constants):

@@ -46,6 +46,10 @@ def write_spec(tmp_path, body: str):
     ("q = key('q')\nq2 = key('q')\n", 3, r"input 'q' is declared twice"),
     ("q = key('q')\nscale = value('scale')\n", 3, r"input name 'scale' is reserved"),
     ("q = key('q')\no = value('o')\n", 3, r"input name 'o' is reserved"),
+    # tensors the schedule gives the kernels: a second parameter of that name crashed the lowering
+    ("q = key('q')\nk = key('chunk_offsets')\n", 3, r"input name 'chunk_offsets' is reserved"),
+    ("q = key('q')\nr = scalar('read_slot')\n", 3, r"input name 'read_slot' is reserved"),
+    ("q = key('q')\nv = value('S0_chunks')\n", 3, r"input name 'S0_chunks' is reserved"),
 ])
 def test_malformed_spec_names_file_and_line(tmp_path, body, line, pattern):
     p = write_spec(tmp_path, body)

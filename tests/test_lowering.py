@@ -89,6 +89,32 @@ def test_partition_prints_what_crosses_memory():
     assert "kernel gdn_scan (sequential over chunks)" in text and "through memory: S0 v_new" in text
 
 
+def test_every_kernel_parameter_is_an_input_a_crossing_value_or_a_schedule_tensor():
+    """A kernel's parameters are the spec's inputs, the values crossing memory (named after their
+    chunk-program nodes: `<node>_rows`, `<node>_chunks`, gradients `d_…`, head decays `log_…`) and
+    the tensors the schedule adds (ir/kernel.SCHEDULE_TENSORS, names a spec's input cannot take),
+    each once in a kernel. A spec key named `chunk_offsets` made the scan's second parameter of
+    that name, and the lowering failed with an IndexError: a name outside these sets is one an
+    input could collide with."""
+    from qla_compiler.ir.kernel import CROSSING_SUFFIXES, SCHEDULE_TENSORS
+    from qla_compiler.spec import RESERVED_PREFIXES
+    seen = set()
+    for name in NAMES:
+        p = qla_compiler.compile_spec(name, target="sm90")
+        programs = [p, p.training_program, p.token_step_program, p.windows_program]
+        programs += [p.backward_program] if p.backward_unsupported is None else []
+        for prog in programs:
+            nodes = set(prog.chunk.graph.nodes) if prog.chunk is not None else set()
+            for k in prog.kernels.kernels:
+                params = [t.name for t in k.params]
+                assert len(set(params)) == len(params), (name, k.name, params)
+                for t in params:
+                    seen.add(t)
+                    assert (t in p.recurrence.input_names or t in SCHEDULE_TENSORS or t in nodes
+                            or t.startswith(RESERVED_PREFIXES) or t.endswith(CROSSING_SUFFIXES)), (name, k.name, t)
+    assert SCHEDULE_TENSORS <= seen, SCHEDULE_TENSORS - seen
+
+
 def test_generated_tilelang_is_readable(capsys):
     assert main(["gdn", "--emit", "tilelang", "--shape", SHAPE]) == 0
     src = capsys.readouterr().out
