@@ -116,12 +116,14 @@ def test_a_product_template_computes_the_decayed_product(spec, threads, slots):
 def test_triangle_slots_go_where_their_tiles_fit_whole_lanes():
     """Asked for, the triangle marks C×C decayed products of kernels whose threads deal each tile
     row's B/2 columns evenly (threads a multiple of C, B/2 a multiple of threads / C); elsewhere the
-    statement keeps a thread a row, and unasked nothing changes."""
+    statement keeps a thread a row, and unasked (QLA_TRIANGLE_SLOTS=0) it is unmarked."""
     kernel, st = _product("kda")
-    assert product_slots([st], 128) == [st]  # off by default until timed
-    assert product_slots([st], 128, triangle=True)[0].attr["slots"] == "triangle"
+    assert st.attr["slots"] == "triangle"  # the default since session 40's H100 timings
+    bare = product_slots([st], 128, triangle=False)[0]
+    assert "slots" not in bare.attr
+    assert product_slots([bare], 128, triangle=True) == product_slots([st], 128, triangle=True) == [st]
     for threads in (96, "SCAN_THREADS", 1024):  # not C's multiple; not a number; 16 lanes a tile row
-        assert product_slots([st], threads, triangle=True) == [st]
+        assert product_slots([st], threads, triangle=True) == [bare]
     assert "lower triangle" in str(product_slots([st], 128, triangle=True)[0])
     with pytest.raises(ValueError, match="slots 'diagonal'"):
         replace(kernel, body=[replace(s, attrs=s.attrs + (("slots", "diagonal"),)) if s == st else s
@@ -186,9 +188,10 @@ def test_a_block_named_as_a_tensor_of_its_kernel_fails_verification():
 
 
 def test_with_the_triangle_glas_wide_heads_schedule():
-    """With QLA_TRIANGLE_SLOTS=1 (a child process: the switch is read at import), GLA's backward at
-    K = V = 256, whose key gradients' kernel loads the handed-over d q product, schedules: the
-    scratch block named `<product>_rows` failed there (see the test above)."""
+    """With the triangle slots (the default; QLA_TRIANGLE_SLOTS=1 set for the child process all the
+    same, the switch being read at import), GLA's backward at K = V = 256, whose key gradients'
+    kernel loads the handed-over d q product, schedules: the scratch block named `<product>_rows`
+    failed there (see the test above)."""
     import os
     import subprocess
     import sys
