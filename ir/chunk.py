@@ -52,6 +52,9 @@ class ChunkIR:
     # a backward program's output roles that are an input's gradient -> that input (of the forward)
     gradient_of: dict = field(default_factory=dict)
     next_state: str | None = None  # the node of the state leaving the chunk (K×V)
+    # a backward program's inputs that are an output's cotangent (kind cotangent_value) -> that
+    # output's role in the forward: what the runtime binds the incoming d o to
+    cotangent_of: dict = field(default_factory=dict)
 
     # ---- building -------------------------------------------------------------------------
     def add(self, name: str, op: str, /, *args: str, **attrs) -> str:
@@ -77,7 +80,7 @@ class ChunkIR:
 
     def copy(self) -> "ChunkIR":
         return ChunkIR(self.name, self.chunk_size, self.graph.copy(), dict(self.outputs), self.history,
-                       self.reverse, dict(self.gradient_of), self.next_state)
+                       self.reverse, dict(self.gradient_of), self.next_state, dict(self.cotangent_of))
 
     # ---- reading --------------------------------------------------------------------------
     def node(self, name: str) -> Node:
@@ -208,6 +211,9 @@ class ChunkIR:
         for role, x in self.gradient_of.items():
             if role not in self.outputs:
                 raise ValueError(f"gradient_of names {role} (of {x}), which is no output of the program")
+        for x, role in self.cotangent_of.items():
+            if x not in self.graph or self.node(x).attr.get("kind") != "cotangent_value":
+                raise ValueError(f"cotangent_of names {x} (of {role}), which is no cotangent input of the program")
 
     # ---- display ----------------------------------------------------------------------------
     def __str__(self) -> str:

@@ -103,6 +103,9 @@ class Tensor:
     # there reads zeros at no cost (context parallelism's widened values [0 | v], passes/walk_skip.py,
     # without writing the zeros: 0.07 ms a call at 32768 tokens of 8 value heads on the H200)
     zero_columns: str = ""
+    # the chunk program's output role this tensor holds (ChunkIR.outputs: the forward's result, a
+    # backward's gradient), which the runtime returns; "" for every other tensor
+    result: str = ""
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,12 @@ class Kernel:
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
 
+    @property
+    def walks_chunks(self) -> bool:
+        """A scan: a CTA walks one sequence's chunks in order (the loop), where every other kernel
+        of a chunk program is parallel over chunks; a token step's loop walks tokens instead."""
+        return self.loop is not None and self.kind != "token_step"
+
     def verify(self) -> None:
         """What the lowering relies on (ValueError naming what breaks it): only 2-D shared blocks
         pad their rows; a warp-specialised kernel's roles are whole warpgroups, in order, covering
@@ -492,7 +501,8 @@ class Kernel:
             lines.append(f"  {p.role:<3} {p.name}: {p.dtype}[{', '.join(map(str, p.shape))}]"
                          + (" padded" if p.padded else "")
                          + (f" (its first {p.zero_columns} columns zeros, not in memory)" if p.zero_columns else "")
-                         + (f"   # {p.doc}" if p.doc else ""))
+                         + (f"   # {p.doc}" if p.doc else "")
+                         + (("; " if p.doc else "   # ") + f"the result {p.result}" if p.result else ""))
         for b in self.buffers:
             ring = f" ×{b.stages} stages" if b.stages > 1 else ""
             owner = f"  (written by {b.owner})" if b.owner else ""
@@ -549,10 +559,27 @@ class KernelIR:
     # them to local memory, which the kernel's time shows (KDA's backward out kernels, session 27)
     over_registers: tuple = ()
 
+    @property
+    def scan(self) -> int | None:
+        """The index of the kernel that walks each sequence's chunks in order (its `loop`; a token
+        step walks tokens): the runtime launches the kernels before it, it, then those after it,
+        and launches it per segment where context parallelism cuts sequences. None where no kernel
+        walks chunks (a token-step program)."""
+        walks = [i for i, k in enumerate(self.kernels) if k.walks_chunks]
+        return walks[0] if walks else None
+
+    def results(self) -> dict:
+        """The chunk program's output role -> the tensor of the kernel that writes it (Tensor.result)."""
+        return {p.result: p.name for k in self.kernels for p in k.params if p.result and p.role == "out"}
+
     def verify(self) -> None:
-        """Every kernel's verify (ValueError naming the kernel and what breaks it)."""
+        """Every kernel's verify, and at most one kernel walking chunks (ValueError naming the
+        kernel and what breaks it)."""
         for k in self.kernels:
             k.verify()
+        walks = [k.name for k in self.kernels if k.walks_chunks]
+        if len(walks) > 1:
+            raise ValueError(f"{self.name}: {', '.join(walks)} each walk a sequence's chunks; a program has one scan")
 
     def __str__(self) -> str:
         head = [f"kernel_program {self.name}  C={self.chunk_size}  head-dim tiles up to K={self.head_dims[0]} "

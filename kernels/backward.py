@@ -46,7 +46,8 @@ def backward(program, kept: dict, kinds: dict, dims, scale: float, d_o: torch.Te
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = kept[v_name].dtype if v_name in kept else d_o.dtype  # the forward's io dtype
     t = {n: kept[n] for n in reads_from_forward(each) | {"cu_seqlens"} if n in kept}
-    t["d_o"] = d_o.reshape(1, dims.B * dims.T, dims.HV, dims.V).to(io).contiguous()
+    (cotangent,) = each.backward_program.chunk.cotangent_of  # the input d o binds to
+    t[cotangent] = d_o.reshape(1, dims.B * dims.T, dims.HV, dims.V).to(io).contiguous()
     d_final = (torch.zeros(dims.N, dims.HV, dims.K, dims.V, device=d_o.device, dtype=torch.float32)
                if d_final is None else d_final.to(torch.float32).contiguous())
     params = {p.name: p for k in each.backward_program.kernels.kernels for p in k.params}
@@ -121,10 +122,11 @@ def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, s
     bprog = bprog_of.backward_program
     total = dims.B * dims.T
     d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments, cache)
-    role = {x: r for r, x in bprog.chunk.gradient_of.items()}  # input -> the out kernel's tensor
+    role = {x: r for r, x in bprog.chunk.gradient_of.items()}  # input -> its gradient's output role
+    holds = bprog.kernels.results()  # output role -> the tensor an out kernel writes it to
     grads = {}
     for name, kind in kinds.items():
-        g = t[role[name]]
+        g = t[holds[role[name]]]
         if kind == "key" and dims.HV != dims.H:  # per value head: the query/key head's sums its group
             g = group_sum(g, dims.HV // dims.H, cache)
         grads[name] = g.reshape(dims.B, dims.T, *g.shape[2:])
@@ -172,7 +174,7 @@ def kept_shapes(program, dims, io, segments=None) -> list:
     KP, VP = tile_width(dims.K), tile_width(dims.V)
     out = []
     for k in program.training_program.kernels.kernels:
-        n_seqs = dims.N * (segments or 1) if k.loop else dims.N  # the scan runs segments as sequences
+        n_seqs = dims.N * (segments or 1) if k.walks_chunks else dims.N  # the scan runs segments as sequences
         sizes = {"1": 1, "T": dims.B * dims.T, "HV": dims.HV, "H": dims.H, "C": C, "N": n_seqs,
                  "CH": chunk_slots(dims.B, dims.T, dims.N, C), "K": dims.K, "V": dims.V}
         for p in k.params:

@@ -280,8 +280,8 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     tensors, cu, h0 = call_tensors(inputs, kinds, dims, initial_state, cu_seqlens, head_logs, program.chunk_size,
                                  cache)
     final = run_kernels(program, tensors, dims, scale, io, cu, h0, context_parallel, cache)
-    (result,) = program.chunk.outputs  # the forward's one result, o: the out kernel's tensor of that name
-    o = tensors[result].view(dims.B, dims.T, dims.HV, dims.V)
+    (result,) = program.chunk.outputs  # the forward's one result, o
+    o = tensors[program.kernels.results()[result]].view(dims.B, dims.T, dims.HV, dims.V)
     return (o, final, dict(tensors, cu_seqlens=cu)) if keep else (o, final)
 
 
@@ -413,7 +413,7 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
     C = program.chunk_size
     sizes = tensor_sizes(dims, C, tensors["chunk_map"])
     ks = program.kernels.kernels
-    i_scan = next(i for i, k in enumerate(ks) if k.loop)
+    i_scan = program.kernels.scan
     scan_kernel = ks[i_scan]
     # the scan's per-token inputs of the state's value width (v, or what prep made from it; dO in a
     # backward): context parallelism widens them
@@ -543,7 +543,7 @@ def _launch_plan(program, kernel, dims, scale, io, device, sizes: dict, width: i
                 size = dict(sizes, N=n_seqs, **(dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)))
                 outs.append((p.name, tuple(size[d] for d in p.shape), io if p.dtype == "io" else torch.float32))
         kernels = loader(program, shape)
-        if not kernel.loop and hasattr(kernels, "prefetch"):
+        if not kernel.walks_chunks and hasattr(kernels, "prefetch"):
             # a call's first launch at this class: every kernel of the program compiles at once,
             # beside each other, not each at its launch (a context-parallel call runs its scan at
             # another class, and this one's compiles in vain, on a spare core)

@@ -261,9 +261,10 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
             active.add(n.name)
 
     # the seeds: d_o, and the carried cotangent of the state
-    (o,), S_next = fwd.outputs.values(), fwd.next_state
+    ((role, o),), S_next = fwd.outputs.items(), fwd.next_state
     parts: dict = defaultdict(list)
-    parts[o].append(b(f"d_{o}", "input", name=f"d_{o}", kind="cotangent_value"))
+    cotangent = b(f"d_{o}", "input", name=f"d_{o}", kind="cotangent_value")
+    parts[o].append(cotangent)
     parts[S_next].append(b(f"d_{S_next}", "state_in"))
 
     grads = {}
@@ -282,6 +283,7 @@ def derive_backward(fwd: ChunkIR) -> ChunkIR:
     bwd.outputs = {f"d_{n.name}": grads[n.name] for n in fwd.inputs() if n.name in grads and n.name in leaves}
     bwd.gradient_of = {f"d_{n.name}": n.name for n in fwd.inputs() if f"d_{n.name}" in bwd.outputs}
     bwd.next_state = grads[S0]
+    bwd.cotangent_of = {cotangent: role}
     bwd = CSE.run(bwd)  # merges repeated products; drops the forward nodes the backward does not need
     bwd.verify()
     verify_exponents(bwd)

@@ -690,16 +690,17 @@ def _out_statements(ir: ChunkIR, roles: tuple, nodes: tuple, loaded: set, dims: 
             stores += [Stmt("ewise", buf, (), (("expr", b.ex(x, ("i", "j"))), ("index", ("i", "j")))),
                        Stmt("store", role, (buf,), (("rows", "n_valid"),))]
             outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "io", "out",
-                               "per token, per value head" if of is not None else ""))
+                               "per token, per value head" if of is not None else "", result=role))
         elif shape == ("C",):  # a gradient per token (gates, scalars), float32
             if x not in b.place or b.buffers[b.place[x]].scope != "shared":
                 dst = b.buf(f"{x}_s", ("C",), "float32", "shared")
                 b.ewise(dst, x)
                 b.place[x] = dst
             stores.append(Stmt("store_vec", role, (b.place[x],), (("rows", "n_valid"),)))
-            outs.append(Tensor(role, ("1", "T", "HV"), "float32", "out", "per token"))
+            outs.append(Tensor(role, ("1", "T", "HV"), "float32", "out", "per token", result=role))
         else:  # a gradient block of another kind of input, per token and value head, float32
             stores.append(Stmt("store", role, (b.fragment(x),), (("rows", "n_valid"),)))
-            outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head"))
+            outs.append(Tensor(role, ("1", "T", "HV", shape[1]), "float32", "out", "per token, per value head",
+                               result=role))
     return b, stores, outs
 

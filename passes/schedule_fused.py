@@ -363,7 +363,7 @@ def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
            Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
     ps += head_params(ir, set(part.scan) | set(out_nodes))
     (result,) = ir.outputs
-    return ps + [Tensor(result, ("1", "T", "HV", "V"), "io", "out"),
+    return ps + [Tensor(result, ("1", "T", "HV", "V"), "io", "out", result=result),
                  Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
 
 

@@ -30,7 +30,7 @@ SKIP = Tensor("skip_chunks", ("N", "HV"), "int32", "in",
 
 
 def skipping_scan(kir: KernelIR) -> KernelIR:
-    scans = [k for k in kir.kernels if k.loop and k.kind != "token_step"]
+    scans = [k for k in kir.kernels if k.walks_chunks]
     if len(scans) != 1:
         raise PassError("walk_skip", f"{kir.name}: expected one scan kernel, found {len(scans)}")
     (scan,) = scans

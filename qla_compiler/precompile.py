@@ -342,7 +342,7 @@ def _token_step_classes(spec: str, H: int, HV: int, K: int, V: int, io: str, sta
 def _kernel_names(c: Compile, program=None) -> list:
     program = program or _program(c)
     return [k.name for k in program.kernels.kernels
-            if c.kernels in ("all", "windows") or (c.kernels == "scan") == bool(k.loop)]
+            if c.kernels in ("all", "windows") or (c.kernels == "scan") == k.walks_chunks]
 
 
 def _tilelang_entries() -> set:

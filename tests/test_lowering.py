@@ -115,6 +115,22 @@ def test_every_kernel_parameter_is_an_input_a_crossing_value_or_a_schedule_tenso
     assert SCHEDULE_TENSORS <= seen, SCHEDULE_TENSORS - seen
 
 
+def test_the_kernels_say_which_walks_the_chunks_and_which_tensors_hold_the_results():
+    """The runtime finds the scan (KernelIR.scan: the one kernel walking chunks) and each output
+    role's tensor (Tensor.result, KernelIR.results) from fields, not from "the first kernel with a
+    loop" or a tensor named after the role; a program with two scans fails verification."""
+    p = qla_compiler.compile_spec("gdn", target="sm90")
+    kir = p.kernels
+    assert [k.kind for k in kir.kernels] == ["prep", "scan", "out"] and kir.scan == 1
+    assert kir.results() == {"o": "o"}
+    grads = p.backward_program.kernels.results()
+    assert set(grads) == set(p.backward_program.chunk.gradient_of) and all(grads.values())
+    assert p.token_step_program.kernels.scan is None
+    scan = kir.kernels[kir.scan]
+    with pytest.raises(ValueError, match="each walk a sequence's chunks"):
+        dataclasses.replace(kir, kernels=[*kir.kernels, dataclasses.replace(scan, name="second")]).verify()
+
+
 def test_generated_tilelang_is_readable(capsys):
     assert main(["gdn", "--emit", "tilelang", "--shape", SHAPE]) == 0
     src = capsys.readouterr().out
