@@ -40,6 +40,7 @@ from .partition import Partition
 from .schedule_build import (Builder, build, check_v_columns, crossing_tensor, global_name, head_params, ident,
                              input_params, log_space, product_slots, state_dtype)
 from .schedule_fused import fused_kernel
+from .schedule_vectors import VECTOR_REGISTERS, vectors_in_registers
 from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
                               dim_sizes, live_fragments, live_shared, more_warpgroups, occupancy, packed_shared,
                               place_loads, reads, smem_bytes, threads_for, zero_pad)
@@ -99,6 +100,8 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     else:
         kir.kernels.append(_scan_kernel(part, dims))
         kir.kernels += _out_kernels(part, split_phase_loads, dims, partial, key_blocks=key_blocks)
+    if VECTOR_REGISTERS:
+        kir.kernels = [vectors_in_registers(k) if not k.loop and not k.warp_roles else k for k in kir.kernels]
     for k in kir.kernels:
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
             buffers, at = {b.name: b for b in k.buffers}, dim_sizes(head_dims, k.key_block)
