@@ -53,11 +53,19 @@ diagonal 16-blocks of T from the warps that solved them, for the 16 → 32 merge
 (C×16, float32) holds each 16 → 32 merge's first product A₂₁ T₁₁, which the second reads across
 threads. A21_s, T11_s, T22_s and M_s (32×32, float32) are the 32 → 64 merge's operands and first
 product, unpadded blocks as the tensor-core product reads them.
+
+QLA_PREP_PAD=1 (tri_inverse_scratch.PAD) changes layouts and vector widths only, for the prep's
+shared-memory traffic, which bounds it (above): D_s's rows padded to 20 floats (the allocation
+comes from SCRATCH; why, in tri_inverse_scratch.py), the substitution's results stored into D_s and
+A_s 4 floats at a time, and the last merge's operands staged 4 floats at a time. Every float32
+operation is the one it was, in the same order, so T is bit for bit the same: the generated CUDA
+of both, run on the CPU from the substitution to the staged operands, writes the same bits
+(tests/test_tri_inverse.py); what follows the staging is the same code.
 """
 import tilelang.language as T
 
 # the constants live where the passes can read them without importing TileLang
-from .tri_inverse_scratch import BLOCK, INPUT_DTYPE, SCRATCH  # noqa: F401
+from .tri_inverse_scratch import BLOCK, INPUT_DTYPE, PAD, SCRATCH  # noqa: F401
 from .tri_inverse_scratch import HALF as PAIR  # the blocks the first merge makes, the second multiplies
 
 
@@ -86,9 +94,21 @@ def _substitute(A_s, D_s, C, warps):
             # T's block in A's place: the warp's lanes read only this block of A, but lane 2r + 1
             # reads the columns lane 2r overwrites, so the writes wait for every read (TileLang
             # puts a barrier for this write after read between the sweep and the stores)
-            for c in T.unroll(BLOCK // 2):
-                D_s[block * BLOCK + lane // 2, (lane % 2) * (BLOCK // 2) + c] = d[c]
-                A_s[block * BLOCK + lane // 2, block * BLOCK + (lane % 2) * (BLOCK // 2) + c] = d[c]
+            if PAD:
+                # a lane's 8 values are 8 consecutive floats of a row in both blocks: scalar stores
+                # from lanes 32 bytes apart meet 8-way conflicts in D_s (4-way in A_s), 128-bit
+                # ones at most 2-way (D_s's rows 20 floats apart, A_s's 68), in a quarter as many
+                # instructions
+                for q in T.unroll(BLOCK // 8):
+                    col = (lane % 2) * (BLOCK // 2) + 4 * q
+                    for v in T.vectorized(4):
+                        D_s[block * BLOCK + lane // 2, col + v] = d[4 * q + v]
+                    for v in T.vectorized(4):
+                        A_s[block * BLOCK + lane // 2, block * BLOCK + col + v] = d[4 * q + v]
+            else:
+                for c in T.unroll(BLOCK // 2):
+                    D_s[block * BLOCK + lane // 2, (lane % 2) * (BLOCK // 2) + c] = d[c]
+                    A_s[block * BLOCK + lane // 2, block * BLOCK + (lane % 2) * (BLOCK // 2) + c] = d[c]
 
 
 @T.macro
@@ -121,16 +141,57 @@ def _tf32(x):
 
 
 @T.macro
-def _merge_halves(A_s, A21_s, T11_s, T22_s, M_s):
+def _stage_wide(A_s, A21_s, T11_s, T22_s, warps):
+    # the 32 → 64 merge's operands staged 4 floats a load and a store, every load before the
+    # first store: staged by T.Parallel, each thread ran 24 scalar load → round → store one after
+    # another (a store may alias the next load, for all the compiler knows), 6 LDS.128 then
+    # 6 STS.128 at 128 threads. TileLang's swizzle of the mma.sync operands permutes 16-byte chunks
+    # of a row, so 4 consecutive columns stay one 128-bit store; 8 lanes' 4 columns make a row of
+    # 32: no bank conflict, in A_s either. The rounding runs in a scalar loop between the vector
+    # load and store (TileLang finds no vector plan for _tf32's reinterpret and mask, and falls back
+    # to scalar stores). T₁₁ and T₂₂ are loaded whole and masked after rounding: the select drops
+    # whatever A_s holds above the diagonal, as the masked loads did.
+    tx = T.get_thread_binding()
+    turns = (PAIR * PAIR // 4 + warps * 32 - 1) // (warps * 32)
+    x = T.alloc_local((turns, 3, 4), "float32")
+    for turn in T.unroll(turns):
+        e = turn * warps * 32 + tx  # row e // 8, columns 4 (e % 8) … 4 (e % 8) + 3 of each operand
+        if e < PAIR * PAIR // 4:
+            for v in T.vectorized(4):
+                x[turn, 0, v] = A_s[PAIR + e // (PAIR // 4), e % (PAIR // 4) * 4 + v]
+            for v in T.vectorized(4):
+                x[turn, 1, v] = A_s[e // (PAIR // 4), e % (PAIR // 4) * 4 + v]
+            for v in T.vectorized(4):
+                x[turn, 2, v] = A_s[PAIR + e // (PAIR // 4), PAIR + e % (PAIR // 4) * 4 + v]
+    for turn in T.unroll(turns):
+        e = turn * warps * 32 + tx
+        if e < PAIR * PAIR // 4:
+            for v in T.unroll(4):
+                x[turn, 0, v] = _tf32(x[turn, 0, v])
+                x[turn, 1, v] = T.if_then_else(e % (PAIR // 4) * 4 + v <= e // (PAIR // 4), _tf32(x[turn, 1, v]), 0.0)
+                x[turn, 2, v] = T.if_then_else(e % (PAIR // 4) * 4 + v <= e // (PAIR // 4), _tf32(x[turn, 2, v]), 0.0)
+            for v in T.vectorized(4):
+                A21_s[e // (PAIR // 4), e % (PAIR // 4) * 4 + v] = x[turn, 0, v]
+            for v in T.vectorized(4):
+                T11_s[e // (PAIR // 4), e % (PAIR // 4) * 4 + v] = x[turn, 1, v]
+            for v in T.vectorized(4):
+                T22_s[e // (PAIR // 4), e % (PAIR // 4) * 4 + v] = x[turn, 2, v]
+
+
+@T.macro
+def _merge_halves(A_s, A21_s, T11_s, T22_s, M_s, warps):
     # 32 → 64: T[32 + r, c] = −Σ_l T₂₂[r, l] (A₂₁ T₁₁)[l, c] over 32-blocks, both products tf32 on
     # the tensor cores, every operand rounded to tf32 as it is staged; T₁₁ and T₂₂ are read from A_s
     # on and below their diagonals only (above, A_s holds A's zeros or a 16-block's), and T₂₁ goes
     # into A₂₁'s place once the products have read their staged copies
     product = T.alloc_fragment((PAIR, PAIR), "float32")
-    for r, c in T.Parallel(PAIR, PAIR):
-        A21_s[r, c] = _tf32(A_s[PAIR + r, c])
-        T11_s[r, c] = T.if_then_else(c <= r, _tf32(A_s[r, c]), 0.0)
-        T22_s[r, c] = T.if_then_else(c <= r, _tf32(A_s[PAIR + r, PAIR + c]), 0.0)
+    if PAD:
+        _stage_wide(A_s, A21_s, T11_s, T22_s, warps)
+    else:
+        for r, c in T.Parallel(PAIR, PAIR):
+            A21_s[r, c] = _tf32(A_s[PAIR + r, c])
+            T11_s[r, c] = T.if_then_else(c <= r, _tf32(A_s[r, c]), 0.0)
+            T22_s[r, c] = T.if_then_else(c <= r, _tf32(A_s[PAIR + r, PAIR + c]), 0.0)
     T.gemm(A21_s, T11_s, product, clear_accum=True)
     for r, c in T.Parallel(PAIR, PAIR):
         M_s[r, c] = _tf32(product[r, c])
@@ -147,6 +208,6 @@ def unit_lower_inverse(A_s, X, D_s, P_s, A21_s, T11_s, T22_s, M_s, C, warps):
     if C >= PAIR:
         _merge_pairs(A_s, D_s, P_s, C)
     if C == 2 * PAIR:
-        _merge_halves(A_s, A21_s, T11_s, T22_s, M_s)
+        _merge_halves(A_s, A21_s, T11_s, T22_s, M_s, warps)
     for i, j in T.Parallel(C, C):  # T on and below the diagonal; above it, what A_s held
         X[i, j] = T.if_then_else(j <= i, A_s[i, j], 0.0)

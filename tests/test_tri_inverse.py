@@ -7,6 +7,13 @@ entry of T = (I + StrictLower(diag(β) K Kᵀ))⁻¹, and of every partial sum a
 forms, is at most 1 in size, whatever the keys. Neumann doubling's powers of A are not bounded
 (≈ 1e17 for a repeated key), which is why it was replaced.
 """
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +23,7 @@ from qla_compiler.ir.kernel_interp import _tf32 as tf32_staged  # as the merge s
 from qla_compiler.ir.kernel_interp import _unit_lower_inverse
 
 C, BLOCK = 64, 16
+PAIR = 2 * BLOCK
 
 
 def tf32(x):
@@ -184,3 +192,112 @@ def test_the_merge_rounds_its_tf32_operands(monkeypatch):
     def summed_error(x):
         return ((x - ref).sum(0).norm() / ref.sum(0).norm()).item()
     assert summed_error(rounded) < 0.6 * summed_error(truncated)
+
+
+_PREP_CUDA = """
+import dataclasses, sys
+import qla_compiler
+from qla_compiler.kernels.runtime import lower_to_cuda
+from qla_compiler.passes.lower_tilelang import ShapeClass
+p = qla_compiler.compile_spec("gdn")
+prep = p.kernels.kernels[0]
+p = dataclasses.replace(p, kernels=dataclasses.replace(p.kernels, kernels=[prep]))
+sys.stdout.write(lower_to_cuda(p, ShapeClass(H=2, HV=8, K=128, V=128))[prep.name])
+"""
+
+# what the generated section needs, for 128 threads on the CPU: a barrier for __syncthreads, a
+# warp's exchange (two barriers) for __shfl_sync, float4 as a 16-byte struct
+_HARNESS = r"""
+#include <barrier>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+typedef unsigned int uint;
+typedef unsigned char uchar;
+struct alignas(16) float4 { float x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+thread_local struct { int x; } threadIdx;
+alignas(1024) static uchar buf_dyn_shmem[65536];
+static std::barrier<> *block, *warp[4];
+static float lanes[4][32];
+static void __syncthreads() { block->arrive_and_wait(); }
+static float __shfl_sync(uint, float v, int src, int) {
+  int w = threadIdx.x / 32;
+  warp[w]->arrive_and_wait(); lanes[w][threadIdx.x % 32] = v; warp[w]->arrive_and_wait();
+  return lanes[w][src % 32];
+}
+POINTERS
+static void run(int tx) {
+  threadIdx.x = tx;
+LOCALS
+SECTION
+}
+int main(int, char **argv) {
+  memset(buf_dyn_shmem, 0xA5, sizeof buf_dyn_shmem);
+  FILE *f = fopen(argv[1], "rb");
+  if (fread(A_r_s, 4, 64 * 68, f) != 64 * 68) return 1;
+  fclose(f);
+  std::barrier<> b(128), w0(32), w1(32), w2(32), w3(32);
+  block = &b; warp[0] = &w0; warp[1] = &w1; warp[2] = &w2; warp[3] = &w3;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 128; ++t) threads.emplace_back(run, t);
+  for (auto &t : threads) t.join();
+  f = fopen(argv[2], "wb");
+  fwrite(A_r_s, 4, 64 * 68, f);
+  for (void *s : {T_r_A21_s, T_r_T11_s, T_r_T22_s}) fwrite(s, 4, 32 * 32, f);
+  fclose(f);
+}
+"""
+
+
+def _emulate_inverse(cuda: str, A_s: torch.Tensor, tmp_path, name: str) -> torch.Tensor:
+    """Runs a prep kernel's generated CUDA on the CPU, from the substitution to the staged operands
+    of the last merge, on the input block A_s (64×68): A_s after the merges of 16-blocks, then the
+    staged A₂₁, T₁₁, T₂₂, as float32 bits (int32)."""
+    lines = cuda.split("\n")
+    first = next(i for i, ln in enumerate(lines) if re.match(r"\s+d\[\w+\] = condval", ln))
+    start = max(i for i in range(first) if lines[i].strip() == "#pragma unroll")
+    end = next(i for i in range(first, len(lines)) if "float A_local[4];" in lines[i]) - 1  # the gemm's block
+    assert lines[end].strip() == "{", lines[end]
+    section = "\n".join(lines[start:end])
+    assert "tl::" not in section and "T_r_D_s" in section and "T_r_A21_s" in section
+    pointers = [ln for ln in lines if re.match(r"\s+void\* \w+ = \(\(void\*\)\(\(char\*\)buf_dyn_shmem", ln)]
+    local_arrays = [ln for ln in lines[:start] if re.match(r"\s+float \w+\[\d+\];$", ln)]
+    src = (_HARNESS.replace("SECTION", section).replace("POINTERS", "\n".join(pointers))
+           .replace("LOCALS", "\n".join(local_arrays)))
+    (tmp_path / f"{name}.cpp").write_text(src)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-ffp-contract=off", "-fno-strict-aliasing", "-pthread",
+                    str(tmp_path / f"{name}.cpp"), "-o", str(tmp_path / name)], check=True)
+    (tmp_path / "A.bin").write_bytes(A_s.float().contiguous().numpy().tobytes())
+    subprocess.run([str(tmp_path / name), str(tmp_path / "A.bin"), str(tmp_path / f"{name}.out")], check=True)
+    return torch.frombuffer(bytearray((tmp_path / f"{name}.out").read_bytes()), dtype=torch.int32)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="runs the generated CUDA on the CPU with g++")
+def test_the_padded_scratch_leaves_the_inverse_bit_for_bit(tmp_path):
+    """QLA_PREP_PAD=1 pads D_s's rows and stores into D_s, A_s and the last merge's operands 4 floats
+    at a time: layouts and vector widths, the same float32 operations. The GDN prep's CUDA, lowered
+    both ways, run on the CPU (a thread a CUDA thread) from the substitution to the staged tf32
+    operands, leaves the same bits in A_s and the operands — on A's zeros above the diagonal, as the
+    kernel stores them, and on garbage on and above it, which every read of it masks. Past the
+    staging the two are the same code. The vector stores are checked to be there: TileLang lowers a T.vectorized
+    loop it finds no plan for to scalar stores with only a warning."""
+    root = Path(__file__).resolve().parents[1]
+    cuda = {on: subprocess.run([sys.executable, "-c", _PREP_CUDA], capture_output=True, text=True, check=True,
+                               cwd=root, env={**os.environ, "QLA_PREP_PAD": on}).stdout for on in ("0", "1")}
+    for b in ("T_r_D_s", "A_r_s", "T_r_A21_s", "T_r_T11_s", "T_r_T22_s"):  # the macro's 128-bit stores
+        store = rf"^ *\*\(float4\*\)\(\(\(float\*\){b}\) \+ .* = \*\(float4\*\)\((d|x) \+"
+        assert not re.search(store, cuda["0"], re.M) and re.search(store, cuda["1"], re.M), b
+    assert re.search(r"\(\(float\*\)T_r_D_s\)\[.*\* 20\)", cuda["1"])  # a column read, rows 20 floats apart
+    gen = torch.Generator().manual_seed(7)
+    A = delta_rule_A(keys_of("uniform", gen), torch.rand(C, generator=gen, dtype=torch.float64)).float()
+    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double())
+    for above in (torch.zeros(C, C), torch.randn(C, C, generator=gen)):
+        A_s = torch.full((C, C + 4), 12345.0)  # the row padding: never read
+        A_s[:, :C] = A + torch.triu(above)
+        bits = {on: _emulate_inverse(cuda[on], A_s, tmp_path, f"pad{on}") for on in ("0", "1")}
+        assert torch.equal(bits["0"], bits["1"])
+        T_s = bits["1"][:C * (C + 4)].view(torch.float32).view(C, C + 4)
+        for h in (slice(0, PAIR), slice(PAIR, C)):  # the emulation did invert: the 32-blocks of T
+            assert (torch.tril(T_s[h, h]).double() - ref[h, h]).abs().max() < 1e-5
