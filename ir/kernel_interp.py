@@ -363,7 +363,8 @@ def _run_token_step(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float) -
                                 torch.arange(N)).to(dev).view(-1, 3)
     i_v, i_hv, i_n = grid.unbind(1)
     bos, seq_len = cu[i_n], cu[i_n + 1] - cu[i_n]
-    runs = tensors["read_slot"].long()[i_n] != -2
+    slot = next(s for s in kernel.prologue if s.op == "load_state").attr["slot"]  # (as the lowering reads it)
+    runs = tensors[slot].long()[i_n] != -2
     at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, token=torch.zeros_like(i_n),
                 seq_len=seq_len, n_valid=torch.ones_like(i_n), active=runs)
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))

@@ -228,8 +228,9 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         bodies[role] = _synced(_synced(body, read, None, reader=True), written, None, reader=False)
     loads_body = _loads_role(loads)
     roles, first = [], 0
+    held = chain.place[ir.next_state]  # the state's fragment, which one role updates
     for role, budget in _budgets(list(bodies), dims).items():
-        state = role == next(iter(bodies))  # the first role holds the state
+        state = any(st.dst == held for st in bodies[role])  # that role loads and stores it
         roles.append(Role(role, first, THREADS, budget,
                           (Stmt("load_state", "state", ("initial_state",)),) if state else (), tuple(bodies[role]),
                           (Stmt("store_state", "final_state", ("state",)),) if state else (), doc=ROLE_DOCS[role]))
