@@ -639,6 +639,16 @@ def global_name(ir: ChunkIR, name: str) -> str:
     return ident(name) if n.shape == ("C",) else f"{ident(name)}_rows"
 
 
+CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
+
+
+def store_rows(ir: ChunkIR, b: Builder, name: str) -> Stmt:
+    """The store of a value crossing memory from its block: per-token rows, or a per-token vector."""
+    if ir.node(name).shape == ("C",):
+        return Stmt("store_vec", global_name(ir, name), (b.place[name],), (("rows", "n_valid"),))
+    return Stmt("store", global_name(ir, name), (b.place[name],), (("rows", "n_valid"),))
+
+
 # ---- the kernels' parameters ---------------------------------------------------------------------
 def log_space(ir: ChunkIR, name: str) -> bool:
     """A block of the gates alone (a per-key cumulative gate γ, a difference of it): it is

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from qla_compiler.ir.kernel import Buffer, Stmt
+from qla_compiler.ir.kernel import Buffer, Kernel, Stmt
 from qla_compiler.kernels.tri_inverse_scratch import PHASES as INVERSE_PHASES, SCRATCH as INVERSE_SCRATCH
 
 from .schedule_build import Builder
@@ -286,3 +286,19 @@ def occupancy(shared_peak: int, fragment_bytes: int, threads: int) -> tuple:
 def reads(st: Stmt) -> set:
     """The buffers a statement reads: its sources and every buffer its expression names."""
     return st.reads()
+
+
+def repeats_work(a: Kernel, b: Kernel, whole: Kernel) -> bool:
+    """Whether kernels `a` and `b`, split from `whole`, do an inverse, a decayed product or a
+    matmul twice between them (each more in the two than in the one)."""
+    def work(k):
+        ops = [st.op for st in k.body]
+        return ops.count("inverse"), ops.count("decayed_product"), ops.count("gemm")
+    return any(x + y > z for x, y, z in zip(work(a), work(b), work(whole)))
+
+
+def kernel_occupancy(k: Kernel, dims: dict) -> tuple:
+    """occupancy of a parallel kernel, at its key block."""
+    at = dim_sizes((dims["K"], dims["V"]), k.key_block)
+    buffers = {b.name: b for b in k.buffers}
+    return occupancy(max(live_shared(buffers, k.body, at), default=0), live_fragments(buffers, k.body, at), k.threads)

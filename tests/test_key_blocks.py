@@ -1,4 +1,4 @@
-"""Kernels on blocks of K's columns (schedule._key_block; on by default since session 36,
+"""Kernels on blocks of K's columns (schedule_out._key_block; on by default since session 36,
 QLA_KEY_BLOCKS=0 turns it off): KDA's d q d k d g kernel loads d A_T, which the d v d β kernel
 computes whole, and runs a CTA per (key block, chunk, value head); GLA's, RetNet's and linear
 attention's out kernels split into d v and the keys' gradients, these on key blocks; KDA's
@@ -83,7 +83,7 @@ def test_kdas_d_q_d_k_d_g_kernel_runs_on_key_blocks_after_the_kernel_it_loads_fr
 
 def test_glas_and_retnets_out_kernels_split_where_neither_part_repeats_work(blocked):
     """Their one out kernel becomes d v's and the keys' gradients', these on key blocks (no decayed
-    product or matmul done twice: schedule._split_for_key_blocks); GDN's stays whole (its parts would
+    product or matmul done twice: schedule_out._split_for_key_blocks); GDN's stays whole (its parts would
     repeat 7 of its 14 matmuls)."""
     for spec, keys in (("gla", "d_q_d_k_d_g"), ("retnet", "d_q_d_k")):
         outs = [(k.name, k.key_block) for k in blocked[spec].kernels if k.kind == "out"]

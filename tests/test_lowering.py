@@ -377,19 +377,20 @@ def test_out_kernels_split_by_live_shared_memory(monkeypatch):
     """Under a smaller shared-memory budget the gradients split into groups, each kernel computing
     only what its outputs need and staying under the budget at its peak of live blocks (not the
     sum of its blocks, which reuse each other's memory)."""
-    import qla_compiler.passes.schedule as sched
+    import qla_compiler.passes.schedule_memory as memory
+    import qla_compiler.passes.schedule_out as out
 
     part = partition(qla_compiler.compile_spec("gdn").backward)
     whole = [k for k in schedule(part).kernels if k.kind == "out"][0]
-    dims = sched.dim_sizes()
-    assert sched.smem_bytes(whole.buffers, dims) > sched.SMEM_BUDGET  # the sum alone would have split it
-    monkeypatch.setattr(sched, "SMEM_BUDGET", 120 * 1024)
+    dims = memory.dim_sizes()
+    assert memory.smem_bytes(whole.buffers, dims) > memory.SMEM_BUDGET  # the sum alone would have split it
+    monkeypatch.setattr(out, "SMEM_BUDGET", 120 * 1024)
     outs = [k for k in schedule(part).kernels if k.kind == "out"]
     assert len(outs) > 1
     assert sorted(r for k in outs for r in k.outputs) == sorted(whole.outputs)
     for k in outs:
-        assert {p.name for p in k.params if p.role == "out"} == set(k.outputs)
-        assert max(sched.live_shared({b.name: b for b in k.buffers}, k.body, dims)) <= 120 * 1024 or len(k.outputs) == 1
+        assert {p.result for p in k.params if p.role == "out"} == set(k.outputs)
+        assert max(memory.live_shared({b.name: b for b in k.buffers}, k.body, dims)) <= 120 * 1024 or len(k.outputs) == 1
         assert len(k.body) < len(whole.body)
 
 

@@ -29,7 +29,7 @@ from qla_compiler.kernels import forward as fwd
 from qla_compiler.layout import gather, sequence_bounds, to_chunks
 from qla_compiler.ops import chunk_gla, chunk_kda, fused_recurrent_kda
 from qla_compiler.passes.rewrite_subchunk import SUBCHUNK
-from qla_compiler.passes.schedule import _out_kernels
+from qla_compiler.passes.schedule_out import out_kernels
 from qla_compiler.passes.schedule_memory import SMEM_BUDGET, dim_sizes
 from qla_compiler.passes.verify_exponents import NEG, analyse, verify_exponents
 from qla_compiler.spec import K, DiagExp
@@ -608,7 +608,7 @@ def test_split_out_kernels_hand_the_diagonal_products_on(ops):
     no decayed product of its own."""
     prog = ops["kda"].program
     part = prog.backward_program.stage("partition")
-    built = _out_kernels(part, True, dim_sizes(prog.head_dims), (),
+    built = out_kernels(part, True, dim_sizes(prog.head_dims), (),
                          groups=[("d_q", "d_k", "d_v"), ("d_g",), ("d_beta",)])
     kernels = {k.name: k for k in built}
     first, d_g = kernels["kda_backward_out_d_q_d_k_d_v"], kernels["kda_backward_out_d_g"]
