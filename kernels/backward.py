@@ -118,7 +118,7 @@ def _block(x: torch.Tensor, param, dim: str, start: int, width: int) -> torch.Te
 
 
 def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments, cache: bool = True):
-    """backward() on the whole of V (t: the kernels' tensors by name, d_o among them)."""
+    """backward() on the whole of V (t: the kernels' tensors by name, the cotangent of o among them)."""
     bprog = bprog_of.backward_program
     d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments, cache)
     role = {x: r for r, x in bprog.chunk.gradient_of.items()}  # input -> its gradient's output role
