@@ -39,8 +39,9 @@ from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, KernelIR, Stmt, Ten
 
 from .key_blocks import key_cut
 from .partition import Partition
-from .schedule_build import (CHUNK_MAP, Builder, build, check_v_columns, crossing_tensor, global_name, head_params,
-                             ident, input_params, log_space, product_slots, state_dtype, store_rows)
+from .schedule_build import (CHUNK_MAP, STATE, STATE_IO, Builder, build, check_v_columns, crossing_tensor,
+                             global_name, head_params, ident, input_params, log_space, product_slots, state_dtype,
+                             store_rows)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
                               dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups, packed_shared,
@@ -335,22 +336,22 @@ def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     ir = part.chunk
     b = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims)
     s_node = ir.next_state
-    if b.place.get(s_node) != "state":
+    if b.place.get(s_node) != STATE:
         raise PassError("schedule", f"the next state {s_node} is not accumulated in the state fragment")
     stores, state_stores = [], []
     for x in part.carried:
         if x == ir.state_in and state_dtype(ir, x) == "float32":
             # straight from the registers, before the chunk updates them (no shared block to wait for)
-            state_stores.append(Stmt("store_chunk_state", global_name(ir, x), ("state",)))
+            state_stores.append(Stmt("store_chunk_state", global_name(ir, x), (STATE,)))
         elif x == ir.state_in:
             b.operand(x)  # the io copy of the entering state is what the out kernel reads
-            stores.append(Stmt("store_chunk_state", global_name(ir, x), ("state_s",)))
+            stores.append(Stmt("store_chunk_state", global_name(ir, x), (STATE_IO,)))
         else:
             b.place[x] = b.operand(x)
             stores.append(store_rows(ir, b, x))
-    uses_state_s = "state_s" in {s for st in b.body + stores for s in st.srcs}
+    uses_state_s = STATE_IO in {s for st in b.body + stores for s in st.srcs}
     if uses_state_s:
-        b.buf("state_s", ("K", "V"), "io", "shared")
+        b.buf(STATE_IO, ("K", "V"), "io", "shared")
     params = input_params(ir, part.scan, part.crossing + part.provided)
     params += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
                Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk"),
@@ -358,11 +359,11 @@ def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     params += head_params(ir, part.scan)
     params += [crossing_tensor(ir, x, "out") for x in part.carried]
     params += [Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
-    prologue = [Stmt("load_state", "state", ("initial_state",))]
+    prologue = [Stmt("load_state", STATE, ("initial_state",))]
     body = _issue_stores_early(b.loads + zero_pad(b.loads, only_partial=True) + b.copies
-                               + ([Stmt("copy", "state_s", ("state",))] if uses_state_s else []) + b.body,
+                               + ([Stmt("copy", STATE_IO, (STATE,))] if uses_state_s else []) + b.body,
                                stores)
-    first_update = next(i for i, st in enumerate(body) if st.dst == "state")
+    first_update = next(i for i, st in enumerate(body) if st.dst == STATE)
     body[first_update:first_update] = state_stores
     # each load of the loop gets a buffer per stage, and the rest of shared memory is fixed
     per_stage = smem_bytes([b.buffers[st.dst] for st in b.loads], dims)
@@ -379,7 +380,7 @@ def _scan_kernel(part: Partition, dims: dict) -> Kernel:
     consumers = "consumer warpgroup" if ir.reverse else "consumer warpgroups (SCAN_THREADS / 128)"
     return Kernel(
         f"{ir.name}_scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), threads, params,
-        list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", ("state",))],
+        list(b.buffers.values()), prologue, body, [Stmt("store_state", "final_state", (STATE,))],
         loop="chunks of the sequence" + (", last to first" if ir.reverse else ""), reverse=ir.reverse,
         max_stages=max_stages,
         roles=("producer: TMA loads of the next chunks, on as many threads as the consumer (TileLang's "

@@ -21,6 +21,9 @@ from .key_blocks import key_blocks
 from .lowerable import on_sub_blocks
 
 BLOCK_INPUT_SHAPE = {"key": ("C", "K"), "key_gate": ("C", "K"), "value": ("C", "V"), "cotangent_value": ("C", "V")}
+# the scan's loop-carried state: its float32 fragment (the entering state's place, which the update
+# accumulates into) and the io copy of it that wgmma reads (S0 as an operand; the chunk states stored)
+STATE, STATE_IO = "state", "state_s"
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
 RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "BK", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "TOKEN_THREADS",
             "N", "NP1", "CH", "Tok", "i", "j", "i_k", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v",
@@ -148,8 +151,8 @@ class Builder:
         if name in self.place and self.buffers[self.place[name]].scope == "shared" \
                 and self.buffers[self.place[name]].dtype == "io":
             return self.place[name]
-        if n.op == "state_in" and self.place.get(name) == "state":
-            return "state_s"  # (the scan's io copy of its state fragment)
+        if n.op == "state_in" and self.place.get(name) == STATE:
+            return STATE_IO
         src = self.reusable_block(name)
         if src is not None:  # write over the loaded block it is computed from
             reuse = self.place[src]
@@ -425,7 +428,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
                 hold = n.op != "input" and log_space(ir, n.name)
                 b.loads.append(Stmt("load", b.place[n.name], (src,), (("pad", "hold"),) if hold else ()))
         elif n.op == "state_in":
-            b.place[n.name] = b.buf("state", n.shape, "float32", "fragment")
+            b.place[n.name] = b.buf(STATE, n.shape, "float32", "fragment")
 
     linear_sums = _running_sums(ir, b, order, acc) if running_sums else {}
     at = {n.name: i for i, n in enumerate(order)}
@@ -530,7 +533,7 @@ def build(ir: ChunkIR, nodes, loaded, tiled: bool, dims: dict, vectors=(), runni
                 attrs = tuple(sorted(mm.attrs)) + (("accumulate", True),)
                 # (the backward's chain only: there it set d_S0's error, 2.5–4× FLA's without it;
                 # the forwards' final states were within FLA's error, and each split costs a wgmma)
-                low = b.low_part(mm.args, (A, B), stored=not (pipelined and frag == "state" and ir.reverse))
+                low = b.low_part(mm.args, (A, B), stored=not (pipelined and frag == STATE and ir.reverse))
                 b.body.append(Stmt("gemm", frag, (A, B), attrs))
                 if low is not None:
                     b.body.append(Stmt("gemm", frag, low, attrs))

@@ -41,7 +41,7 @@ from qla_compiler.errors import NotFusable, PassError
 from qla_compiler.ir.kernel import Barrier, Kernel, Role, Stmt, Tensor, entry_registers
 
 from .partition import Partition
-from .schedule_build import build, global_name, head_params, input_params
+from .schedule_build import STATE, STATE_IO, build, global_name, head_params, input_params
 from .schedule_memory import THREADS, reads, smem_bytes, zero_pad
 
 RING = 2  # copies of a hand-over between compute roles: the writer fills one while the readers read the other
@@ -106,15 +106,15 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
                                      "where FLA takes 2.1, H200, session 24); it stays in the parallel out kernel")
     vectors = _vectors_for_loads(ir, set(part.scan) | set(out_nodes), set(part.crossing) | set(part.provided))
     chain = build(ir, part.scan, part.crossing + part.provided, tiled=True, dims=dims, vectors=vectors)
-    if chain.place.get(ir.next_state) != "state":
+    if chain.place.get(ir.next_state) != STATE:
         raise PassError("schedule", f"the next state {ir.next_state} is not accumulated in the state fragment")
     handed = {}  # carried value -> its chain buffer (the ring the output role reads)
     for x in part.carried:
-        handed[x] = "state_s" if x == ir.state_in else chain.operand(x)
+        handed[x] = STATE_IO if x == ir.state_in else chain.operand(x)
     chain_body = list(chain.body)
-    if "state_s" in handed.values() or any("state_s" in st.srcs for st in chain_body):
-        chain.buf("state_s", ("K", "V"), "io", "shared")
-        chain_body.insert(0, Stmt("copy", "state_s", ("state",)))
+    if STATE_IO in handed.values() or any(STATE_IO in st.srcs for st in chain_body):
+        chain.buf(STATE_IO, ("K", "V"), "io", "shared")
+        chain_body.insert(0, Stmt("copy", STATE_IO, (STATE,)))
     out = build(ir, out_nodes, loaded_out, tiled=True, dims=dims, vectors=vectors)
     o_s = out.buf(f"{result}_s", ir.node(ir.outputs[result]).shape, "io", "shared")
     out_body = out.body + [Stmt("ewise", o_s, (), (("expr", out.ex(ir.outputs[result], ("i", "j"))), ("index", ("i", "j")))),
@@ -140,7 +140,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     private = {c.dst: c.attr["expr"][1] for c in chain.copies + out.copies + made.copies}  # X_c -> X_s: the ring is held
     loads = [st.renamed(private) for st in loads]
     for name in set(out.buffers) & set(chain.buffers):
-        if name not in seen and name not in private and name not in handed.values() and name != "state_s":
+        if name not in seen and name not in private and name not in handed.values() and name != STATE_IO:
             rename_out[name] = f"{name}_out"
     rename_out.update(private)
     chain_body = [st.renamed(private) for st in chain_body]
@@ -232,8 +232,8 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     for role, budget in _budgets(list(bodies), dims).items():
         state = any(st.dst == held for st in bodies[role])  # that role loads and stores it
         roles.append(Role(role, first, THREADS, budget,
-                          (Stmt("load_state", "state", ("initial_state",)),) if state else (), tuple(bodies[role]),
-                          (Stmt("store_state", "final_state", ("state",)),) if state else (), doc=ROLE_DOCS[role]))
+                          (Stmt("load_state", STATE, ("initial_state",)),) if state else (), tuple(bodies[role]),
+                          (Stmt("store_state", "final_state", (STATE,)),) if state else (), doc=ROLE_DOCS[role]))
         first += THREADS
     roles.append(Role("loads", first, THREADS, LOADS_REGISTERS, (), tuple(loads_body), (), doc=ROLE_DOCS["loads"]))
     roles = tuple(roles)
@@ -258,7 +258,7 @@ def _split_chain(body: list) -> dict:
     (the loop-carried accumulator), and `value`, the rest (what the state's update needs from the
     entering state); a chain with no such rest (linear attention) is the state role alone. What one
     role hands the other goes through shared memory (_owners)."""
-    touches = [bool({"state"} & (reads(st) | st.writes())) for st in body]
+    touches = [bool({STATE} & (reads(st) | st.writes())) for st in body]
     state = [st for st, t in zip(body, touches) if t]
     value = [st for st, t in zip(body, touches) if not t]
     if not state:
