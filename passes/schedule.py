@@ -95,10 +95,10 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     else:
         kir.kernels.append(_scan_kernel(part, dims))
         kir.kernels += out_kernels(part, split_phase_loads, dims, partial, key_blocks=key_blocks)
-    if VECTOR_REGISTERS:
-        kir.kernels = [vectors_in_registers(k) if not k.loop and not k.warp_roles else k for k in kir.kernels]
-    for k in kir.kernels:
+    for i, k in enumerate(kir.kernels):
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
+            if VECTOR_REGISTERS:
+                k = kir.kernels[i] = vectors_in_registers(k)
             buffers, at = {b.name: b for b in k.buffers}, dim_sizes(head_dims, k.key_block)
             k.shared_peak = max(live_shared(buffers, k.body, at), default=0)
             k.shared_packed = packed_shared(buffers, k.body, at)
