@@ -29,8 +29,6 @@ VARIANTS = ["as generated", "narrow at V-block 32", "R in the fused kernel", "fo
 
 def _set_up(variant: str) -> dict:
     """Patch this process for `variant`; the launch policy its calls take."""
-    from qla_compiler.kernels import forward
-
     if variant == "narrow at V-block 32":
         return dict(block_v=32)
     if variant == "R in the fused kernel":
@@ -41,7 +39,7 @@ def _set_up(variant: str) -> dict:
         from qla_compiler.passes import schedule_fused
 
         schedule_fused.WIDE_BLOCK_V = int(variant.rsplit(" ", 1)[1])
-        forward.wide_fused = lambda *args: True
+        return dict(wide=True)
     return {}
 
 
@@ -56,8 +54,9 @@ def _run(variant: str, rows, compile_only: bool) -> dict:
         todo = []
         for row in rows:
             H, HV, lens = parse_row(row)
-            todo += [c for c in shape_classes("gdn", H=H, HV=HV, K=128, n_seqs=len(lens), sms=fwd.H200_SMS,
-                                              block_v=policy.get("block_v")) if c.fused]
+            with fwd.launch_policy(**policy):
+                todo += [c for c in shape_classes("gdn", H=H, HV=HV, K=128, n_seqs=len(lens), sms=fwd.H200_SMS,
+                                                  block_v=policy.get("block_v")) if c.fused]
         compile_classes(list(dict.fromkeys(todo)), log=lambda line: print(line, file=sys.stderr, flush=True))
         return {}
     import torch

@@ -51,10 +51,14 @@ def main(argv=None) -> int:
         torch.autograd.backward([o, final], [torch.ones_like(o), torch.ones_like(final)])
 
     backward.group_sum = lambda x, G, cache=True: x[:, :, ::G]
-    forward._window_search = lambda program, tensors, HV, C: (
-        lambda layout, reverse: torch.zeros(layout.cu.numel() - 1, HV, dtype=torch.int32))
-    forward._segment_chain = lambda h0: (lambda maps, h0, S, reverse=False: h0.new_empty(h0.shape[0] * S, *h0.shape[1:]))
-    with forward.launch_policy(kernels=no_op_kernels, sms=forward.H200_SMS):
+    def no_op_search(program, tensors, HV, C):
+        return lambda layout, reverse: torch.zeros(layout.cu.numel() - 1, HV, dtype=torch.int32)
+
+    def no_op_chain(h0):
+        return lambda maps, h0, S, reverse=False: h0.new_empty(h0.shape[0] * S, *h0.shape[1:])
+
+    with forward.launch_policy(kernels=no_op_kernels, sms=forward.H200_SMS, window_search=no_op_search,
+                               segment_chain=no_op_chain):
         for _ in range(5):  # plans, layouts: made once
             step()
         best = float("inf")

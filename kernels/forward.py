@@ -40,13 +40,19 @@ class LaunchPolicy:
     every tensor a launch allocates is filled with before its kernel runs (None: left as
     torch.empty leaves it). A kernel that leaves part of an output unwritten, read by a later one,
     then gives results that depend on the value (tests/test_gpu_unwritten_memory.py).
-    `token_block_v` the token step's V-block (None: kernels/token_step.block_v's rule)."""
+    `token_block_v` the token step's V-block (None: kernels/token_step.block_v's rule). `wide`
+    whether a fused call runs the wide fused kernel (None: runs_wide's rule). `window_search` and
+    `segment_chain` what runs context parallelism's two helper steps, with _window_search's and
+    _segment_chain's signatures (None: their kernels on the GPU, else their torch definitions)."""
     sms: int | None = None
     block_v: int | None = None
     token_block_v: int | None = None
     scan_stages: int | None = None
     fused: bool | None = None
+    wide: bool | None = None
     kernels: Callable | None = None
+    window_search: Callable | None = None
+    segment_chain: Callable | None = None
     poison: float | None = None
 
 
@@ -168,6 +174,17 @@ def wide_fused(K: int, V: int, HV: int, N: int, sms: int) -> bool:
     (True, False, False)
     """
     return tile_width(K) <= 128 and tile_width(V) >= 128 and block_v(V, HV, N, sms, K, widest=128) == 128
+
+
+def runs_wide(K: int, V: int, HV: int, N: int, sms: int, context_parallel) -> bool:
+    """Whether a fused inference call runs the wide fused kernel: the launch policy's choice (its
+    `wide`, or a V-block of 128), else wide_fused's rule. A context-parallel call runs the narrow one
+    as its scan, on N·segments sequences: the wide kernel's rule is for whole sequences."""
+    if context_parallel:
+        return False
+    if POLICY.wide is not None:
+        return POLICY.wide
+    return POLICY.block_v == 128 if POLICY.block_v else wide_fused(K, V, HV, N, sms)
 
 
 def scan_warpgroups(K: int, V: int, BV: int, HV: int, N: int, sms: int) -> int:
@@ -311,12 +328,10 @@ def _call_program(program, dims, io, device, keep: bool, context_parallel, fused
         # (the fused program is the same from every variant: it puts the decay on the value side
         # itself, the one kernel-shaping choice that depends on the V-block)
         sms = sm_count(device)
-        # context parallelism launches the scan (here the fused kernel) on N·segments sequences, at
-        # V-blocks up to the narrow kernel's: the wide one's rule is for whole sequences
+        # context parallelism launches the scan (here the fused kernel) on N·segments sequences
         runs = dims.N * (context_parallel or 1)
-        wide = not context_parallel and (POLICY.block_v == 128 if POLICY.block_v else
-                                         wide_fused(dims.K, dims.V, dims.HV, dims.N, sms))
-        return inference_program(variant, runs_fused(dims.K, dims.V, dims.HV, runs, sms, fused), wide)
+        return inference_program(variant, runs_fused(dims.K, dims.V, dims.HV, runs, sms, fused),
+                                 runs_wide(dims.K, dims.V, dims.HV, dims.N, sms, context_parallel))
 
     key = (id(program), dims.H, dims.HV, dims.K, dims.V, dims.N, io, device, keep, context_parallel, fused,
            POLICY, sm_count(device))
@@ -461,6 +476,8 @@ def _window_search(program, tensors: dict, HV: int, C: int):
     """(layout, reverse) -> the chunks each segment's window walk leaves out: on the GPU's compiled
     path one kernel (kernels/window_search.py), else (the emulator, meta tensors) the torch
     definition it is held to (context_parallel.window_skips)."""
+    if POLICY.window_search is not None:
+        return POLICY.window_search(program, tensors, HV, C)
     if POLICY.kernels is None and tensors["chunk_map"].is_cuda:
         return window_search.searcher(program.recurrence, tensors, HV, C)
     lam = contraction_logs(program.recurrence, tensors, HV)
@@ -471,6 +488,8 @@ def _segment_chain(h0: torch.Tensor):
     """Step 2 of context parallelism, the chain of segment maps: on the GPU's compiled path one
     kernel (kernels/segment_chain.py), else (the emulator, meta tensors, states wider than float32)
     the torch definition it is held to (context_parallel.chain_starts)."""
+    if POLICY.segment_chain is not None:
+        return POLICY.segment_chain(h0)
     if POLICY.kernels is None and h0.is_cuda and h0.dtype == torch.float32:
         return segment_chain.chain
     return chain_starts

@@ -141,7 +141,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         # (kernels/forward._call_program: context parallelism decides on N·segments sequences,
         # and runs the narrow fused kernel as its scan)
         if forward.runs_fused(K, V, HV, n * (cp or 1), sms):
-            wide = not cp and (block_v == 128 if block_v else forward.wide_fused(K, V, HV, n, sms))
+            with forward.launch_policy(block_v=block_v):
+                wide = forward.runs_wide(K, V, HV, n, sms, cp)
             c = dataclasses.replace(c, fused="wide" if wide else "narrow")
         cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
         out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))

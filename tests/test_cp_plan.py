@@ -65,11 +65,11 @@ def test_the_call_model_fits_the_uncut_gpu_times_it_was_fitted_to():
             assert abs(cp_plan.call_ms(whole, n * L, HV, eager) - ms) <= tol, (row, eager)
 
 
-def test_auto_gives_the_kernels_a_count_or_none(monkeypatch):
-    monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)
-    assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 128, 128, 1), "cuda") == 8
-    assert cp_plan.planned_segments(Dims(8, 4096, 16, 64, 128, 128, 8), "cuda") is None
-    assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 100, 128, 1), "cuda") is None  # (K not a power of two)
+def test_auto_gives_the_kernels_a_count_or_none():
+    with fwd.launch_policy(sms=fwd.H200_SMS):
+        assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 128, 128, 1), "cuda") == 8
+        assert cp_plan.planned_segments(Dims(8, 4096, 16, 64, 128, 128, 8), "cuda") is None
+        assert cp_plan.planned_segments(Dims(1, 32768, 2, 8, 100, 128, 1), "cuda") is None  # (K not a power of two)
 
 
 def test_precompile_covers_what_auto_runs():

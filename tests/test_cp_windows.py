@@ -266,7 +266,7 @@ def test_a_per_key_gates_window_search_is_the_gates_kernel_on_its_slowest_key(sp
         assert torch.equal(contraction_logs(rec, args, 4), want[0].clamp(min=-2 * cp_mod.NEGLIGIBLE))
 
 
-def test_a_context_parallel_call_dispatches_few_torch_ops(monkeypatch):
+def test_a_context_parallel_call_dispatches_few_torch_ops():
     """Host time of a context-parallel call is mostly its torch ops (~5–10 µs each on the H200's
     host; NOTES, session 22). With the window search and the chain of segment maps kernels (stubbed
     here: one launch each, no aten op beyond the output's allocation), an inference call at 8
@@ -285,16 +285,18 @@ def test_a_context_parallel_call_dispatches_few_torch_ops(monkeypatch):
         def __call__(self, program, shape):
             return {k.name: (lambda *a: None) for k in program.kernels.kernels}
 
-    monkeypatch.setattr(fwd, "_window_search", lambda program, tensors, HV, C: (
-        lambda layout, reverse: torch.empty(layout.cu.numel() - 1, HV, dtype=torch.int32, device=layout.cu.device)))
-    monkeypatch.setattr(fwd, "_segment_chain", lambda h0: (
-        lambda maps, h0, segments, reverse: h0.new_empty(h0.shape[0] * segments, *h0.shape[1:])))
+    def search(program, tensors, HV, C):
+        return lambda layout, reverse: torch.empty(layout.cu.numel() - 1, HV, dtype=torch.int32, device=layout.cu.device)
+
+    def chain(h0):
+        return lambda maps, h0, segments, reverse: h0.new_empty(h0.shape[0] * segments, *h0.shape[1:])
     counts = {}
     for segments in (None, 8):
         def call():
             inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, None, None, False)
             return fwd.forward(op.program, inputs, op.kinds, dims, scale, None, None, op._head_logs(dims.HV), segments)
-        with fwd.launch_policy(kernels=Noop(), sms=fwd.H200_SMS), torch.no_grad():
+        with fwd.launch_policy(kernels=Noop(), sms=fwd.H200_SMS, window_search=search, segment_chain=chain), \
+                torch.no_grad():
             call()  # (the segment layout, made once per cu_seqlens)
             with OpLog() as log:
                 call()

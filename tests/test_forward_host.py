@@ -3,6 +3,8 @@ by torch stand-ins that honour the KernelIR's parameter lists: packing, chunk ma
 tensors to kernel parameters by name, shape classes per call, and context parallelism's widened
 second value width — everything but the kernels themselves, which run on the GPU (tests/test_gpu_*).
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -13,13 +15,14 @@ from qla_compiler.testing import random_inputs, rel_err
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    def install(op, cu, scale):
-        f = KernelEmulator(op, cu, scale)
-        monkeypatch.setattr(fwd, "load_kernels", f)
-        monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)  # launch rules as on an H200
-        return f
-    return install
+def fake():
+    """Installs the emulator as the test's kernels, with the launch rules of an H200, until the test ends."""
+    with contextlib.ExitStack() as stack:
+        def install(op, cu, scale):
+            f = KernelEmulator(op, cu, scale)
+            stack.enter_context(fwd.launch_policy(kernels=f, sms=fwd.H200_SMS))
+            return f
+        yield install
 
 
 @pytest.mark.parametrize("cp", [None, 3])

@@ -17,7 +17,7 @@ from qla_compiler.testing import random_inputs, rel_err
 TOL = 2e-2  # o and the tensors between kernels are bf16 (rounding ~4e-3); a broken statement is O(1)
 
 
-def _forward(op, monkeypatch, mutate=None):
+def _forward(op, mutate=None):
     """o, the final state and their references, the kernels passed through `mutate` (a function of
     a Kernel returning it changed, or None to keep it)."""
     args = random_inputs(op, T=300, H=2, HV=4, K=64, V=64, cu_seqlens=[0, 1, 200, 300], initial_state=True,
@@ -33,10 +33,9 @@ def _forward(op, monkeypatch, mutate=None):
                 kir.name, kir.chunk_size, [mutate(k) or k for k in kir.kernels], kir.host, kir.consts, kir.head_dims))
         return emu(program, shape)
 
-    monkeypatch.setattr(fwd, "load_kernels", load)
-    monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)
-    o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
-                           op._head_logs(dims.HV), None)
+    with fwd.launch_policy(kernels=load, sms=fwd.H200_SMS):
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, args["initial_state"], args["cu_seqlens"],
+                               op._head_logs(dims.HV), None)
     o_ref, s_ref = op.reference(**args)
     return rel_err(o, o_ref), rel_err(final, s_ref)
 
@@ -76,21 +75,21 @@ def _set_expr(s, f):
     return Stmt(s.op, s.dst, s.srcs, tuple((k, _walk(v, f) if k == "expr" else v) for k, v in s.attrs))
 
 
-def test_the_compiled_kernels_meet_the_reference(ops, monkeypatch):
+def test_the_compiled_kernels_meet_the_reference(ops):
     for spec in ("gdn", "delta_net", "simple_gla", "retnet", "linear_attn", "gla", "kda"):
-        err_o, err_s = _forward(ops[spec], monkeypatch)
+        err_o, err_s = _forward(ops[spec])
         assert err_o <= TOL and err_s <= TOL, (spec, err_o, err_s)
 
 
-def test_a_causal_mask_off_by_the_diagonal_fails(ops, monkeypatch):
+def test_a_causal_mask_off_by_the_diagonal_fails(ops):
     """`<` for `≤` in the forward's gate mask P = QKᵀ ⊙ [j ≤ i] e^{γ_i − γ_j}: the token's own key."""
     swap = _mutate_body("prep", _ewise_with("select_lower"),
                         lambda s: _set_expr(s, lambda e: ("select_strict", *e[1:]) if e[0] == "select_lower" else e))
-    err_o, _ = _forward(ops["gdn"], monkeypatch, swap)
+    err_o, _ = _forward(ops["gdn"], swap)
     assert err_o > 3 * TOL
 
 
-def test_a_diagonal_scaling_read_along_the_wrong_index_fails(ops, monkeypatch):
+def test_a_diagonal_scaling_read_along_the_wrong_index_fails(ops):
     """d[j] for d[i] in a row scaling: the scan's e^{γ_i} ⊙ (Q·S)-style per-row factor read per column."""
     def wrong_index(e):
         if e[0] == "buf" and len(e) == 3 and e[2] == "i":
@@ -101,7 +100,7 @@ def test_a_diagonal_scaling_read_along_the_wrong_index_fails(ops, monkeypatch):
         return s.op == "ewise" and s.attr["index"] == ("i", "j") and "'i')" in repr(s.attr["expr"]) \
             and any(x[0] == "buf" and len(x) == 3 for x in _leaves(s.attr["expr"]))
 
-    err_o, err_s = _forward(ops["gdn"], monkeypatch, _mutate_body("scan", find, lambda s: _set_expr(s, wrong_index)))
+    err_o, err_s = _forward(ops["gdn"], _mutate_body("scan", find, lambda s: _set_expr(s, wrong_index)))
     assert max(err_o, err_s) > 3 * TOL
 
 
@@ -118,15 +117,15 @@ def _with_body(kernel_kind, change):
     return mutate
 
 
-def test_a_missing_zero_pad_fails(ops, monkeypatch):
+def test_a_missing_zero_pad_fails(ops):
     """The rows past a sequence's end hold the next sequence's tokens: the forward scan's zero_pad of
     them matters (sequences of 1, 199 and 100 tokens: every last chunk is partial)."""
     drop = _with_body("scan", lambda body: [s for s in body if s.op != "zero_pad"])
-    err_o, err_s = _forward(ops["gdn"], monkeypatch, drop)
+    err_o, err_s = _forward(ops["gdn"], drop)
     assert max(err_o, err_s) > 3 * TOL
 
 
-def test_a_statement_moved_before_what_it_reads_fails(ops, monkeypatch):
+def test_a_statement_moved_before_what_it_reads_fails(ops):
     """The state update moved before the product that reads the state entering the chunk."""
     def move(body):
         update = next(i for i, s in enumerate(body) if s.op == "gemm" and s.dst == "state")
@@ -135,14 +134,14 @@ def test_a_statement_moved_before_what_it_reads_fails(ops, monkeypatch):
         assert reader < update
         body.insert(reader, body.pop(update))
         return body
-    err_o, err_s = _forward(ops["gdn"], monkeypatch, _with_body("scan", move))
+    err_o, err_s = _forward(ops["gdn"], _with_body("scan", move))
     assert max(err_o, err_s) > 3 * TOL
 
 
-def test_an_unknown_statement_is_named(ops, monkeypatch):
+def test_an_unknown_statement_is_named(ops):
     bad = _with_body("out", lambda body: [Stmt("shuffle", body[0].dst)] + body)
     with pytest.raises(InterpretError, match="gdn_out: no meaning for the statement 'shuffle'"):
-        _forward(ops["gdn"], monkeypatch, bad)
+        _forward(ops["gdn"], bad)
 
 
 def _grad_errors(op, args, rounding):
@@ -180,7 +179,7 @@ def test_rounding_as_on_the_gpu_shows_what_scale_after_product_buys(ops, keys):
     assert exact["q"] < with_it["q"], (exact, with_it)  # the buffers' rounding is there (equal if not)
 
 
-def test_reading_the_inverse_input_after_the_inverse_fails(ops, monkeypatch):
+def test_reading_the_inverse_input_after_the_inverse_fails(ops):
     """kernels/tri_inverse.py builds T in its input's place: a statement after the inverse that read
     A reads what the GPU no longer holds. Here the inverse runs twice on A_r_s, which would be
     harmless were A kept; the interpreter's result is NaN, not a plausible number."""
@@ -188,5 +187,5 @@ def test_reading_the_inverse_input_after_the_inverse_fails(ops, monkeypatch):
         at = next(i for i, s in enumerate(body) if s.op == "inverse")
         body.insert(at + 1, body[at])
         return body
-    err_o, _ = _forward(ops["gdn"], monkeypatch, _with_body("prep", twice))
+    err_o, _ = _forward(ops["gdn"], _with_body("prep", twice))
     assert not err_o <= 3 * TOL  # NaN

@@ -25,7 +25,7 @@ from qla_compiler.testing import random_inputs
                                                   ("gla", (1, 2), [0, 30, 100], 256, 256),
                                                   ("gla", (1, 2), [0, 30, 100], 256, 512),
                                                   ("gla", (1, 2), [0, 30, 100], 320, 64)])
-def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, spec, heads, cu, K, V):
+def test_the_warmup_compiles_what_calls_launch(training, cp, spec, heads, cu, K, V):
     """Every (program, shape class, kernel) a call loads — the forward; with training also a
     training step's forward and backward (at K = V = 256 on column blocks of V for GDN, on blocks
     of K for GLA); with context parallelism the segment scans too; at V = 512 each of V's column
@@ -41,14 +41,15 @@ def test_the_warmup_compiles_what_calls_launch(monkeypatch, training, cp, spec, 
         return {n: (lambda *xs, n=n, k=k: (launched.add((id(program.kernels), shape, n)), k(*xs)))
                 for n, k in kernels.items()}
 
-    monkeypatch.setattr(fwd, "load_kernels", recording)
-    monkeypatch.setattr(fwd, "sm_count", lambda device: fwd.H200_SMS)  # the warm-up's default, here
-    for grad in (False, True) if training else (False,):  # inference, and a training step
-        leaves = {n: a[n].detach().requires_grad_(grad) for n in (*op.input_names, "initial_state")}
-        inputs = {n: leaves[n] for n in op.input_names}
-        o, final = op._run_kernels(inputs, K ** -0.5, leaves["initial_state"], a["cu_seqlens"], None if cp == 1 else cp)
-        if grad:
-            (o.float().sum() + final.sum()).backward()
+    # (the launch rules at the warm-up's default SM count)
+    with fwd.launch_policy(kernels=recording, sms=fwd.H200_SMS):
+        for grad in (False, True) if training else (False,):  # inference, and a training step
+            leaves = {n: a[n].detach().requires_grad_(grad) for n in (*op.input_names, "initial_state")}
+            inputs = {n: leaves[n] for n in op.input_names}
+            o, final = op._run_kernels(inputs, K ** -0.5, leaves["initial_state"], a["cu_seqlens"],
+                                       None if cp == 1 else cp)
+            if grad:
+                (o.float().sum() + final.sum()).backward()
 
     todo = shape_classes(spec, H=H, HV=HV, K=K, V=V, n_seqs=len(cu) - 1, context_parallel=cp, training=training,
                          state=None)  # (the chunk calls alone: the token step's class is the next test's)
