@@ -2,7 +2,7 @@
 # Compile on this CPU what a GPU job will launch, and pack it as .gpu/tl-cache.tar, so that the
 # device's minutes go to running (a fresh GPU node restores the tar: ../shared/gpu/README.md).
 #
-#   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants] [--switches]
+#   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -13,8 +13,7 @@
 # step's classes of the bench rows (qla-bench --backward; the node compiled them in session 13,
 # which used up the step's timeout). --cp-auto: the bench rows' context-parallel classes as
 # qla-bench --cp auto plans them, forward and training (the window searches too). --variants: the
-# experiments gpu_steps.txt runs (prep_variants.py, window_search_variants.py). --switches: the
-# classes gpu_steps.txt times and tests with QLA_VECTOR_REGISTERS and QLA_PREP_PAD on. Two processes per step (this
+# experiments gpu_steps.txt runs (prep_variants.py, window_search_variants.py). Two processes per step (this
 # machine's cores); a fresh cache directory each run, so the tar holds no stale kernels.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -55,16 +54,6 @@ for a in "$@"; do
                  sharded wide_backward $PY benchmarks/precompile.py --bench --backward --rows 16/64:8x4096:256 ;;
     --backward) sharded backward $PY benchmarks/precompile.py --bench --backward --rows $ROWS ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
-    --switches) # gpu_steps.txt's off/on rows of the experiments (README: QLA_VECTOR_REGISTERS, QLA_PREP_PAD),
-                # and the GPU tests' classes with both on
-                for s in "1 0" "0 1" "1 1"; do set -- $s
-                  sharded "switches_$1$2" env QLA_VECTOR_REGISTERS=$1 QLA_PREP_PAD=$2 $PY benchmarks/precompile.py \
-                    --bench --rows 16/64:8x4096 4/16:8x4096 2/8:8x4096 16/64:1x2048
-                done
-                sharded switches_backward env QLA_VECTOR_REGISTERS=1 QLA_PREP_PAD=1 $PY benchmarks/precompile.py \
-                  --bench --backward --rows 16/64:8x4096 2/8:8x4096
-                sharded switches_per_key env QLA_VECTOR_REGISTERS=1 QLA_PREP_PAD=1 $PY benchmarks/precompile.py --per-key-bench
-                sharded switches_tests env QLA_VECTOR_REGISTERS=1 QLA_PREP_PAD=1 $PY benchmarks/precompile.py --tests ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
                 $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1
                 if grep -q FAILED "$LOGS/variants.txt"; then echo "variants: one failed ($LOGS/variants.txt)" >&2; exit 1; fi

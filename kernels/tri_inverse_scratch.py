@@ -16,14 +16,15 @@ on the H200, session 15's ncu). Rows 68 floats apart put those 8 rows in 8 disti
 the store of β ⊙ K Kᵀ from a wgmma accumulator (4 column pairs of 8 rows a warp) meets 2-way
 conflicts where it met 8-way.
 
-Why D_s's rows are padded too (QLA_PREP_PAD=1): a row of 16 floats is 64 bytes, so the 16 → 32
-merge's second product, reading one column D_s[16 + r, l] for the 8 rows r of a warp, finds them in
-2 banks (4-way conflicts: 64 of its 220 shared wavefronts a warp); rows 20 floats apart put them in
+Why D_s's rows are padded too (QLA_PREP_PAD, on by default; 0 turns it off): a row of 16 floats
+is 64 bytes, so the 16 → 32 merge's second product, reading one column D_s[16 + r, l] for the 8
+rows r of a warp, finds them in 2 banks (4-way conflicts: 64 of its 220 shared wavefronts a warp); rows 20 floats apart put them in
 8. P_s stays unpadded: it is read a row at a time (one 16-float row to every lane), and written by
 lanes 4 floats apart that fill its rows end to end, which padding would split (4 → 8 wavefronts).
 With the macro's stores into D_s and its tf32 staging 4 floats wide, the GDN prep's shared
 wavefronts a warp go 681 → 569, its shared loads and stores 348 → 300 (counted on the generated
-CUDA with a model of the banks, session 40; not yet timed on a GPU).
+CUDA with a model of the banks, session 40). On the H100 (session 41, 16/64:8x4096) the GDN prep
+took 0.576 ms without it, 0.523 with it, 0.494 with it and QLA_VECTOR_REGISTERS.
 """
 import os
 
@@ -32,10 +33,10 @@ from qla_compiler.ir.kernel import Buffer
 BLOCK = 16  # the diagonal blocks solved by substitution
 INPUT_DTYPE = "float32"  # A_s, read in float32
 INPUT_ROW_PAD = 4  # A_s's rows, 68 floats apart at C = 64
-# QLA_PREP_PAD=1: D_s's rows padded as A_s's are, and the macro's stores into D_s and A_s and its
-# tf32 staging 4 floats wide (kernels/tri_inverse.py); read once, at import, like the passes'
-# switches. Off, the kernels are what they were before the switch, byte for byte
-PAD = os.environ.get("QLA_PREP_PAD", "0") == "1"
+# QLA_PREP_PAD (on unless 0): D_s's rows padded as A_s's are, and the macro's stores into D_s and
+# A_s and its tf32 staging 4 floats wide (kernels/tri_inverse.py); read once, at import, like the
+# passes' switches. At 0 the kernels are what they were before the switch, byte for byte
+PAD = os.environ.get("QLA_PREP_PAD", "1") != "0"
 HALF = 2 * BLOCK  # the 32 → 64 merge's blocks, multiplied on the tensor cores (tf32)
 # merges of blocks this wide multiply on the tensor cores, reading their operands as tf32 (the
 # inverse statement's field `tf32_from`: the KernelIR says it, the interpreter models it)
