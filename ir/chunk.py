@@ -70,6 +70,11 @@ class ChunkIR:
             self.graph.add_edge(a, name, pos=pos)
         return name
 
+    def set_attrs(self, name: str, **attrs) -> None:
+        """Give the node `name` these attributes (its others kept)."""
+        n = self.node(name)
+        self.graph.nodes[name]["node"] = Node(n.name, n.op, n.args, n.shape, tuple(sorted({**n.attr, **attrs}.items())))
+
     def _fresh(self, name: str) -> str:
         if name not in self.graph:
             return name

@@ -53,7 +53,7 @@ from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
 from .rewrite_wy import FOLD_WY
 from .rewrites import CHUNK_PASSES
 from .schedule import HEAD_DIMS, schedule
-from .schedule_build import columns_mixed
+from .schedule_build import columns_mixed, state_dtype
 from .token_step import token_step
 from .verify_exponents import verify_exponents
 from .walk_skip import skipping_scan
@@ -205,13 +205,44 @@ class Program:
     def training_program(self) -> "Program":
         """The forward's kernels as a training step runs them: the prep also stores its triangular
         inverses (T_r for the delta rule), which the backward then loads instead of solving them
-        again (the inverse is most of a prep's work). The program itself when it has none."""
+        again (the inverse is most of a prep's work); the scan stores the state entering every
+        chunk in the dtype the backward reads it in (saved_state_dtype). The program itself when
+        neither applies.
+
+            >>> import qla_compiler
+            >>> prog = qla_compiler.compile_spec("gla").training_program
+            >>> prog.chunk.node(prog.chunk.state_in).attr["stored"]
+            'float32'
+        """
         if "training_program" not in self._derived:
             keep = tuple(n.name for n in self.chunk.of_op("inv_unit_lower"))
+            chunk = self.chunk
+            if self.chunk.state_in is not None and self.saved_state_dtype() != "io":
+                chunk = self.chunk.copy()
+                chunk.set_attrs(chunk.state_in, stored=self.saved_state_dtype())
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
-            self._derived["training_program"] = \
-                self._scheduled(self.chunk, before, "training program: ", keep=keep) if keep else self
+            self._derived["training_program"] = self._scheduled(chunk, before, "training program: ", keep=keep) \
+                if keep or chunk is not self.chunk else self
         return self._derived["training_program"]
+
+    def saved_state_dtype(self) -> str:
+        """The dtype the backward reads the forward's entering states in (schedule_build.state_dtype
+        of the backward's saved state): float32 where its per-key Γ term sums them times d S over
+        V, so the training forward stores them so; the io dtype elsewhere, and where the program
+        has no backward (no kernels for it).
+
+            >>> import qla_compiler
+            >>> [qla_compiler.compile_spec(s).saved_state_dtype() for s in ("gla", "gdn")]
+            ['float32', 'io']
+        """
+        if "saved_state_dtype" not in self._derived:
+            dtype = "io"
+            if self.no_kernels is None and self.target == "sm90" and self.chunk.state_in is not None \
+                    and self.backward_unsupported() is None:
+                back = self.backward
+                dtype = state_dtype(back, self.chunk.state_in) if self.chunk.state_in in back.graph else "io"
+            self._derived["saved_state_dtype"] = dtype
+        return self._derived["saved_state_dtype"]
 
     def stored(self) -> tuple:
         """The values the training forward's kernels leave in memory per token (what a backward
@@ -264,8 +295,10 @@ class Program:
             # anyway, one matmul per chunk, rather than have every training step keep it
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
                         and (x in carried or self.chunk.node(x).op != "matmul")]
-            self._derived["backward_program"] = self._scheduled(
-                back, [("autodiff", back)], "backward program: ", partial=self.partial, provided=provided)
+            prog = self._scheduled(back, [("autodiff", back)], "backward program: ", partial=self.partial,
+                                   provided=provided)
+            _check_saved_dtypes(self.training_program.kernels, prog.kernels)
+            self._derived["backward_program"] = prog
         return self._derived["backward_program"]
 
     def backward_columns(self) -> tuple:
@@ -436,6 +469,17 @@ class Program:
             except Exception as e:  # noqa: BLE001 - a crash inside a derivation names it
                 raise PassError(name, f"{type(e).__name__}: {e}") from e
         return self._derived[name]
+
+
+def _check_saved_dtypes(forward: KernelIR, backward: KernelIR) -> None:
+    """Refuse a backward whose kernels read a tensor the training forward stores in another dtype
+    (the entering states: saved_state_dtype decides both sides)."""
+    stored = {p.name: p.dtype for k in forward.kernels for p in k.params if p.role == "out"}
+    for k in backward.kernels:
+        for p in k.params:
+            if p.role == "in" and stored.get(p.name, p.dtype) != p.dtype:
+                raise PassError("schedule", f"backward program: {k.name} reads {p.name} as {p.dtype}, "
+                                            f"the training forward stores it as {stored[p.name]}")
 
 
 def _same_value(fwd: ChunkIR, bwd: ChunkIR, name: str) -> bool:

@@ -51,9 +51,11 @@ def out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple, 
         return _key_block(part, group, build_group(group)[0], others, split_phase, dims, partial)
 
     if groups is None:
-        groups = _out_groups(roles, lambda g: build_group(g)[0], fits)
-        if key_blocks and len(groups) == 1:
-            groups = _split_for_key_blocks(part, roles, build_group, block_of, dims)
+        # (the K-wide outputs on key blocks beside the rest: also where one kernel would not fit,
+        # as GLA's with its saved state in float32 does not, ahead of a grouping that recomputes)
+        groups = _split_for_key_blocks(part, roles, build_group, block_of, dims, fits) if key_blocks else [roles]
+        if len(groups) == 1:
+            groups = _out_groups(roles, lambda g: build_group(g)[0], fits)
     parts = [(tuple(group), *build_group(tuple(group))) for group in groups]
     blocked = {}
     for j, (group, _, _) in enumerate(parts):
@@ -111,11 +113,12 @@ def _key_block(part: Partition, group: tuple, k: Kernel, others: list, split_pha
     return None
 
 
-def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, dims: dict) -> list:
-    """The groups of outputs for out kernels where one kernel fits them all and key blocks are
-    on: the K-wide outputs apart from the rest, where the K-wide ones' kernel then runs on key blocks
-    (block_of), the rest's kernel's kernel_occupancy is no worse than the one kernel's, and the two do no
-    decayed product or matmul twice (repeats_work). Else all in one. GLA's out kernel (200 KB, 8
+def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, dims: dict, fits) -> list:
+    """The groups of outputs for out kernels where key blocks are on: the K-wide outputs apart
+    from the rest, where the K-wide ones' kernel then runs on key blocks (block_of), the rest's
+    kernel fits and its kernel_occupancy is no worse than the one kernel's, and the two do no
+    decayed product or matmul twice (repeats_work). Else all in one (out_kernels then groups them
+    by _out_groups where one kernel does not fit). GLA's out kernel (200 KB, 8
     warps an SM at 255 registers, 14 matmuls and 3 decayed products) is d v (96 KB, 5 and 1) and
     d q d k d g (9 and 2, on blocks of 32 keys: 56 KB, 12 warps an SM); GDN's would compute 21
     matmuls for its 14."""
@@ -126,7 +129,7 @@ def _split_for_key_blocks(part: Partition, roles: tuple, build_group, block_of, 
         return [roles]
     one, (rest_k, rest_held), wide_k = build_group(roles)[0], build_group(rest), build_group(wide)[0]
     if repeats_work(wide_k, rest_k, one) or kernel_occupancy(rest_k, dims) < kernel_occupancy(one, dims) \
-            or not block_of(wide, [rest_held]):
+            or not fits(rest_k) or not block_of(wide, [rest_held]):
         return [roles]
     return [wide, rest]
 

@@ -112,11 +112,13 @@ def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, whole, blocked, 
            for n, x in args.items()}
     o_ref, s_ref = op.reference(**ref)
     torch.autograd.backward([o_ref, s_ref], [got["d_o"].double(), got["d_final"].double()])
-    # (1e-4: each gradient rounds to bf16 once, but GLA's whole d q d k d g kernel stages d k's
-    # float32 sum in a fragment where the blocks' sum it in one expression; a float32 rounding
-    # there flips a few of the bf16 ones, 2.4e-5 of d k at K = 64)
+    # (1e-4: each gradient rounds to bf16 once, in the same operations. GLA's kernels without key
+    # blocks are no longer its one out kernel: with its saved states in float32 (session 41) that
+    # one is over the shared-memory budget, and the grouping that fits rounds d q and d k at other
+    # points, up to ~2.5e-3 apart (the bf16 floor); a block at the wrong columns is still O(1))
     for name in op.input_names:
-        assert rel_err(got["grads"][name], whole[spec, shape]["grads"][name]) <= 1e-4, name
+        agree = 5e-3 if spec == "gla" else 1e-4
+        assert rel_err(got["grads"][name], whole[spec, shape]["grads"][name]) <= agree, name
         assert rel_err(got["grads"][name], ref[name].grad) <= 1e-2, name
     assert rel_err(got["d_h0"], whole[spec, shape]["d_h0"]) <= 1e-5
 
