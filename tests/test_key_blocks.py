@@ -112,10 +112,10 @@ def test_key_blocks_give_the_gradients_of_the_whole_kernel(ops, whole, blocked, 
            for n, x in args.items()}
     o_ref, s_ref = op.reference(**ref)
     torch.autograd.backward([o_ref, s_ref], [got["d_o"].double(), got["d_final"].double()])
-    # (1e-4: each gradient rounds to bf16 once, in the same operations. GLA's kernels without key
-    # blocks are no longer its one out kernel: with its saved states in float32 (session 41) that
-    # one is over the shared-memory budget, and the grouping that fits rounds d q and d k at other
-    # points, up to ~2.5e-3 apart (the bf16 floor); a block at the wrong columns is still O(1))
+    # (1e-4: each gradient rounds to bf16 once, in the same operations. Not GLA's: with its saved
+    # states in float32 (session 41) its out kernels without key blocks fit only on V's column
+    # blocks of 64, whose d q and d k are float32 partials the host sums, where the key blocks
+    # write them in bf16: ~2.5e-3 apart, the bf16 floor; a block at the wrong columns is O(1))
     for name in op.input_names:
         agree = 5e-3 if spec == "gla" else 1e-4
         assert rel_err(got["grads"][name], whole[spec, shape]["grads"][name]) <= agree, name
