@@ -55,12 +55,12 @@ threads. A21_s, T11_s, T22_s and M_s (32×32, float32) are the 32 → 64 merge's
 product, unpadded blocks as the tensor-core product reads them.
 
 QLA_PREP_PAD (tri_inverse_scratch.PAD, on by default) changes layouts and vector widths only,
-for the prep's shared-memory traffic, which bounds it (above): D_s's rows padded to 20 floats (the allocation
-comes from SCRATCH; why, in tri_inverse_scratch.py), the substitution's results stored into D_s and
-A_s 4 floats at a time, and the last merge's operands staged 4 floats at a time. Every float32
-operation is the one it was, in the same order, so T is bit for bit the same: the generated CUDA
-of both, run on the CPU from the substitution to the staged operands, writes the same bits
-(tests/test_tri_inverse.py); what follows the staging is the same code.
+for the prep's shared-memory traffic, which bounds it (above): D_s's rows padded to 20 floats
+(the allocation comes from SCRATCH; why, in tri_inverse_scratch.py), the substitution's results
+stored into D_s and A_s 4 floats at a time, and the last merge's operands staged 4 floats at a
+time. Every float32 operation is the one it was, in the same order, so T is bit for bit the same:
+the generated CUDA of both, run on the CPU from the substitution to the staged operands, writes
+the same bits (tests/test_tri_inverse.py); what follows the staging is the same code.
 """
 import tilelang.language as T
 

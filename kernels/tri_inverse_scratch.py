@@ -18,8 +18,8 @@ conflicts where it met 8-way.
 
 Why D_s's rows are padded too (QLA_PREP_PAD, on by default; 0 turns it off): a row of 16 floats
 is 64 bytes, so the 16 → 32 merge's second product, reading one column D_s[16 + r, l] for the 8
-rows r of a warp, finds them in 2 banks (4-way conflicts: 64 of its 220 shared wavefronts a warp); rows 20 floats apart put them in
-8. P_s stays unpadded: it is read a row at a time (one 16-float row to every lane), and written by
+rows r of a warp, finds them in 2 banks (4-way conflicts: 64 of its 220 shared wavefronts a
+warp); rows 20 floats apart put them in 8. P_s stays unpadded: it is read a row at a time (one 16-float row to every lane), and written by
 lanes 4 floats apart that fill its rows end to end, which padding would split (4 → 8 wavefronts).
 With the macro's stores into D_s and its tf32 staging 4 floats wide, the GDN prep's shared
 wavefronts a warp go 681 → 569, its shared loads and stores 348 → 300 (counted on the generated

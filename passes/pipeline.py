@@ -217,7 +217,7 @@ class Program:
         if "training_program" not in self._derived:
             keep = tuple(n.name for n in self.chunk.of_op("inv_unit_lower"))
             chunk = self.chunk
-            if self.chunk.state_in is not None and self.saved_state_dtype() != "io":
+            if self.saved_state_dtype() != "io":
                 chunk = self.chunk.copy()
                 chunk.set_attrs(chunk.state_in, stored=self.saved_state_dtype())
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
