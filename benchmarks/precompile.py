@@ -71,6 +71,24 @@ def for_gpu_tests():
     return out
 
 
+def for_fused_training_tests():
+    """tests/test_gpu_fused_training.py's classes: its training steps, both ways (the fused
+    training forward forced, and the separate kernels), two GDN cases on the wide kernel, and
+    its kernels alone at V-block 32."""
+    out = []
+    for policy in (dict(fused=True, fused_training=True), dict(fused_training=False)):
+        with forward.launch_policy(**policy):
+            for n in (8, 2, 1):  # test_gpu_forward's GDN cases
+                out += classes("gdn", 2, 8, 128, n, training=True)
+            for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
+                out += classes(spec, 2, 8, 128, 5, training=True)
+    with forward.launch_policy(fused=True, fused_training=True):  # the wide kernel, as the test forces it
+        for n in (8, 2):
+            out += classes("gdn", 2, 8, 128, n, training=True, bv=128)
+    return out + [Compile("gdn", "training", ShapeClass(H=2, HV=4, K=K, V=V, BV=32), None, fused="narrow")
+                  for K, V in ((128, 128), (100, 60))]
+
+
 def for_per_key_bench(rows=("16/16:8x4096", "16/16:1x32768")):
     """qla-bench --spec gla|kda --backward's classes (issue 18's rows), as the op's default ("auto")
     cuts them: 16/16:1x32768 in 4 segments."""
@@ -137,6 +155,8 @@ def main(argv):
     ap.add_argument("items", nargs="*", help="spec:H/HV:K:io:BV")
     ap.add_argument("--tests", action="store_true", help="the classes of the GPU tests")
     ap.add_argument("--bench", action="store_true", help="the classes of qla-bench's rows")
+    ap.add_argument("--fused-training-tests", action="store_true",
+                    help="the classes of tests/test_gpu_fused_training.py")
     ap.add_argument("--per-key-bench", action="store_true",
                     help="the classes of qla-bench --spec gla|kda --backward on issue 18's rows")
     ap.add_argument("--cp", type=lambda x: x if x == "auto" else int(x), metavar="SEGMENTS",
@@ -154,7 +174,8 @@ def main(argv):
         forget_reads(cache)
     todo = [c for i in args.items for c in parse(i)] + (for_gpu_tests() if args.tests else []) \
         + (for_bench(args.cp, args.rows, args.scan_stages, args.backward, args.block_v) if args.bench else []) \
-        + (for_per_key_bench() if args.per_key_bench else [])
+        + (for_per_key_bench() if args.per_key_bench else []) \
+        + (for_fused_training_tests() if args.fused_training_tests else [])
     todo = list(dict.fromkeys(todo))
     if args.shard:
         i, n = map(int, args.shard.split("/"))

@@ -3,6 +3,7 @@
 # device's minutes go to running (a fresh GPU node restores the tar: ../shared/gpu/README.md).
 #
 #   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
+#                                      [--fused-training]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -13,7 +14,9 @@
 # step's classes of the bench rows (qla-bench --backward; the node compiled them in session 13,
 # which used up the step's timeout). --cp-auto: the bench rows' context-parallel classes as
 # qla-bench --cp auto plans them, forward and training (the window searches too). --variants: the
-# experiments gpu_steps.txt runs (prep_variants.py, window_search_variants.py). Two processes per step (this
+# experiments gpu_steps.txt runs (prep_variants.py, window_search_variants.py). --fused-training:
+# tests/test_gpu_fused_training.py's classes and the bench rows' training steps through the
+# fused training forward (qla-bench --backward --fused's qla-fused). Two processes per step (this
 # machine's cores); a fresh cache directory each run, so the tar holds no stale kernels.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -53,6 +56,10 @@ for a in "$@"; do
                  sharded wide $PY benchmarks/precompile.py --bench --rows $WIDE
                  sharded wide_backward $PY benchmarks/precompile.py --bench --backward --rows 16/64:8x4096:256 ;;
     --backward) sharded backward $PY benchmarks/precompile.py --bench --backward --rows $ROWS ;;
+    --fused-training) sharded fused_training $PY benchmarks/precompile.py --fused-training-tests
+                      sharded fused_training_bench env QLA_FUSED_FORWARD=1 QLA_FUSED_TRAINING=1 \
+                          $PY benchmarks/precompile.py --bench \
+                          --backward --rows $ROWS ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
                 $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1

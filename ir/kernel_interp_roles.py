@@ -102,8 +102,10 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
     bos, seq_len = cu[i_n], cu[i_n + 1] - cu[i_n]
     chunks = (seq_len + sizes.C - 1) // sizes.C
     skip = walk_skips(kernel, tensors, i_n, i_hv)  # a role's chunk c is the walk's: the rings turn with it
+    # (a role that stores the state entering each chunk writes slot chunk_offsets[n] + c)
+    offsets = tensors["chunk_offsets"].long()[i_n] if "chunk_offsets" in tensors else torch.zeros_like(i_n)
     at = _Point(i_hv=i_hv, i_h=i_hv // sizes.G, i_n=i_n, v0=i_v * sizes.BV, t0=bos, n_valid=torch.zeros_like(i_n),
-                i_slot=torch.zeros_like(i_n), active=torch.ones_like(i_n, dtype=torch.bool))
+                i_slot=offsets, active=torch.ones_like(i_n, dtype=torch.bool))
     run = _Run(kernel, tensors, sizes, scale, at, len(grid))
     # the rings, and the buffers one role hands another (a ring one copy deep): the protocol is
     # checked on each copy
@@ -173,6 +175,7 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
                     version[key], released[key] = c, set()
             active = c < chunks - skip
             at.active, at.t0 = active, bos + (skip + c) * sizes.C
+            at.i_slot = offsets + skip + c
             at.n_valid = torch.where(active, (seq_len - (skip + c) * sizes.C).clamp(max=sizes.C), 0)
         else:
             active = torch.ones_like(i_n, dtype=torch.bool)

@@ -43,7 +43,11 @@ class LaunchPolicy:
     `token_block_v` the token step's V-block (None: kernels/token_step.block_v's rule). `wide`
     whether a fused call runs the wide fused kernel (None: runs_wide's rule). `window_search` and
     `segment_chain` what runs context parallelism's two helper steps, with _window_search's and
-    _segment_chain's signatures (None: their kernels on the GPU, else their torch definitions)."""
+    _segment_chain's signatures (None: their kernels on the GPU, else their torch definitions).
+    `fused_training` whether a training call runs the fused training forward
+    (Program.fused_training_program) where an inference call of its shape runs the fused one
+    (None or False: the training program's separate kernels; QLA_FUSED_TRAINING=1 sets it for the
+    process)."""
     sms: int | None = None
     block_v: int | None = None
     token_block_v: int | None = None
@@ -54,9 +58,11 @@ class LaunchPolicy:
     window_search: Callable | None = None
     segment_chain: Callable | None = None
     poison: float | None = None
+    fused_training: bool | None = None
 
 
-POLICY = LaunchPolicy(fused={"1": True, "0": False}.get(os.environ.get("QLA_FUSED_FORWARD", "")))
+POLICY = LaunchPolicy(fused={"1": True, "0": False}.get(os.environ.get("QLA_FUSED_FORWARD", "")),
+                      fused_training={"1": True, "0": False}.get(os.environ.get("QLA_FUSED_TRAINING", "")))
 
 
 @contextlib.contextmanager
@@ -322,16 +328,19 @@ def _call_program(program, dims, io, device, keep: bool, context_parallel, fused
     launch policy and options, not per call (issue 19's host time)."""
     def make():
         variant = program_for(program, dims, io, device)
-        if keep:
-            variant.backward_blocks()  # a backward the kernels cannot run fails here, before the forward
-            return variant.training_program
         # (the fused program is the same from every variant: it puts the decay on the value side
         # itself, the one kernel-shaping choice that depends on the V-block)
         sms = sm_count(device)
         # context parallelism launches the scan (here the fused kernel) on N·segments sequences
         runs = dims.N * (context_parallel or 1)
-        return inference_program(variant, runs_fused(dims.K, dims.V, dims.HV, runs, sms, fused),
-                                 runs_wide(dims.K, dims.V, dims.HV, dims.N, sms, context_parallel))
+        fuses = runs_fused(dims.K, dims.V, dims.HV, runs, sms, fused)
+        wide = runs_wide(dims.K, dims.V, dims.HV, dims.N, sms, context_parallel)
+        if keep:
+            variant.backward_blocks()  # a backward the kernels cannot run fails here, before the forward
+            if fuses and POLICY.fused_training and not context_parallel:
+                return fused_or_not(variant, wide, training=True)
+            return variant.training_program
+        return inference_program(variant, fuses, wide)
 
     key = (id(program), dims.H, dims.HV, dims.K, dims.V, dims.N, io, device, keep, context_parallel, fused,
            POLICY, sm_count(device))
@@ -346,19 +355,21 @@ def inference_program(program, fused: bool = False, wide: bool = False):
     return fused_or_not(program, wide) if fused else program
 
 
-def fused_or_not(program, wide: bool = False):
+def fused_or_not(program, wide: bool = False, training: bool = False):
     """The program's fused forward (Program.fused_wide_program where `wide`, else or where that
     one does not fit, Program.fused_program), or the program itself where the schedule cannot
     fuse it (errors.NotFusable: e.g. its rings would not fit in shared memory at its head-dim
-    tiles); any other failure of the fused schedule is a bug, and raises."""
+    tiles); any other failure of the fused schedule is a bug, and raises. `training`: the fused
+    training forward (Program.fused_training_program), else the training program."""
     from qla_compiler.errors import NotFusable
 
-    for variant in ("fused_wide_program", "fused_program") if wide else ("fused_program",):
+    suffix = "_training_program" if training else "_program"
+    for variant in ("fused_wide", "fused") if wide else ("fused",):
         try:
-            return getattr(program, variant)
+            return getattr(program, variant + suffix)
         except NotFusable:
             pass
-    return program
+    return program.training_program if training else program
 
 
 def cuts(K: int, V: int) -> bool:

@@ -64,6 +64,8 @@ def lower_fused(kernel: Kernel, shape: ShapeClass) -> list[str]:
                 *[f"{ind}    {ln}" for ln in index],
                 f"{ind}    t0 = bos + i_c * C",
                 f"{ind}    n_valid = T.min(C, seq_len - i_c * C)",
+                *([f"{ind}    i_slot = chunk_offsets[i_n] + i_c"]
+                  if any(s.op == "store_chunk_state" for s in role.body) else []),
                 *[ln for d in depths for ln in (f"{ind}    {_stage(d)} = {loop} % {d}  # the copy of a {d}-deep ring",
                                                   f"{ind}    {_phase(d)} = ({loop} // {d}) % 2")]]
         out += [ind + "    " + ln for ln in _role_body(role, r, staged, barriers)]

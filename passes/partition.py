@@ -60,6 +60,9 @@ class Partition:
     carried: tuple  # scan values the out kernel loads (the state entering the chunk, v_new, ...)
     out: tuple  # nodes of the out kernel
     provided: tuple = ()  # values another program's kernels stored (the forward's, for a backward): loaded
+    # carried values a fused kernel stores too, though it hands them between its roles on the SM
+    # (a training forward's, which its backward loads); the separate scan stores every carried value
+    stored: tuple = ()
 
     @property
     def out_loads(self) -> set:
@@ -78,6 +81,8 @@ class Partition:
         lines.append(f"  kernel {name}_out (parallel over chunks): {' '.join(self.out)}")
         if self.provided:
             lines.append(f"  from the forward's memory: {' '.join(self.provided)}")
+        if self.stored:
+            lines.append(f"  stored for another program, fused or not: {' '.join(self.stored)}")
         return "\n".join(lines)
 
 
@@ -129,10 +134,11 @@ def _vector_made(ir: ChunkIR, name: str, prepared: set) -> bool:
 def _folded_into_prep(ir: ChunkIR, scan: set, prepared: set, elsewhere: set) -> set:
     """State-free element-wise blocks of the scan that prep can store in place of a prepared block
     they read: each prepared block argument of such a block has it as its only reader anywhere
-    (`elsewhere`: what other kernels read or keep), and every other argument is made from vectors
+    (`elsewhere`: what other kernels read), and every other argument is made from vectors
     (_vector_made). The result has the argument's shape, so as much crosses memory as before, and
     the pass that formed it leaves the scan's sequential path (the fused forward's T = T_r ⊙ R:
-    C×C exponentials a chunk)."""
+    C×C exponentials a chunk). An argument a program keeps for another (the fused training
+    forward's T_r) crosses memory beside it: one block more, and the pass still off the chain."""
     out, dependent = set(), ir.scan_nodes()
     for x in sorted(scan - prepared):
         n = ir.node(x)
@@ -159,8 +165,10 @@ def _sharing_exponentials(ir: ChunkIR, prep: set, out: set, dependent: set) -> s
 
 
 def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECAYS) -> Partition:
-    """`keep`: state-free values to store per token although no later kernel reads them (the
-    forward for training keeps its inverses for the backward). `provided`: state-free values
+    """`keep`: values to store per token although no later kernel reads them (the forward for
+    training keeps its inverses for the backward): state-free ones cross memory from the prep;
+    state-dependent ones must be carried (the entering state, v_new), and are `stored` even where
+    a fused kernel hands them over on the SM. `provided`: state-free values
     already in memory (a backward's recomputed forward values that the forward stored): every
     kernel loads them and none recomputes them. `share_decays`: _sharing_exponentials."""
     provided = set(provided)
@@ -173,6 +181,8 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
         raise PassError("partition", f"the next state {s_next} does not depend on the state")
     chain = (nx.ancestors(ir.graph, s_next) | {s_next}) & dependent
     free = [n.name for n in ir.order() if n.name not in dependent]
+    keep_carried = {x for x in keep if x in dependent}
+    keep = {x for x in keep if x not in dependent}
     if provided - set(free):
         raise PassError("partition", f"provided values must be state-free: {sorted(provided - set(free))}")
     prepared = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, for_scan=False)})
@@ -195,10 +205,13 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
         others = [a for a in n.args if a in chain]
         if n.op in ELEMENTWISE and others and all(a in carried and a != x for a in others):
             carried.discard(x)
+    if keep_carried - carried:
+        raise PassError("partition", f"kept values {sorted(keep_carried - carried)} depend on the state but are not "
+                                     f"carried from the scan to the output (carried: {sorted(carried)})")
     # the out kernel loads prefix sums and inverses (and what is built on them); it recomputes
     # the rest, including Q Kᵀ, which is parallel work there
     out = ir.closure(out_roots | carried, stop=prepared | carried)
-    folded = _folded_into_prep(ir, scan, prepared_scan, out | set(keep) | provided)
+    folded = _folded_into_prep(ir, scan, prepared_scan, out | provided)
     if folded:
         prepared_scan |= folded
         scan = ir.closure(chain, stop=prepared_scan)
@@ -219,4 +232,5 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
                                          "only per-token rows (C, C×C, C×K, C×V) do")
     return Partition(ir, tuple(x for x in order if x in prep), crossing,
                      tuple(x for x in order if x in scan), tuple(x for x in order if x in carried),
-                     tuple(x for x in order if x in out), tuple(x for x in order if x in loaded))
+                     tuple(x for x in order if x in out), tuple(x for x in order if x in loaded),
+                     tuple(x for x in order if x in keep_carried))

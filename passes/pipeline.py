@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from qla_compiler.errors import PassError, SpecError
+from qla_compiler.errors import NotFusable, PassError, SpecError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_diff import ChunkDiff, chunk_diff
 from qla_compiler.ir.kernel import KernelIR
@@ -415,11 +415,39 @@ class Program:
         """
         return self._fused(wide=True)
 
-    def _fused(self, wide: bool) -> "Program":
-        key = "fused_wide_program" if wide else "fused_program"
+    @property
+    def fused_training_program(self) -> "Program":
+        """The training forward as the fused forward's two kernels (fused_program's): the prep
+        stores the triangular inverses beside T, and the fused kernel's output role stores the
+        values the training program's scan carries (the entering states, v_new) as the chain hands
+        them over, so the backward loads what it loads after training_program. NotFusable where
+        the entering states are kept in float32 (GLA: saved_state_dtype) or the kernel does not fit.
+
+            >>> import qla_compiler
+            >>> fused = qla_compiler.compile_spec("gdn").fused_training_program.kernels.kernels[-1]
+            >>> [p.name for p in fused.params if p.role == "out"]
+            ['o', 'S0_chunks', 'v_new_rows', 'final_state']
+        """
+        return self._fused(wide=False, training=True)
+
+    @property
+    def fused_wide_training_program(self) -> "Program":
+        """fused_training_program at V-block 128 (fused_wide_program's kernel, storing as that one does)."""
+        return self._fused(wide=True, training=True)
+
+    def _fused(self, wide: bool, training: bool = False) -> "Program":
+        key = f"fused{'_wide' if wide else ''}{'_training' if training else ''}_program"
         if key not in self._derived:
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             try:
+                keep = ()
+                if training:
+                    if self.saved_state_dtype() != "io":
+                        raise NotFusable("schedule", f"fused training forward: the backward reads the entering "
+                                                     f"states in {self.saved_state_dtype()}, the fused kernel hands "
+                                                     "them over in the io dtype")
+                    keep = tuple(n.name for n in self.chunk.of_op("inv_unit_lower")) \
+                        + self.training_program.stage("partition").carried
                 chunk = self.chunk
                 # the decay on the value side (where this variant left it on the keys: in the fused
                 # kernel the chain runs every pass itself, so a C×BV pass beats a C×K one at any
@@ -429,7 +457,11 @@ class Program:
                     if set(after.graph.nodes) != set(chunk.graph.nodes):
                         before.append((rewrite.name, after))
                         chunk = after
-                self._derived[key] = self._scheduled(chunk, before, "fused forward: ", fused=True, wide=wide)
+                prog = self._scheduled(chunk, before, f"fused {'training ' if training else ''}forward: ", fused=True,
+                                       wide=wide, keep=keep)
+                if training:
+                    _check_stores(self.training_program.kernels, prog.kernels, self.backward_program.kernels)
+                self._derived[key] = prog
             except PassError as e:  # kept: the runtime asks on every call (kernels/forward.fused_or_not)
                 self._derived[key] = e
         got = self._derived[key]
@@ -480,6 +512,20 @@ def _check_saved_dtypes(forward: KernelIR, backward: KernelIR) -> None:
             if p.role == "in" and stored.get(p.name, p.dtype) != p.dtype:
                 raise PassError("schedule", f"backward program: {k.name} reads {p.name} as {p.dtype}, "
                                             f"the training forward stores it as {stored[p.name]}")
+
+
+def _check_stores(training: KernelIR, fused: KernelIR, backward: KernelIR) -> None:
+    """Refuse a fused training forward that does not store, in the same dtype, every tensor the
+    backward loads from the training forward's memory (it runs in that one's place)."""
+    stored = {p.name: p.dtype for k in fused.kernels for p in k.params if p.role == "out"}
+    made = {p.name for k in backward.kernels for p in k.params if p.role == "out"}
+    loads = {p.name: p.dtype for k in backward.kernels for p in k.params if p.role == "in" and p.name not in made}
+    for k in training.kernels:
+        for p in k.params:
+            if p.role == "out" and p.name in loads and stored.get(p.name) != p.dtype:
+                got = f"stores it as {stored[p.name]}" if p.name in stored else "does not store it"
+                raise PassError("schedule", f"fused training forward: the backward loads {p.name} ({p.dtype}, "
+                                            f"from {k.name}); the fused forward {got}")
 
 
 def _same_value(fwd: ChunkIR, bwd: ChunkIR, name: str) -> bool:

@@ -32,6 +32,11 @@ For the delta rule the program comes through fold_wy first (Program.fused_progra
 forms v_new = T·(diag(β)V − diag(βΓ)K·S₀) itself, three products a chunk, and the prep before it
 solves T_r alone and stores T = T_r ⊙ R (partition._folded_into_prep); scale_after_product_on_chain
 puts diag(βΓ) on the product K·S₀. The chain then forms no block wider than the V-block.
+
+For training (Program.fused_training_program) the partition keeps what the backward loads: the
+prep stores T_r beside T, and the output role stores the carried values it is handed (the
+entering state, v_new) from their ring copies (Partition.stored), so the training forward is this
+kernel too, not a scan that writes W·S and U's difference and an out kernel that reads it back.
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ from qla_compiler.errors import NotFusable, PassError
 from qla_compiler.ir.kernel import Barrier, Kernel, Role, Stmt, Tensor, entry_registers
 
 from .partition import Partition
-from .schedule_build import STATE, STATE_IO, build, global_name, head_params, input_params
+from .schedule_build import (STATE, STATE_IO, build, crossing_tensor, global_name, head_params, input_params,
+                             state_dtype)
 from .schedule_memory import THREADS, reads, smem_bytes, zero_pad
 
 RING = 2  # copies of a hand-over between compute roles: the writer fills one while the readers read the other
@@ -89,6 +95,9 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     if len(outputs) != 1:
         raise NotFusable("schedule", f"the fused kernel writes one output; this program has {outputs}")
     (result,) = outputs
+    if ir.state_in in part.stored and state_dtype(ir, ir.state_in) != "io":
+        raise NotFusable("schedule", f"the entering states are kept in {state_dtype(ir, ir.state_in)}; the fused "
+                         "kernel hands them to the output role, and stores them, in the io dtype")
     if wide and dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS > 255:
         raise NotFusable("schedule", f"the wide fused kernel's state, K×{WIDE_BLOCK_V} float32 at K = {dims['K']}, "
                          "does not fit one warpgroup's registers")
@@ -144,7 +153,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
             rename_out[name] = f"{name}_out"
     rename_out.update(private)
     chain_body = [st.renamed(private) for st in chain_body]
-    out_body = [st.renamed(rename_out) for st in out_body]
+    out_body = _stores(ir, part, handed) + [st.renamed(rename_out) for st in out_body]
 
     # -- the compute roles: the chain as one role, or (wide) cut in two where the state and the
     # chain's products would not fit one warpgroup's registers: the state role, every statement
@@ -251,6 +260,21 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
         nodes=nodes, outputs=(result,), warp_roles=roles, barriers=tuple(barriers))
     return kernel, block_v  # (schedule verifies it)
+
+
+def _stores(ir, part: Partition, handed: dict) -> list:
+    """The output role's stores of the carried values the partition keeps for another program (a
+    training forward's entering states and v_new, which its backward loads), from the ring copies
+    the chain hands over: first once the copy is there (_independent_first keeps them ahead of the
+    role's other reads of it), plain copies by the role's threads, so the copy is free again when
+    the role's last read is done, with no wait on a bulk store."""
+    out = []
+    for x in part.stored:
+        if x == ir.state_in:
+            out.append(Stmt("store_chunk_state", global_name(ir, x), (handed[x],)))
+        else:
+            out.append(Stmt("store", global_name(ir, x), (handed[x],), (("rows", "n_valid"),)))
+    return out
 
 
 def _split_chain(body: list) -> dict:
@@ -360,12 +384,15 @@ def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
     carried = set(part.carried)
     ps = input_params(ir, part.scan, part.crossing + part.provided)
     ps += input_params(ir, out_nodes, loaded_out - carried)
-    ps += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
-           Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
+    ps += [Tensor("cu_seqlens", ("N+1",), "int32", "in")]
+    if ir.state_in in part.stored:
+        ps.append(Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk"))
+    ps += [Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
     ps += head_params(ir, set(part.scan) | set(out_nodes))
     (result,) = ir.outputs
-    return ps + [Tensor(result, ("1", "T", "HV", "V"), "io", "out", result=result),
-                 Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
+    return ps + [Tensor(result, ("1", "T", "HV", "V"), "io", "out", result=result)] \
+        + [crossing_tensor(ir, x, "out") for x in part.stored] \
+        + [Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
 
 
 def _vectors_for_loads(ir, nodes: set, loaded: set) -> set:

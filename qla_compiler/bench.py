@@ -190,8 +190,8 @@ def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
     ours = getattr(qla_ops, name)
 
     def with_policy(on):
-        def call(**a):
-            with forward.launch_policy(fused=on):
+        def call(**a):  # (a training step's forward fused too: Program.fused_training_program)
+            with forward.launch_policy(fused=on, fused_training=on):
                 return ours(**a)
         return call
 
@@ -318,7 +318,8 @@ def main(argv=None) -> int:
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
     ap.add_argument("--fused", action="store_true",
-                    help="also time the fused, warp-specialised forward (qla-fused; inference calls only)")
+                    help="also time the fused, warp-specialised forward (qla-fused; with --backward, training "
+                         "steps whose forward is the fused training forward)")
     ap.add_argument("--decode", action="store_true",
                     help="time the token step (op.recurrent) beside FLA's fused_recurrent_gated_delta_rule; "
                          "rows default to batches of 1, 32 and 256 one-token sequences")

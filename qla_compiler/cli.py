@@ -15,6 +15,7 @@
     qla-compile specs/gdn.py --emit kernel --training       # the forward a training step runs
     qla-compile specs/gdn.py --emit kernel --token-step     # the decoding kernel (op.recurrent)
     qla-compile specs/gdn.py --emit kernel --fused --windows  # context parallelism's first scan
+    qla-compile specs/gdn.py --emit kernel --fused --training # the fused training forward
     qla-compile gdn --cp-plan H=2,HV=8,K=128,T=32768         # what context_parallel="auto" chooses
     qla-compile gdn --precompile H=16,HV=64,K=128,V=128,io=bfloat16 --training
                                  # compile a deployment's kernels into the disk cache ahead of time
@@ -56,7 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the forward with its scan and output fused into one "
                          "warp-specialised kernel (roles, register budgets, barriers; QLA_FUSED_FORWARD=1 runs it); "
-                         "at --shape ...,BV=128 the wide one, its chain on a state and a value role")
+                         "at --shape ...,BV=128 the wide one, its chain on a state and a value role; with "
+                         "--training: the fused training forward, which also stores what the backward loads "
+                         "(QLA_FUSED_TRAINING=1 runs it)")
     ap.add_argument("--windows", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the scan kernel alone as context parallelism's first "
                          "scan runs it, each walk from a chunk given per sequence and value head (its segment's "
@@ -121,17 +124,19 @@ def main(argv=None) -> int:
             return 1
         try:
             chosen = [f for f in ("backward", "training", "token_step", "fused") if getattr(args, f)]
-            if len(chosen) > 1:
+            if len(chosen) > 1 and chosen != ["training", "fused"]:  # (those two: the fused training forward)
                 raise ValueError(" and ".join(f"--{f.replace('_', '-')}" for f in chosen) + ": choose one")
             shape = None
             if args.emit in ("kernel", "tilelang", "cuda"):  # the kernels this shape class runs
                 shape = parse_shape(args.shape, token_step=args.token_step)
                 prog = prog.for_shape(shape)
             fused = "fused_wide_program" if shape is not None and shape.BV > 64 else "fused_program"
+            if args.training and args.fused:
+                fused = fused.replace("_program", "_training_program")
             note = ""
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
                                   ("token_step", "token_step_program"), ("fused", fused)):
-                if getattr(args, flag):
+                if getattr(args, flag) and not (flag == "training" and args.fused):
                     if args.emit not in ("kernel", "tilelang", "cuda"):
                         raise ValueError(f"--{flag.replace('_', '-')} goes with --emit kernel, tilelang or cuda")
                     if flag == "backward":  # (the kernels one block runs, where it runs on blocks)
@@ -157,7 +162,7 @@ def main(argv=None) -> int:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         ext = {"tilelang": "py", "cuda": "cu"}.get(args.emit, "txt")
-        variant = next((f".{f}" for f in ("backward", "training", "token_step", "fused") if getattr(args, f)), "")
+        variant = "".join(f".{f}" for f in ("backward", "training", "token_step", "fused") if getattr(args, f))
         name = f"{prog.recurrence.name}{variant}.{args.emit or 'summary'}.{ext}"
         (out / name).write_text(text + "\n")
         print(f"wrote {out / name}", file=sys.stderr)

@@ -58,8 +58,9 @@ class Compile:
     # a backward on blocks of K's or V's columns (Program.backward_blocks): V's block width (0: the
     # backward of the whole problem)
     columns: int = 0
-    # an inference call that runs the fused forward (kernels/forward.runs_fused): "narrow", or
-    # "wide" (kernels/forward.wide_fused); "" where it runs the separate kernels
+    # a call that runs the fused forward (kernels/forward.runs_fused; a training one, the fused
+    # training forward where the launch policy says so): "narrow", or "wide" (kernels/forward.wide_fused);
+    # "" where it runs the separate kernels
     fused: str = ""
 
 
@@ -150,7 +151,17 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     if state:  # (both V-blocks, every gate and scalar dtype: any batch, any call: kernels/token_step.block_v)
         out += [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(str(spec), H, HV, K, V, io, state, scale)]
     if training:
-        out += [dataclasses.replace(c, part="training") for c in classes]
+        for c, (n, launched, cp) in zip(classes, seqs):
+            c = dataclasses.replace(c, part="training")
+            # (kernels/forward._call_program: where the launch policy fuses training and an
+            # inference call of this class runs fused, the fused training forward, at its V-blocks)
+            if forward.POLICY.fused_training and not cp and c.kernels == "all" and forward.runs_fused(K, V, HV, n, sms):
+                with forward.launch_policy(block_v=block_v):
+                    wide = forward.runs_wide(K, V, HV, n, sms, None)
+                c = dataclasses.replace(c, fused="wide" if wide else "narrow")
+                cap = _program(c).kernels.block_v_max
+                c = dataclasses.replace(c, shape=launch(c.shape.V, launched, cap)) if cap < c.shape.BV or cap > 64 else c
+            out.append(c)
         for c, (_, launched, _) in zip(classes, seqs):
             keys, width, _ = _variant(c).backward_blocks()
             if keys >= K and width >= V:
@@ -312,6 +323,8 @@ def _program(c: Compile):
         program = program.backward_blocks()[2].backward_program
     elif c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
         program = forward.inference_program(program, fused=bool(c.fused), wide=c.fused == "wide")
+    elif c.part == "training" and c.fused:  # (a fused training forward: the launch policy's fused_training)
+        program = forward.fused_or_not(program, wide=c.fused == "wide", training=True)
     else:
         program = {"training": program.training_program, "backward": program.backward_program}[c.part]
     return program.windows_program if c.kernels == "windows" else program
