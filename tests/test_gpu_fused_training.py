@@ -16,7 +16,7 @@ from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.testing import random_inputs, rel_err
 
 from test_gpu_backward import GRADS, TOL, _cotangents, _leaves, _ref_grads
-from test_gpu_forward import GDN_CASES, make_inputs
+from test_gpu_forward import GDN_CASES, make_inputs, reference
 from test_gpu_kernels import _each_kernel_matches
 
 pytestmark = pytest.mark.gpu
@@ -43,8 +43,7 @@ def _check(spec, args, block_v=None):
     o_sep, s_sep, grads_sep, launched_sep = _step(op, args, cot, fused_training=False)
     assert any(f"{spec}_fused" in n for n in launched) and not any(f"{spec}_scan_kernel" in n for n in launched)
     assert any(f"{spec}_scan_kernel" in n for n in launched_sep)
-    ref = {n: (x.detach().double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
+    o_ref, s_ref = reference(op, args)
     grads_ref = _ref_grads(op, args, cot)
     pairs = [("o", o, o_sep, o_ref), ("final", s, s_sep, s_ref)] + \
         [(n, grads[n], grads_sep[n], grads_ref[n]) for n in grads]
