@@ -138,6 +138,18 @@ def eager_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def peak_mib(fn) -> float:
+    """The most GPU memory fn() holds at once beyond what was allocated before it (MiB)."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def state_floor_ms(HV: int, K: int, V: int, n_seqs: int, device: str = "H200") -> float:
     """The time to read and write every sequence's float32 state once at HBM speed on `device`
     (a name holding H100 or H200, as torch.cuda.get_device_name gives it): a token step's floor.
@@ -248,6 +260,8 @@ def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused
                 top = sorted(kernels.items(), key=lambda kv: -kv[1])
                 print(f"  {row} {name} kernels (ms): " + ", ".join(f"{k[:48]} {t:.3f}" for k, t in top))
                 res[f"{name} eager"] = eager_ms(call)
+                if backward:  # (issue 16: what a training step holds at once, beside the peers')
+                    print(f"  {row} {name} peak memory above the inputs: {peak_mib(call):.0f} MiB")
             except Exception as e:  # noqa: BLE001 - one failing library must not hide the others
                 print(f"{row} {name}: {type(e).__name__}: {e}", file=sys.stderr)
         results.append(res)
