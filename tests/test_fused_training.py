@@ -184,3 +184,23 @@ def test_real_data_inputs_round_as_the_separate_kernels_do(case):
         ours, sep = [(s[key] if key in s else s["grads"][key]) for s in (got[True], got[False])]
         err, err_sep = rel_err(ours, ref), rel_err(sep, ref)
         assert err <= 2e-2 and err <= 1.5 * err_sep + 1e-4, (what, err, err_sep)
+
+
+@pytest.mark.parametrize("case", ["empty sequences", "dense B=2", "float16", "K = 100, V = 60"])
+def test_layouts_train_as_through_the_separate_kernels(case):
+    """Empty sequences (no chunk: nothing stored for them), a dense batch, float16 io and head dims
+    in wider tiles: the fused training forward's step gives the separate kernels' o and gradients
+    to the io dtype's rounding (one is not the other's rounding: the delta rule's v_new comes from
+    T, not W and U)."""
+    op = qla_compiler.compile("gdn", target="sm90")
+    kw = {"empty sequences": dict(T=200, cu_seqlens=[0, 0, 1, 1, 200, 200]), "dense B=2": dict(B=2, T=150),
+          "float16": dict(T=200, cu_seqlens=[0, 70, 200], dtype=torch.float16),
+          "K = 100, V = 60": dict(T=200, cu_seqlens=[0, 70, 200], K=100, V=60)}[case]
+    kw = {"K": 64, "V": 64, "dtype": torch.bfloat16, **kw}
+    args = random_inputs(op, H=1, HV=2, initial_state=True, **kw)
+    block_v = 16 if kw["K"] == 100 else 32
+    fused, separate = (_step(op, args, f, block_v=block_v) for f in (True, False))
+    assert "gdn_fused" in [n for n, _ in fused["emulator"].calls]
+    assert rel_err(fused["o"], separate["o"]) <= 1e-2 and rel_err(fused["d_h0"], separate["d_h0"]) <= 1e-2
+    for name in op.input_names:
+        assert rel_err(fused["grads"][name], separate["grads"][name]) <= 1e-2, name
