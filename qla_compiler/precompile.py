@@ -137,17 +137,22 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             classes += [Compile(str(spec), "forward", launch(w, n * cp), runs_as, which)
                         for w, which in ((K + V, "windows"), (V, "scan"))]
             seqs += [(n, n * cp, cp)] * 2
+    def fused(c, n, cp):  # c on the fused kernel, wide or narrow as kernels/forward._call_program takes it
+        with forward.launch_policy(block_v=block_v):
+            wide = forward.runs_wide(K, V, HV, n, sms, cp)
+        return dataclasses.replace(c, fused="wide" if wide else "narrow")
+
+    def capped(c, launched, cap):  # c at the V-blocks up to `cap` (its program's)
+        return dataclasses.replace(c, shape=launch(c.shape.V, launched, cap)) if cap < c.shape.BV or cap > 64 else c
+
     out = []
     for c, (n, launched, cp) in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
         # (kernels/forward._call_program: context parallelism decides on N·segments sequences,
         # and runs the narrow fused kernel as its scan)
         if forward.runs_fused(K, V, HV, n * (cp or 1), sms):
-            with forward.launch_policy(block_v=block_v):
-                wide = forward.runs_wide(K, V, HV, n, sms, cp)
-            c = dataclasses.replace(c, fused="wide" if wide else "narrow")
-        cap = _program(c).kernels.block_v_max if c.kernels == "all" or c.fused else c.shape.BV
-        out.append(dataclasses.replace(c, shape=launch(c.shape.V, launched, cap))
-                   if cap < c.shape.BV or cap > 64 else c)
+            c = fused(c, n, cp)
+        out.append(capped(c, launched, _program(c).kernels.block_v_max if c.kernels == "all" or c.fused
+                          else c.shape.BV))
     if state:  # (both V-blocks, every gate and scalar dtype: any batch, any call: kernels/token_step.block_v)
         out += [Compile(str(spec), "token_step", c, None) for c in _token_step_classes(str(spec), H, HV, K, V, io, state, scale)]
     if training:
@@ -156,11 +161,8 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             # (kernels/forward._call_program: where the launch policy fuses training and an
             # inference call of this class runs fused, the fused training forward, at its V-blocks)
             if forward.POLICY.fused_training and not cp and c.kernels == "all" and forward.runs_fused(K, V, HV, n, sms):
-                with forward.launch_policy(block_v=block_v):
-                    wide = forward.runs_wide(K, V, HV, n, sms, None)
-                c = dataclasses.replace(c, fused="wide" if wide else "narrow")
-                cap = _program(c).kernels.block_v_max
-                c = dataclasses.replace(c, shape=launch(c.shape.V, launched, cap)) if cap < c.shape.BV or cap > 64 else c
+                c = fused(c, n, None)
+                c = capped(c, launched, _program(c).kernels.block_v_max)
             out.append(c)
         for c, (_, launched, _) in zip(classes, seqs):
             keys, width, _ = _variant(c).backward_blocks()
