@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from qla_compiler.errors import NotFusable, PassError, SpecError
+from qla_compiler.errors import PassError, SpecError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_diff import ChunkDiff, chunk_diff
 from qla_compiler.ir.kernel import KernelIR
@@ -216,14 +216,21 @@ class Program:
         """
         if "training_program" not in self._derived:
             keep = tuple(n.name for n in self.chunk.of_op("inv_unit_lower"))
-            chunk = self.chunk
-            if self.saved_state_dtype() != "io":
-                chunk = self.chunk.copy()
-                chunk.set_attrs(chunk.state_in, stored=self.saved_state_dtype())
+            chunk = self._storing_states(self.chunk)
             before = [s for s in self.stages if s[0] not in ("partition", "schedule")]
             self._derived["training_program"] = self._scheduled(chunk, before, "training program: ", keep=keep) \
                 if keep or chunk is not self.chunk else self
         return self._derived["training_program"]
+
+    def _storing_states(self, chunk: ChunkIR) -> ChunkIR:
+        """`chunk` with its entering state marked to be stored in the dtype the backward reads it
+        in (its `stored` attribute, which schedule_build.state_dtype reads), where that is not the
+        io dtype; else `chunk` itself."""
+        if self.saved_state_dtype() == "io":
+            return chunk
+        chunk = chunk.copy()
+        chunk.set_attrs(chunk.state_in, stored=self.saved_state_dtype())
+        return chunk
 
     def saved_state_dtype(self) -> str:
         """The dtype the backward reads the forward's entering states in (schedule_build.state_dtype
@@ -442,10 +449,6 @@ class Program:
             try:
                 keep = ()
                 if training:
-                    if self.saved_state_dtype() != "io":
-                        raise NotFusable("schedule", f"fused training forward: the backward reads the entering "
-                                                     f"states in {self.saved_state_dtype()}, the fused kernel hands "
-                                                     "them over in the io dtype")
                     keep = tuple(n.name for n in self.chunk.of_op("inv_unit_lower")) \
                         + self.training_program.stage("partition").carried
                 chunk = self.chunk
@@ -457,6 +460,8 @@ class Program:
                     if set(after.graph.nodes) != set(chunk.graph.nodes):
                         before.append((rewrite.name, after))
                         chunk = after
+                if training:  # (schedule_fused refuses entering states kept in float32: GLA's)
+                    chunk = self._storing_states(chunk)
                 prog = self._scheduled(chunk, before, f"fused {'training ' if training else ''}forward: ", fused=True,
                                        wide=wide, keep=keep)
                 if training:

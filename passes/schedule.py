@@ -39,9 +39,9 @@ from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, KernelIR, Stmt, Ten
 
 from .key_blocks import key_cut
 from .partition import Partition
-from .schedule_build import (CHUNK_MAP, STATE, STATE_IO, Builder, build, check_v_columns, crossing_tensor,
-                             global_name, head_params, ident, input_params, log_space, product_slots, state_dtype,
-                             store_rows)
+from .schedule_build import (CHUNK_MAP, CHUNK_OFFSETS, STATE, STATE_IO, Builder, build, check_v_columns,
+                             crossing_tensor, global_name, head_params, ident, input_params, log_space, product_slots,
+                             state_dtype, store_rows)
 from .schedule_fused import fused_kernel
 from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
                               dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups, packed_shared,
@@ -354,7 +354,7 @@ def _scan_kernel(part: Partition, dims: dict) -> Kernel:
         b.buf(STATE_IO, ("K", "V"), "io", "shared")
     params = input_params(ir, part.scan, part.crossing + part.provided)
     params += [Tensor("cu_seqlens", ("N+1",), "int32", "in"),
-               Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk"),
+               CHUNK_OFFSETS,
                Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
     params += head_params(ir, part.scan)
     params += [crossing_tensor(ir, x, "out") for x in part.carried]

@@ -643,6 +643,8 @@ def global_name(ir: ChunkIR, name: str) -> str:
 
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")
+# what a kernel that stores or loads the state entering each chunk indexes its slots by
+CHUNK_OFFSETS = Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk")
 
 
 def store_rows(ir: ChunkIR, b: Builder, name: str) -> Stmt:

@@ -46,8 +46,8 @@ from qla_compiler.errors import NotFusable, PassError
 from qla_compiler.ir.kernel import Barrier, Kernel, Role, Stmt, Tensor, entry_registers
 
 from .partition import Partition
-from .schedule_build import (STATE, STATE_IO, build, crossing_tensor, global_name, head_params, input_params,
-                             state_dtype)
+from .schedule_build import (CHUNK_OFFSETS, STATE, STATE_IO, build, crossing_tensor, global_name, head_params,
+                             input_params, state_dtype)
 from .schedule_memory import THREADS, reads, smem_bytes, zero_pad
 
 RING = 2  # copies of a hand-over between compute roles: the writer fills one while the readers read the other
@@ -386,7 +386,7 @@ def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
     ps += input_params(ir, out_nodes, loaded_out - carried)
     ps += [Tensor("cu_seqlens", ("N+1",), "int32", "in")]
     if ir.state_in in part.stored:
-        ps.append(Tensor("chunk_offsets", ("N+1",), "int32", "in", "chunk slot of each sequence's first chunk"))
+        ps.append(CHUNK_OFFSETS)
     ps += [Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
     ps += head_params(ir, set(part.scan) | set(out_nodes))
     (result,) = ir.outputs

@@ -134,10 +134,15 @@ def test_a_fused_training_forward_that_misses_a_tensor_the_backward_loads_is_ref
 
 def test_per_key_gates_train_through_their_separate_kernels():
     """GLA's backward reads its entering states in float32 (its gate's gradient), which the fused
-    kernel does not hand over; KDA's output takes per-key products the fused kernel refuses. Both
-    train through their separate kernels whatever the policy."""
-    for spec in ("gla", "kda"):
+    kernel does not hand over (the schedule refuses it, from the state's `stored` attribute); KDA's
+    fused kernel does not fit in shared memory at K = V = 128. Both train through their separate
+    kernels whatever the policy."""
+    from qla_compiler.errors import NotFusable
+
+    for spec, why in (("gla", "the entering states are kept in float32"), ("kda", "over the 224 KB budget")):
         program = qla_compiler.compile_spec(spec)
+        with pytest.raises(NotFusable, match=why):
+            program.fused_training_program
         assert fwd.fused_or_not(program, training=True) is program.training_program
 
 
