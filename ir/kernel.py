@@ -106,6 +106,11 @@ class Tensor:
     # the chunk program's output role this tensor holds (ChunkIR.outputs: the forward's result, a
     # backward's gradient), which the runtime returns; "" for every other tensor
     result: str = ""
+    # an output: the input of this kernel whose memory it takes where the two are allocated alike
+    # (shape and dtype at the launch; passes/reuse_memory.py). That input is made by an earlier
+    # kernel of the program, read by no later one, and every CTA loads the rows it stores before
+    # storing them (Kernel.verify, KernelIR.verify): a backward's gradient in its partial's place
+    reuses: str = ""
 
 
 @dataclass(frozen=True)
@@ -433,6 +438,9 @@ class Kernel:
                              f"{' with a loop over chunks' if self.loop or self.warp_roles else ''}: only a parallel "
                              "kernel over chunk slots of a fixed thread count asks, for 1–32 CTAs and at most 2048 "
                              "threads an SM")
+        for p in self.params:
+            if p.reuses and (why := self.cannot_reuse(p, tensors.get(p.reuses))):
+                raise ValueError(f"{self.name}: {p.name} takes {p.reuses}'s memory, but {why}")
         shared = {b.name for b in self.buffers if b.scope == "shared" and b.dtype == "float32"}
         for st in (*self.prologue, *self.body, *self.epilogue):
             if st.op == "decayed_product" and any(st.attr.get(k) and st.attr[k][1] not in shared
@@ -488,6 +496,32 @@ class Kernel:
                                  "of its shape, dtype and scope written by the same role (the roles' statements "
                                  "interleave)")
 
+    def cannot_reuse(self, out: Tensor, given: Tensor | None) -> str:
+        """Why the output `out` cannot take the memory of this kernel's input `given` ("" where it can):
+        the kernel's CTAs each own a chunk's rows of one value head (a parallel kernel, not on key
+        blocks, not warp-specialised: it runs once a call and no two CTAs touch the same rows), the
+        two are alike, and the one load of `given` (and its wait, where async) comes before every
+        store of `out`, in one statement list."""
+        if given is None or given.role != "in":
+            return "that is no input of the kernel"
+        if self.loop or self.warp_roles or self.key_block or self.kind == "token_step":
+            return "only a parallel kernel over chunks, not on key blocks or warp roles, owns each block's rows"
+        if (out.shape, out.dtype) != (given.shape, given.dtype) or given.zero_columns or given.result:
+            return "the two differ in shape or dtype (or the input reads zero columns, or is a result)"
+        if "HV" not in out.shape or len(out.shape) != 4 or out.shape[:2] != ("1", "T"):
+            return "only tokens' rows of one value head, [1, T, HV, D], are each one CTA's"
+        stmts = [*self.prologue, *self.body, *self.epilogue]
+        loads = [i for i, st in enumerate(stmts) if given.name in st.srcs and st.op.startswith("load")]
+        stores = [i for i, st in enumerate(stmts) if st.dst == out.name]
+        if len(loads) != 1 or any(st.op not in ("load", "wait_load") for st in (stmts[i] for i in loads)):
+            return f"{given.name} is loaded {len(loads)} times (once, whole, is what the rule allows)"
+        load = stmts[loads[0]]
+        ready = next((i for i, st in enumerate(stmts) if st.op == "wait_load" and st.dst == load.dst),
+                     loads[0]) if load.attr.get("async") else loads[0]
+        if not stores or min(stores) < ready:
+            return f"{out.name} is stored before {given.name}'s rows are read"
+        return ""
+
     def __str__(self) -> str:
         grid = ", ".join(f"{a}:{e}" for a, e in self.grid)
         peak = f"  shared ≤ {self.shared_peak / 1024:.0f} KB" if self.shared_peak else ""
@@ -502,7 +536,8 @@ class Kernel:
                          + (" padded" if p.padded else "")
                          + (f" (its first {p.zero_columns} columns zeros, not in memory)" if p.zero_columns else "")
                          + (f"   # {p.doc}" if p.doc else "")
-                         + (("; " if p.doc else "   # ") + f"the result {p.result}" if p.result else ""))
+                         + (("; " if p.doc else "   # ") + f"the result {p.result}" if p.result else "")
+                         + (f"   (in {p.reuses}'s memory)" if p.reuses else ""))
         for b in self.buffers:
             ring = f" ×{b.stages} stages" if b.stages > 1 else ""
             owner = f"  (written by {b.owner})" if b.owner else ""
@@ -577,9 +612,23 @@ class KernelIR:
         kernel and what breaks it)."""
         for k in self.kernels:
             k.verify()
+        for i, k in enumerate(self.kernels):
+            for p in k.params:
+                if p.reuses and (why := self.cannot_reuse(i, p.reuses)):
+                    raise ValueError(f"{self.name}: {k.name}'s {p.name} takes {p.reuses}'s memory, but {why}")
         walks = [k.name for k in self.kernels if k.walks_chunks]
         if len(walks) > 1:
             raise ValueError(f"{self.name}: {', '.join(walks)} each walk a sequence's chunks; a program has one scan")
+
+    def cannot_reuse(self, i: int, name: str) -> str:
+        """Why kernel i's output cannot take the memory of its input `name` for the program's sake ("" where
+        it can): the input is made by an earlier kernel and read by no later one (its value is dead
+        once kernel i has read it)."""
+        if not any(p.name == name and p.role == "out" for k in self.kernels[:i] for p in k.params):
+            return f"no earlier kernel makes {name} (the caller's tensors are not the program's to reuse)"
+        if later := [k.name for k in self.kernels[i + 1:] if any(p.name == name for p in k.params)]:
+            return f"{', '.join(later)} read{'s' if len(later) == 1 else ''} it later"
+        return ""
 
     def __str__(self) -> str:
         head = [f"kernel_program {self.name}  C={self.chunk_size}  head-dim tiles up to K={self.head_dims[0]} "

@@ -52,7 +52,7 @@ def _shape(shape) -> str:
 
 
 def _tensor(t) -> str:
-    return f"{t.dtype}[{', '.join(map(str, t.shape))}]"
+    return f"{t.dtype}[{', '.join(map(str, t.shape))}]" + (f" in {t.reuses}'s memory" if t.reuses else "")
 
 
 def _wrap(text: str, width: float, size: float) -> list:

@@ -530,13 +530,18 @@ def _shape_class(H, HV, K, width, n_seqs, scale, io: str, sms: int, block_v_max,
 
 
 def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int) -> None:
-    """One kernel of `program`: its outputs allocated into `t` (unless given), its parameters
+    """One kernel of `program`: its outputs allocated into `t` (unless given; in the memory of the
+    input an output reuses where that one is allocated alike, Tensor.reuses), its parameters
     taken from `t` by name."""
     device = t["chunk_map"].device
     plan = _launch_plan(program, kernel, dims, scale, io, device, sizes, width, n_seqs)
-    for name, shape, dtype in plan.outs:
+    for name, shape, dtype, reuses in plan.outs:
         if name not in t:
-            t[name] = allocated(shape, dtype, device)
+            dead = t.get(reuses)
+            # (not under a poison policy: what the kernel leaves unwritten is to show as poison)
+            alike = dead is not None and POLICY.poison is None and dead.shape == shape and dead.dtype == dtype \
+                and dead.is_contiguous()
+            t[name] = dead if alike else allocated(shape, dtype, device)
     plan.run(*[t[n] for n in plan.names])
 
 
@@ -550,7 +555,8 @@ def allocated(shape, dtype, device) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Launch:
     """What a launch needs besides the call's tensors: the kernel, its parameters' names in
-    order, and (name, shape, dtype) of each output it allocates where the call holds none."""
+    order, and (name, shape, dtype, the input whose memory it may take) of each output it
+    allocates where the call holds none."""
     run: Callable
     names: tuple
     outs: tuple
@@ -571,7 +577,8 @@ def _launch_plan(program, kernel, dims, scale, io, device, sizes: dict, width: i
         for p in kernel.params:
             if p.role == "out":
                 size = dict(sizes, N=n_seqs, **(dict(K=shape.KP, V=shape.VP) if p.padded else dict(V=width)))
-                outs.append((p.name, tuple(size[d] for d in p.shape), io if p.dtype == "io" else torch.float32))
+                outs.append((p.name, tuple(size[d] for d in p.shape), io if p.dtype == "io" else torch.float32,
+                             p.reuses))
         kernels = loader(program, shape)
         if not kernel.walks_chunks and hasattr(kernels, "prefetch"):
             # a call's first launch at this class: every kernel of the program compiles at once,

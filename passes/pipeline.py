@@ -48,6 +48,7 @@ from .frontend import load_spec
 from .key_blocks import key_blocks
 from .lowerable import unsupported
 from .partition import partition
+from .reuse_memory import reuse_memory
 from .rewrite_decay_side import DECAY_VALUE_SIDE
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
 from .rewrite_wy import FOLD_WY
@@ -305,6 +306,8 @@ class Program:
             prog = self._scheduled(back, [("autodiff", back)], "backward program: ", partial=self.partial,
                                    provided=provided)
             _check_saved_dtypes(self.training_program.kernels, prog.kernels)
+            # (the backward's alone: a forward's per-token tensors may be kept for the backward)
+            prog._keep(REUSE_MEMORY.name, _run_pass(REUSE_MEMORY, prog.kernels, "backward program: "))
             self._derived["backward_program"] = prog
         return self._derived["backward_program"]
 
@@ -506,6 +509,9 @@ class Program:
             except Exception as e:  # noqa: BLE001 - a crash inside a derivation names it
                 raise PassError(name, f"{type(e).__name__}: {e}") from e
         return self._derived[name]
+
+
+REUSE_MEMORY = Pass("reuse_memory", reuse_memory, "outputs in the memory of inputs dead after their kernel")
 
 
 def _check_saved_dtypes(forward: KernelIR, backward: KernelIR) -> None:
