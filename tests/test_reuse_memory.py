@@ -71,7 +71,7 @@ def test_the_verifier_refuses_what_the_program_still_needs():
     parallelism a scan runs more than once a call)."""
     kir, i = _out_kernel()
     k = kir.kernels[i]
-    forwards = _with(kir, i, _marked(_marked(k, "d_v", ""), "d_v", "v_new_rows"))
+    forwards = _with(kir, i, _marked(k, "d_v", "v_new_rows"))
     forwards.kernels[i].verify()  # (alike, loaded once, before the store: the kernel allows it)
     with pytest.raises(ValueError, match="no earlier kernel makes v_new_rows"):
         forwards.verify()
