@@ -513,8 +513,8 @@ class Kernel:
         stmts = [*self.prologue, *self.body, *self.epilogue]
         loads = [i for i, st in enumerate(stmts) if given.name in st.srcs and st.op.startswith("load")]
         stores = [i for i, st in enumerate(stmts) if st.dst == out.name]
-        if len(loads) != 1 or any(st.op not in ("load", "wait_load") for st in (stmts[i] for i in loads)):
-            return f"{given.name} is loaded {len(loads)} times (once, whole, is what the rule allows)"
+        if len(loads) != 1 or stmts[loads[0]].op != "load":
+            return f"{given.name} is read by {len(loads)} loads (the rule allows one load of whole blocks)"
         load = stmts[loads[0]]
         ready = next((i for i, st in enumerate(stmts) if st.op == "wait_load" and st.dst == load.dst),
                      loads[0]) if load.attr.get("async") else loads[0]
