@@ -109,7 +109,8 @@ class Tensor:
     # an output: the input of this kernel whose memory it takes where the two are allocated alike
     # (shape and dtype at the launch; passes/reuse_memory.py). That input is made by an earlier
     # kernel of the program, read by no later one, and every CTA loads the rows it stores before
-    # storing them (Kernel.verify, KernelIR.verify): a backward's gradient in its partial's place
+    # storing them (Kernel.verify, KernelIR.verify): a backward's gradient in its partial's place.
+    # A scan's output takes it only where the scan runs once a call (not context-parallel)
     reuses: str = ""
 
 
@@ -360,6 +361,11 @@ class Kernel:
     # K-wide tensors and those rows of the per-chunk states; its buffers' K-wide dims are "BK".
     # BK is this width, or K's tile where that is narrower. 0: the whole of K
     key_block: int = 0
+    # the tensors the kernels before it made whose values are dead once it has run: read by no
+    # later kernel and no result. The runtime drops them after its launch, so their memory serves
+    # the kernels after it (passes/release_memory.py; a backward's out kernel allocates its
+    # gradients where the scan's inputs were)
+    releases: tuple = ()
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -498,19 +504,25 @@ class Kernel:
 
     def cannot_reuse(self, out: Tensor, given: Tensor | None) -> str:
         """Why the output `out` cannot take the memory of this kernel's input `given` ("" where it can):
-        the kernel's CTAs each own a chunk's rows of one value head (a parallel kernel, not on key
-        blocks, not warp-specialised: it runs once a call and no two CTAs touch the same rows), the
-        two are alike, and the one load of `given` (and its wait, where async) comes before every
-        store of `out`, in one statement list."""
+        the kernel's CTAs each own a chunk's rows of one value head (a parallel kernel, or a scan
+        whose CTA walks one sequence's chunks of one value head and V-block; not on key blocks, not
+        warp-specialised by roles of its own), the two are alike, and the one load of `given` (and
+        its wait, where async) comes before every store of `out`, in one statement list: a scan's
+        body, which loads and stores each chunk's rows in its own iteration (its pipeline's loads
+        ahead are of later chunks' rows). A scan runs more than once a call under context
+        parallelism, each pass reading its inputs anew: the runtime hands a scan the memory only
+        where it runs once (kernels/forward.launch)."""
         if given is None or given.role != "in":
             return "that is no input of the kernel"
-        if self.loop or self.warp_roles or self.key_block or self.kind == "token_step":
-            return "only a parallel kernel over chunks, not on key blocks or warp roles, owns each block's rows"
+        if self.warp_roles or self.key_block or self.kind == "token_step":
+            return "only a parallel kernel or a scan, not on key blocks or warp roles, owns each block's rows"
         if (out.shape, out.dtype) != (given.shape, given.dtype) or given.zero_columns or given.result:
             return "the two differ in shape or dtype (or the input reads zero columns, or is a result)"
         if "HV" not in out.shape or len(out.shape) != 4 or out.shape[:2] != ("1", "T"):
             return "only tokens' rows of one value head, [1, T, HV, D], are each one CTA's"
-        stmts = [*self.prologue, *self.body, *self.epilogue]
+        stmts = list(self.body) if self.loop else [*self.prologue, *self.body, *self.epilogue]
+        if self.loop and any(given.name in st.srcs or st.dst == out.name for st in (*self.prologue, *self.epilogue)):
+            return f"the scan reads {given.name} or stores {out.name} outside its loop over chunks"
         loads = [i for i, st in enumerate(stmts) if given.name in st.srcs and st.op.startswith("load")]
         stores = [i for i, st in enumerate(stmts) if st.dst == out.name]
         if len(loads) != 1 or stmts[loads[0]].op != "load":
@@ -538,6 +550,8 @@ class Kernel:
                          + (f"   # {p.doc}" if p.doc else "")
                          + (("; " if p.doc else "   # ") + f"the result {p.result}" if p.result else "")
                          + (f"   (in {p.reuses}'s memory)" if p.reuses else ""))
+        if self.releases:
+            lines.append(f"  then released: {', '.join(self.releases)}   # dead: read by no later kernel")
         for b in self.buffers:
             ring = f" ×{b.stages} stages" if b.stages > 1 else ""
             owner = f"  (written by {b.owner})" if b.owner else ""
@@ -614,18 +628,25 @@ class KernelIR:
             k.verify()
         for i, k in enumerate(self.kernels):
             for p in k.params:
-                if p.reuses and (why := self.cannot_reuse(i, p.reuses)):
+                if p.reuses and (why := self.live_after(i, p.reuses)):
                     raise ValueError(f"{self.name}: {k.name}'s {p.name} takes {p.reuses}'s memory, but {why}")
+            reads = {p.name for p in k.params if p.role == "in"}
+            for name in k.releases:
+                if why := ("it is no input of the kernel" if name not in reads else self.live_after(i, name)):
+                    raise ValueError(f"{self.name}: {k.name} releases {name}, but {why}")
         walks = [k.name for k in self.kernels if k.walks_chunks]
         if len(walks) > 1:
             raise ValueError(f"{self.name}: {', '.join(walks)} each walk a sequence's chunks; a program has one scan")
 
-    def cannot_reuse(self, i: int, name: str) -> str:
-        """Why kernel i's output cannot take the memory of its input `name` for the program's sake ("" where
-        it can): the input is made by an earlier kernel and read by no later one (its value is dead
-        once kernel i has read it)."""
-        if not any(p.name == name and p.role == "out" for k in self.kernels[:i] for p in k.params):
-            return f"no earlier kernel makes {name} (the caller's tensors are not the program's to reuse)"
+    def live_after(self, i: int, name: str) -> str:
+        """Why the value of `name` is still needed once kernel i has run ("" where it is dead, so its
+        memory may be written over (Tensor.reuses) or released (Kernel.releases)): it is dead where
+        an earlier kernel makes it, no later kernel reads it and it is no result."""
+        made = [p for k in self.kernels[:i] for p in k.params if p.name == name and p.role == "out"]
+        if not made:
+            return f"no earlier kernel makes {name} (the caller's tensors are not the program's)"
+        if any(p.result for p in made):
+            return f"{name} is a result (the caller reads it)"
         if later := [k.name for k in self.kernels[i + 1:] if any(p.name == name for p in k.params)]:
             return f"{', '.join(later)} read{'s' if len(later) == 1 else ''} it later"
         return ""

@@ -51,8 +51,9 @@ def _shape(shape) -> str:
     return "×".join(map(str, shape)) if shape else "()"
 
 
-def _tensor(t) -> str:
-    return f"{t.dtype}[{', '.join(map(str, t.shape))}]" + (f" in {t.reuses}'s memory" if t.reuses else "")
+def _tensor(t, released: bool = False) -> str:
+    return f"{t.dtype}[{', '.join(map(str, t.shape))}]" + (f" in {t.reuses}'s memory" if t.reuses else "") \
+        + (", then released" if released else "")
 
 
 def _wrap(text: str, width: float, size: float) -> list:
@@ -103,7 +104,8 @@ def _panel(k, order: str) -> dict:
     if k.padding:  # (a token step's padding entries run these instead)
         sections.append(("a padding entry instead of all above", (), k.padding, ()))
     code = [(s, _clip(s)) for _, pro, body, epi in sections for s in [*pro, *body, *epi]]
-    chip = lambda ts: max((_w(f"{t.name}  {_tensor(t)}", MONO - 0.5) for t in ts), default=0) + 0.16
+    chip = lambda ts: max((_w(f"{t.name}  {_tensor(t, t.name in k.releases)}", MONO - 0.5) for t in ts),
+                          default=0) + 0.16
     chip_in, chip_out = chip(ins), chip(outs)
     inner = max(2.6, _w(k.name, FONT + 3, BOLD_EM) + _w(order, FONT - 1, SANS_EM) + 0.3,
                 _w(grid, FONT, SANS_EM),
@@ -146,7 +148,7 @@ def _panel(k, order: str) -> dict:
                               dict(fc=COLOURS["in" if side < 0 else "out"], ec="#777777",
                                    zorder=3.5)))  # over the panel's outline
                 text(x0 + 0.08, yc, t.name, MONO - 0.5, family="monospace", fontweight="bold")
-                text(x0 + 0.08 + _w(t.name + "  ", MONO - 0.5), yc, _tensor(t), MONO - 0.5,
+                text(x0 + 0.08 + _w(t.name + "  ", MONO - 0.5), yc, _tensor(t, t.name in k.releases), MONO - 0.5,
                      family="monospace", color="#333333")
                 ports[("in" if side < 0 else "out", t.name)] = (x0 if side < 0 else x0 + w, yc)
     y -= CHIP_PITCH * max(len(ins), len(outs), 1) + 0.12

@@ -446,10 +446,12 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
     values = [p.name for p in scan_kernel.params if widened(p)]
 
     def run(kernel, t, width=dims.V, n_seqs=dims.N):
-        launch(program, kernel, t, dims, scale, io, sizes, width, n_seqs)
+        # (a context-parallel scan runs a pass per step, each reading its inputs anew)
+        launch(program, kernel, t, dims, scale, io, sizes, width, n_seqs, once=not (segments and kernel.walks_chunks))
 
     for k in ks[:i_scan]:  # per chunk, independent of how sequences are cut into segments
         run(k, tensors)
+        _release(k, tensors)
 
     cut = segment_layouts(cu, segments, C, dims.B * dims.T, cache) if segments else None
     windows = program.windows_program if segments else None  # the first scan's: the windows alone
@@ -465,7 +467,7 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
         else:  # the walks of segments' windows (context_parallel.window_skips)
             (kernel,) = windows.kernels.kernels
             t[kernel.walk_skip] = skip
-            launch(windows, kernel, t, dims, scale, io, sizes, width, n_seqs)
+            launch(windows, kernel, t, dims, scale, io, sizes, width, n_seqs, once=False)
         return t, t["final_state"]
 
     vals = {n: tensors[n] for n in values}
@@ -478,9 +480,19 @@ def run_kernels(program, tensors: dict, dims, scale: float, io, cu, h0, segments
     else:
         t, final = scan(vals, cu, h0)
     tensors.update({p.name: t[p.name] for p in scan_kernel.params if p.role == "out"})
+    del t, vals  # (the scan's view of the call's tensors: what it releases is to go now)
+    _release(scan_kernel, tensors)
     for k in ks[i_scan + 1:]:
         run(k, tensors)
+        _release(k, tensors)
     return final
+
+
+def _release(kernel, tensors: dict) -> None:
+    """Drop what the program no longer reads after `kernel` (Kernel.releases): torch's allocator
+    hands that memory to the kernels after it."""
+    for name in kernel.releases:
+        tensors.pop(name, None)
 
 
 def _window_search(program, tensors: dict, HV: int, C: int):
@@ -529,15 +541,15 @@ def _shape_class(H, HV, K, width, n_seqs, scale, io: str, sms: int, block_v_max,
                       BV=min(choose_block_v(width, HV, n_seqs, None, widest, sms=sms), widest))
 
 
-def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int) -> None:
+def launch(program, kernel, t: dict, dims, scale, io, sizes: dict, width: int, n_seqs: int, once: bool = True) -> None:
     """One kernel of `program`: its outputs allocated into `t` (unless given; in the memory of the
-    input an output reuses where that one is allocated alike, Tensor.reuses), its parameters
-    taken from `t` by name."""
+    input an output reuses where that one is allocated alike and the kernel runs `once` a call,
+    Tensor.reuses), its parameters taken from `t` by name."""
     device = t["chunk_map"].device
     plan = _launch_plan(program, kernel, dims, scale, io, device, sizes, width, n_seqs)
     for name, shape, dtype, reuses in plan.outs:
         if name not in t:
-            dead = t.get(reuses)
+            dead = t.get(reuses) if once else None
             # (not under a poison policy: what the kernel leaves unwritten is to show as poison)
             alike = dead is not None and POLICY.poison is None and dead.shape == shape and dead.dtype == dtype \
                 and dead.is_contiguous()

@@ -48,6 +48,7 @@ from .frontend import load_spec
 from .key_blocks import key_blocks
 from .lowerable import unsupported
 from .partition import partition
+from .release_memory import release_memory
 from .reuse_memory import reuse_memory
 from .rewrite_decay_side import DECAY_VALUE_SIDE
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
@@ -307,7 +308,8 @@ class Program:
                                    provided=provided)
             _check_saved_dtypes(self.training_program.kernels, prog.kernels)
             # (the backward's alone: a forward's per-token tensors may be kept for the backward)
-            prog._keep(REUSE_MEMORY.name, _run_pass(REUSE_MEMORY, prog.kernels, "backward program: "))
+            for p in (REUSE_MEMORY, RELEASE_MEMORY):
+                prog._keep(p.name, _run_pass(p, prog.kernels, "backward program: "))
             self._derived["backward_program"] = prog
         return self._derived["backward_program"]
 
@@ -512,6 +514,7 @@ class Program:
 
 
 REUSE_MEMORY = Pass("reuse_memory", reuse_memory, "outputs in the memory of inputs dead after their kernel")
+RELEASE_MEMORY = Pass("release_memory", release_memory, "tensors released after their last reader")
 
 
 def _check_saved_dtypes(forward: KernelIR, backward: KernelIR) -> None:

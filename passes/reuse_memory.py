@@ -6,13 +6,15 @@ scan's d_v_new_rows) and writes the gradients of the same shape; each CTA loads 
 a partial before it stores those rows of the gradient, and nothing after it reads the partial. So
 the gradient can be written in the partial's place: at 16/64 heads, K = V = 128 and 32768 tokens,
 1.5 GB of the backward's 5.4 GB of buffers are never allocated (a step's peak on the H100: 8600 →
-7064 MiB, benchmarks/NOTES.md session 43). The lowering is unchanged;
-the runtime passes the input's tensor as the output's where the two are allocated alike
-(kernels/forward.launch).
+7064 MiB, benchmarks/NOTES.md session 43). Its scan likewise writes each chunk's d v_new where it
+read that chunk's d v_new_o_intra (0.5 GB more, at the scan, where the step peaks since). The
+lowering is unchanged; the runtime passes the input's tensor as the output's where the two are
+allocated alike and the kernel runs once a call (kernels/forward.launch).
 
-Only a parallel kernel qualifies (Kernel.cannot_reuse says why another does not): a scan runs more
-than once a call under context parallelism, a CTA on key blocks shares its rows with the other
-blocks, and a warp-specialised kernel's loads are a ring's.
+Only a parallel kernel or a scan qualifies (Kernel.cannot_reuse says why another does not): a CTA on
+key blocks shares its rows with the other blocks, and a warp-specialised kernel's loads are a
+ring's. A scan runs more than once a call under context parallelism: the runtime reuses nothing
+for it there.
 
     >>> import qla_compiler
     >>> out = qla_compiler.compile_spec("gdn").backward_program.kernels.kernels[-1]
@@ -36,7 +38,7 @@ def reuse_memory(kir: KernelIR) -> KernelIR:
         for p in k.params:
             if p.role == "out" and not p.reuses:
                 given = next((q for q in inputs if q.name not in taken and not k.cannot_reuse(p, q)
-                              and not kir.cannot_reuse(i, q.name)), None)
+                              and not kir.live_after(i, q.name)), None)
                 if given is not None:
                     taken.add(given.name)
                     p = dataclasses.replace(p, reuses=given.name)

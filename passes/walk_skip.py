@@ -34,8 +34,11 @@ def skipping_scan(kir: KernelIR) -> KernelIR:
     if len(scans) != 1:
         raise PassError("walk_skip", f"{kir.name}: expected one scan kernel, found {len(scans)}")
     (scan,) = scans
-    params = [dataclasses.replace(p, zero_columns="K") if widened(p) else p for p in scan.params]
-    skipping = dataclasses.replace(scan, name=f"{scan.name}_windows", params=[*params, SKIP], walk_skip=SKIP.name)
+    # (it runs as a pass of its own beside the scan: what that one reuses or releases is the scan's)
+    params = [dataclasses.replace(p, zero_columns="K" if widened(p) else p.zero_columns, reuses="")
+              for p in scan.params]
+    skipping = dataclasses.replace(scan, name=f"{scan.name}_windows", params=[*params, SKIP], walk_skip=SKIP.name,
+                                   releases=())
     skipping.verify()
     return dataclasses.replace(kir, name=f"{kir.name}_windows", kernels=[skipping])
 

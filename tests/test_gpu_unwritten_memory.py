@@ -77,10 +77,12 @@ def test_the_fused_inference_forward_reads_no_unwritten_memory():
 
 @pytest.mark.parametrize("call", [{}, {"context_parallel": 8}], ids=["whole", "context_parallel"])
 def test_gradients_written_over_their_partials_are_those_of_fresh_memory(call):
-    """Without a poison policy the backward's out kernel writes d q, d k and d v in the memory of the
-    partials it reads (passes/reuse_memory.py): the step's outputs and gradients are bitwise those
-    of the step whose every output is fresh, zero-filled memory (a CTA that stored its rows before
-    reading them, or read another CTA's, would differ)."""
+    """Without a poison policy the backward's scan writes d v_new in the memory of d v_new's
+    intra-chunk part (not context-parallel: there each pass of the scan reads it anew), and its out
+    kernel writes d q, d k and d v in the memory of the partials it reads (passes/reuse_memory.py):
+    the step's outputs and gradients are bitwise those of the step whose every output is fresh,
+    zero-filled memory (a CTA that stored its rows before reading them, or read another CTA's, would
+    differ)."""
     H, HV, lens = CASES["gdn"]
     op = qla_compiler.compile("gdn", target="sm90")
     assert any(p.reuses for k in op.program.backward_program.kernels.kernels for p in k.params)

@@ -3,6 +3,7 @@
 refusals where that would read overwritten rows, and the emulated training step, whose gradients
 are those of a step that allocates every output, bit for bit."""
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -15,23 +16,27 @@ from qla_compiler.kernels import forward as fwd
 from qla_compiler.testing import random_inputs
 
 SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn", "gla", "kda"]
-REUSED = {"gdn": {"d_q": "d_q_QKt_rows", "d_k": "d_k_QKt_rows", "d_v": "d_v_new_rows"}}
-REUSED["delta_net"] = REUSED["gdn"]
+# kernel -> {output: the input whose memory it takes}
+SCAN_REUSES = {"d_v_new_rows": "d_v_new_o_intra_rows"}
+REUSED = {"gdn": {"gdn_backward_scan": SCAN_REUSES,
+                  "gdn_backward_out": {"d_q": "d_q_QKt_rows", "d_k": "d_k_QKt_rows", "d_v": "d_v_new_rows"}},
+          "kda": {"kda_backward_scan": SCAN_REUSES}}
+REUSED["delta_net"] = {k.replace("gdn", "delta_net"): r for k, r in REUSED["gdn"].items()}
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_which_outputs_take_an_inputs_memory(spec):
-    """The delta rule's backward out kernel writes d q, d k and d v in place of the partials it
-    reads (the prep's q·Kᵀ partials, the scan's d v_new); no other kernel and no forward program
-    reuses anything (a forward's per-token tensors may be kept for its backward)."""
+    """The delta rule's backward scan writes d v_new where it read d v_new's intra-chunk part, and
+    its out kernel d q, d k and d v in place of the partials it reads (the prep's q·Kᵀ partials,
+    the scan's d v_new); no other kernel and no forward program reuses anything (a forward's
+    per-token tensors may be kept for its backward)."""
     prog = qla_compiler.compile_spec(spec)
     back = prog.backward_program.kernels
-    got = {p.name: p.reuses for k in back.kernels for p in k.params if p.reuses}
-    assert got == REUSED.get(spec, {})
-    if got:
-        assert [k.name for k in back.kernels if any(p.reuses for p in k.params)] == [f"{spec}_backward_out"]
+    got = {k.name: {p.name: p.reuses for p in k.params if p.reuses} for k in back.kernels}
+    assert {k: r for k, r in got.items() if r} == REUSED.get(spec, {})
+    if spec == "gdn":
         assert "d_q: io[1, T, HV, K]" in str(back) and "(in d_q_QKt_rows's memory)" in str(back)
-        assert prog.backward_program.stages[-1][0] == "reuse_memory"
+    assert [n for n, _ in prog.backward_program.stages[-2:]] == ["reuse_memory", "release_memory"]
     for forward in (prog.kernels, prog.training_program.kernels):
         assert not any(p.reuses for k in forward.kernels for p in k.params)
 
@@ -79,53 +84,108 @@ def test_the_verifier_refuses_what_the_program_still_needs():
     with pytest.raises(ValueError, match="a_later_kernel reads it later"):
         KernelIR(kir.name, kir.chunk_size, kir.kernels + [later], kir.host, kir.consts, kir.head_dims).verify()
     scan = kir.kernels[kir.scan]
-    out = next(p for p in scan.params if p.role == "out" and p.shape[:2] == ("1", "T"))
-    given = next(p for p in scan.params if p.role == "in" and p.shape == out.shape and p.dtype == out.dtype)
-    with pytest.raises(ValueError, match="only a parallel kernel"):
-        _marked(scan, out.name, given.name).verify()
+    store = next(s for s in scan.body if s.dst == "d_v_new_rows")
+    after = dataclasses.replace(scan, body=[s for s in scan.body if s is not store], epilogue=[store, *scan.epilogue])
+    with pytest.raises(ValueError, match="stores d_v_new_rows outside its loop over chunks"):
+        after.verify()  # (a scan's rows are each chunk's: loaded and stored in one iteration)
 
 
 class _Recording(KernelEmulator):
-    """The emulator, keeping the storage each launch got for each parameter."""
+    """The emulator, keeping the storage each launch got for each parameter (`ptrs`: kernel -> one
+    {parameter: data pointer} a launch), and which tensors of the launches before each launch are
+    still held by anyone (`alive`: kernel -> (kernel, parameter) of each, at its last launch)."""
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.ptrs = {}
+        self.ptrs, self.alive, self._refs = {}, {}, []
 
     def _kernel(self, kernel, shape, sizes):
         run = super()._kernel(kernel, shape, sizes)
 
         def record(*args):
-            self.ptrs[kernel.name] = {p.name: x.data_ptr() for p, x in zip(kernel.params, args)}
+            self.ptrs.setdefault(kernel.name, []).append({p.name: x.data_ptr() for p, x in zip(kernel.params, args)})
+            self.alive[kernel.name] = {n for n, r in self._refs if r() is not None}
+            self._refs += [((kernel.name, p.name), weakref.ref(x)) for p, x in zip(kernel.params, args)]
             run(*args)
         return record
 
 
-def _step(op, args, monkeypatch, poison=None):
+def _step(op, args, monkeypatch, poison=None, segments=None):
     monkeypatch.setattr(emulate, "KernelEmulator", _Recording)
     with fwd.launch_policy(poison=poison):
-        step = emulated_step(op, args, rounding=torch.bfloat16)
-    return step, step["emulator"].ptrs
+        step = emulated_step(op, args, rounding=torch.bfloat16, segments=segments)
+    return step, step["emulator"]
+
+
+def _shared(launches: list, reuses: dict) -> set:
+    """The outputs that got their input's storage at every launch of a kernel."""
+    return {o for o, i in reuses.items() if all(ptrs[o] == ptrs[i] for ptrs in launches)}
 
 
 @pytest.mark.parametrize("spec", ["gdn", "delta_net"])
-@pytest.mark.parametrize("K,V", [(64, 64), (100, 60)])
-def test_a_step_gives_the_gradients_of_one_that_allocates_every_output(spec, K, V, monkeypatch):
+@pytest.mark.parametrize("K,V,segments", [(64, 64, None), (100, 60, None), (64, 64, 3)])
+def test_a_step_gives_the_gradients_of_one_that_allocates_every_output(spec, K, V, segments, monkeypatch):
     """The emulated training step (bf16 rounding, a 1-token sequence, partial chunks, grouped value
     heads) with the reuse gives the gradients of the same step under a poison policy (every output
-    allocated and filled with NaN first: no reuse), bit for bit, and its out kernel did get a
-    partial's storage for each gradient: at K = V = 64, where the gradients and the partials are
-    allocated alike; at K = 100, V = 60 the partials are the tiles' width and the gradients the
-    op's, so each is allocated on its own."""
+    allocated and filled with NaN first: no reuse), bit for bit, and its kernels did get a
+    partial's storage for each output that reuses one:
+    - the out kernel at K = V = 64, where the gradients and the partials are allocated alike; at
+      K = 100, V = 60 the partials are the tiles' width and the gradients the op's, so each is
+      allocated on its own;
+    - the scan, whose d v_new and its intra-chunk part are both the tiles' width, at both, but not
+      context-parallel (`segments`), where each pass of the scan reads its inputs anew."""
     op = qla_compiler.compile(spec, target="sm90")
     args = random_inputs(op, T=300, H=2, HV=4, K=K, V=V, cu_seqlens=[0, 1, 200, 300], initial_state=True,
                          dtype=torch.bfloat16)
-    (reused, ptrs), (fresh, fresh_ptrs) = _step(op, args, monkeypatch), _step(op, args, monkeypatch, float("nan"))
+    (reused, emu), (fresh, fresh_emu) = (_step(op, args, monkeypatch, segments=segments),
+                                         _step(op, args, monkeypatch, float("nan"), segments))
     for name in op.input_names:
         assert torch.equal(reused["grads"][name], fresh["grads"][name]), name
     assert torch.equal(reused["d_h0"], fresh["d_h0"])
-    out = ptrs[f"{spec}_backward_out"]
-    shared = {g for g, partial in REUSED[spec].items() if out[g] == out[partial]}
-    assert shared == (set(REUSED[spec]) if (K, V) == (64, 64) else set())
-    assert not any(fresh_ptrs[f"{spec}_backward_out"][g] == fresh_ptrs[f"{spec}_backward_out"][p]
-                   for g, p in REUSED[spec].items())
+    expected = {f"{spec}_backward_out": (K, V) == (64, 64), f"{spec}_backward_scan": not segments}
+    for kernel, reuses in REUSED[spec].items():
+        assert _shared(emu.ptrs[kernel], reuses) == (set(reuses) if expected[kernel] else set()), kernel
+        assert not _shared(fresh_emu.ptrs[kernel], reuses), kernel
+
+
+@pytest.mark.parametrize("spec", ["gdn", "kda"])
+def test_tensors_are_released_after_their_last_reader(spec, monkeypatch):
+    """What the backward's scan alone reads (the prep's W and d v_new's intra-chunk part) is
+    released once it has run (passes/release_memory.py, Kernel.releases): no one holds those
+    tensors when the out kernels launch, except where an output took the memory (d v_new); the
+    scan's outputs and the inputs the out kernels read are held until then."""
+    op = qla_compiler.compile(spec, target="sm90")
+    args = random_inputs(op, T=130, H=1, HV=2, K=32, V=32, cu_seqlens=[0, 1, 130], initial_state=True,
+                         dtype=torch.bfloat16)
+    _, emu = _step(op, args, monkeypatch)
+    back = op.program.backward_program.kernels
+    scan = back.kernels[back.scan]
+    assert scan.releases == ("W_rows", "d_v_new_o_intra_rows")
+    alive = {n for k, n in emu.alive[back.kernels[back.scan + 1].name] if k == scan.name}
+    assert "W_rows" not in alive and {"d_S_next_chunks", "d_v_new_rows", "q", "d_o"} <= alive
+
+
+def test_the_verifier_refuses_a_release_of_what_is_still_needed():
+    """A release is checked like a reuse (KernelIR.live_after): not of what a later kernel reads, not
+    of a result (the caller reads it), not of the caller's tensors, and only of the kernel's inputs."""
+    kir, i = _out_kernel()
+
+    def releasing(j, *names, reader=None):
+        """kir with kernel j releasing `names`, and a kernel after the out kernel reading `reader`."""
+        kernels = list(kir.kernels)
+        if reader:
+            p = next(p for p in kir.kernels[i].params if p.name == reader)
+            kernels.append(dataclasses.replace(kir.kernels[i], name=f"reads_{reader}",
+                                               params=[dataclasses.replace(p, role="in", reuses="", result="")]))
+        kernels[j] = dataclasses.replace(kernels[j], releases=names)
+        return dataclasses.replace(kir, kernels=kernels)
+
+    releasing(i, "d_P_rows").verify()  # (what the pass would mark)
+    with pytest.raises(ValueError, match="reads_d_P_rows reads it later"):
+        releasing(i, "d_P_rows", reader="d_P_rows").verify()
+    with pytest.raises(ValueError, match="d_q is a result"):
+        releasing(len(kir.kernels), "d_q", reader="d_q").verify()
+    with pytest.raises(ValueError, match="no earlier kernel makes S0_chunks"):
+        releasing(i, "S0_chunks").verify()
+    with pytest.raises(ValueError, match="it is no input of the kernel"):
+        releasing(kir.scan, "d_P_rows").verify()
