@@ -363,8 +363,7 @@ class Kernel:
     key_block: int = 0
     # the tensors the kernels before it made whose values are dead once it has run: read by no
     # later kernel and no result. The runtime drops them after its launch, so their memory serves
-    # the kernels after it (passes/release_memory.py; a backward's out kernel allocates its
-    # gradients where the scan's inputs were)
+    # what runs after it (passes/release_memory.py)
     releases: tuple = ()
 
     def buffer(self, name: str) -> Buffer:

@@ -2,11 +2,13 @@
 kernel that reads it (Kernel.releases).
 
 The runtime holds every tensor of a call by name until the call returns, so a backward's buffers
-that only its scan reads (the prep's recomputed W and d v_new's intra-chunk part) stay allocated
-while its out kernel allocates the gradients beside them: at 16/64 heads, K = V = 128 and 32768
-tokens, 1 GB of the step's peak that nothing reads (benchmarks/NOTES.md session 44). With the
-releases marked, kernels/forward.run_kernels drops each after its last reader's launch, and torch's
-allocator gives the memory to the kernels after it.
+stay allocated after their last reader: the prep's recomputed W and d v_new's intra-chunk part
+after the scan, the per-chunk d S and the partials after the out kernel, while the host sums d q
+and d k over each group of value heads on top of them all. With the releases marked,
+kernels/forward.run_kernels drops each after its last reader's launch, and torch's allocator gives
+the memory to what runs after it. At 16/64 heads, K = V = 128 and 32768 tokens, with the scan's
+d v_new in its input's memory (reuse_memory), a step's peak on the H100 went 7064 → 6280 MiB
+(benchmarks/NOTES.md session 44).
 
 For a program whose caller reads only its results (a backward's gradients and the state's); not a
 training forward, whose caller keeps tensors for the backward beside its results.

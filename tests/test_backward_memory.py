@@ -1,7 +1,9 @@
-"""A backward's gradients written in the memory of the per-token partials their kernel consumes
-(passes/reuse_memory.py, Tensor.reuses): which outputs take which inputs' memory, the verifier's
-refusals where that would read overwritten rows, and the emulated training step, whose gradients
-are those of a step that allocates every output, bit for bit."""
+"""A backward's memory: outputs written in the memory of the per-token partials their kernel
+consumes (passes/reuse_memory.py, Tensor.reuses), and tensors released after their last reader
+(passes/release_memory.py, Kernel.releases). Which outputs take which inputs' memory, the
+verifier's refusals where that would read overwritten rows or drop a tensor still read, the
+emulated training step, whose gradients are those of a step that allocates every output, bit for
+bit, and which tensors no one holds any more when the out kernels run."""
 import dataclasses
 import weakref
 
