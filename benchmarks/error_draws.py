@@ -56,9 +56,10 @@ def report(case: str, errors: dict) -> str:
     for q, by in errors.items():
         row = f"  {q:>13}  FLA {statistics.mean(by['FLA']):.3e}"
         for name in FORWARDS:
-            ratios = [a / b for a, b in zip(by[name], by["FLA"]) if b > 0]
-            row += (f"  {name} {statistics.mean(by[name]):.3e} (×{statistics.mean(ratios):.2f}, "
-                    f"{min(ratios):.2f}–{max(ratios):.2f})")
+            # (only draws where FLA's error is finite: at g = −inf it is NaN, and a ratio to it says nothing)
+            ratios = [a / b for a, b in zip(by[name], by["FLA"]) if 0 < b < float("inf")]
+            row += f"  {name} {statistics.mean(by[name]):.3e}" + (
+                f" (×{statistics.mean(ratios):.2f}, {min(ratios):.2f}–{max(ratios):.2f})" if ratios else " (FLA not finite)")
         lines.append(row)
     return "\n".join(lines)
 
