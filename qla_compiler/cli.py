@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                          "warp-specialised kernel (roles, register budgets, barriers; QLA_FUSED_FORWARD=1 runs it); "
                          "at --shape ...,BV=128 the wide one, its chain on a state and a value role; with "
                          "--training: the fused training forward, which also stores what the backward loads "
-                         "(QLA_FUSED_TRAINING=1 runs it)")
+                         "(what a training call runs where inference fuses; QLA_FUSED_TRAINING=0 turns it off)")
     ap.add_argument("--windows", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the scan kernel alone as context parallelism's first "
                          "scan runs it, each walk from a chunk given per sequence and value head (its segment's "

@@ -160,7 +160,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             c = dataclasses.replace(c, part="training")
             # (kernels/forward._call_program: where the launch policy fuses training and an
             # inference call of this class runs fused, the fused training forward, at its V-blocks)
-            if forward.POLICY.fused_training and not cp and c.kernels == "all" and forward.runs_fused(K, V, HV, n, sms):
+            if forward.POLICY.fused_training is not False and not cp and c.kernels == "all" and forward.runs_fused(K, V, HV, n, sms):
                 c = fused(c, n, None)
                 c = capped(c, launched, _program(c).kernels.block_v_max)
             out.append(c)

@@ -288,18 +288,22 @@ def test_cli_emits_the_fused_kernel(capsys, tmp_path):
     assert "--backward and --fused: choose one" in capsys.readouterr().err
 
 
-def test_the_policy_picks_the_fused_kernel_for_inference_only(runs):
+def test_the_policy_picks_the_fused_kernel(runs):
     """The launch policy's `fused` (what qla-bench --fused and QLA_FUSED_FORWARD set): inference
-    calls run the fused kernel; a training forward keeps the separate kernels the backward reads."""
+    calls run the fused kernel; a training forward runs the fused training forward too, unless the
+    policy's `fused_training` is False (QLA_FUSED_TRAINING=0): then the separate kernels."""
     op, a, _, _ = runs["simple_gla"]
     inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
                                       a["cu_seqlens"], False)
     before = fwd.POLICY.fused
-    for keep, expect in ((False, "simple_gla_fused"), (True, "simple_gla_out")):
-        with fwd.launch_policy(fused=True), emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale) as emu:
+    for keep, training, expect in ((False, None, "simple_gla_fused"), (True, None, "simple_gla_fused"),
+                                   (True, False, "simple_gla_out")):
+        with fwd.launch_policy(fused=True, fused_training=training), \
+                emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale) as emu:
             fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
                         op._head_logs(dims.HV), keep=keep)
-        assert emu.calls[-1][0] == expect
+        assert emu.calls[-1][0] == expect, (keep, training)
+        assert [n for n, _ in emu.calls].count("simple_gla_scan") == (expect == "simple_gla_out")
     assert fwd.POLICY.fused is before
 
 

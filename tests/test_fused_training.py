@@ -147,15 +147,16 @@ def test_per_key_gates_train_through_their_separate_kernels():
 
 
 def test_precompile_follows_the_policy_for_training():
-    """qla-compile --precompile and warmup(training=True) compile what a training call runs: with
-    fused_training on, the fused training forward at the fused kernel's V-block."""
+    """qla-compile --precompile and warmup(training=True) compile what a training call runs: by
+    default (fused_training on) the fused training forward at the fused kernel's V-block; with it
+    off, the separate training kernels."""
     kw = dict(n_seqs=8, training=True, sms=132, context_parallel=1, state=None)
-    off = [c for c in shape_classes("gdn", 16, 64, 128, **kw) if c.part == "training"]
+    with fwd.launch_policy(fused_training=False):
+        off = [c for c in shape_classes("gdn", 16, 64, 128, **kw) if c.part == "training"]
     assert [(c.fused, c.shape.BV) for c in off] == [("", 64)]
-    with fwd.launch_policy(fused_training=True):
-        (on,) = [c for c in shape_classes("gdn", 16, 64, 128, **kw) if c.part == "training"]
-        assert (on.fused, on.shape.BV) == ("wide", 128)
-        assert [k.name for k in _program(on).kernels.kernels] == ["gdn_prep", "gdn_fused"]
+    (on,) = [c for c in shape_classes("gdn", 16, 64, 128, **kw) if c.part == "training"]
+    assert (on.fused, on.shape.BV) == ("wide", 128)
+    assert [k.name for k in _program(on).kernels.kernels] == ["gdn_prep", "gdn_fused"]
 
 
 def test_cli_emits_the_fused_training_forward(capsys, tmp_path):

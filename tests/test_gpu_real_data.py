@@ -30,6 +30,14 @@ Tolerances:
   Expected at g = −inf (FLA's chunk-local gate differences become −inf − (−inf) = NaN there);
   anywhere else it is also reported as a warning.
 
+The cases with gradients run DRAWS draws of the case's inputs and cotangents (the same kind of
+data, another seed) and hold the mean error over the draws to these bounds, each draw's error to
+the reference's tolerance (or, where FLA's own error on that draw is above it, to 1.1× FLA's).
+One draw decides nothing for the gate's gradient: its error moves by up to ±30 % from one draw to
+the next, in our kernels and in FLA's alike (benchmarks/error_draws.py; session 44 measured d g at
+0.72–1.31× FLA's over 8 draws of g = 0 with either training forward, at a mean of 0.95–1.04×),
+while every other quantity's moves by a few percent.
+
 FLA must be importable: without it these tests fail, they do not skip (only a machine without
 CUDA skips them). All cases use H = 2 query/key heads and HV = 4 value heads and at most 5
 sequences, so K = V = 128 is one shape class per dtype; with the head-dim cases, 8 classes in all
@@ -59,6 +67,7 @@ GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 TOL = {"o": 1e-2, "final_state": 1e-2, **{f"d{n}": 2e-2 for n in GRADS}}
 FLA_RATIO = 1.1
 SLACK = {torch.bfloat16: 1e-4, torch.float16: 1.25e-5}
+DRAWS = 4  # of inputs and cotangents, whose mean error a case with gradients is held to
 C = 64  # the chunk size: the positions below are placed against it
 
 # K = V = 128, each in bf16 and fp16. lens: packed sequences (B = 1) unless dense_B.
@@ -191,41 +200,54 @@ def _run(fn, args, cotangents, l2norm, dtype=None) -> dict:
     return {"o": o.detach(), "final_state": final.detach(), **{f"d{n}": a[n].grad for n in GRADS}}
 
 
-def _check(args, *, l2norm=False, fla_nan_expected=False, context_parallel=None):
+def _check(make, *, l2norm=False, fla_nan_expected=False, context_parallel=None):
+    """The op against the reference and FLA on DRAWS draws of `make(draw)` (a case's inputs, each
+    draw's seed its own): each draw's error within the reference's tolerance (or 1.1× FLA's where
+    FLA's own is above it), the mean error over the draws within _bound of FLA's mean."""
     fla_op = _fla()  # first: without FLA the test fails before any work
     op = qla_compiler.compile("gdn", target="sm90")
-    io = args["v"].dtype
-    cot = _cotangents(args)
-    # (each part's wall time, printed with the table: the file ran past 300 s on the H200 in
-    # sessions 25 and 26, a single case past 150 s; FLA's Triton autotuning compiles are the suspect)
     clock = _Clock()
-    with clock("reference"):
-        ref = _run(op.reference, args, cot, l2norm, dtype=torch.float64)
-    ours_op = functools.partial(op, context_parallel=context_parallel)
-    with clock("qla"):
-        with torch.no_grad():
-            o, final = ours_op(**args, use_qk_l2norm_in_kernel=l2norm)
-        ours = {"o (no grad)": o, "final_state (no grad)": final, **_run(ours_op, args, cot, l2norm)}
-    fla_args = {n: (x.long() if n == "cu_seqlens" else x) for n, x in args.items()}
-    with clock("FLA"):
-        fla = _run(fla_op, fla_args, cot, l2norm)
-
-    assert o.dtype == io and final.dtype == torch.float32
-    for n in GRADS:
-        assert ours[f"d{n}"] is not None and ours[f"d{n}"].dtype == args[n].dtype, n
-    rows, failures = [], []
-    for name, x in ours.items():
+    errors, rows, failures = {}, [], []
+    for draw in range(DRAWS):
+        args = make(draw)
+        io = args["v"].dtype
+        cot = _cotangents(args, seed=7 + draw)
+        # (each part's wall time, printed with the table: the file ran past 300 s on the H200 in
+        # sessions 25 and 26, a single case past 150 s; FLA's Triton autotuning compiles are the suspect)
+        with clock("reference"):
+            ref = _run(op.reference, args, cot, l2norm, dtype=torch.float64)
+        ours_op = functools.partial(op, context_parallel=context_parallel)
+        with clock("qla"):
+            with torch.no_grad():
+                o, final = ours_op(**args, use_qk_l2norm_in_kernel=l2norm)
+            ours = {"o (no grad)": o, "final_state (no grad)": final, **_run(ours_op, args, cot, l2norm)}
+        fla_args = {n: (x.long() if n == "cu_seqlens" else x) for n, x in args.items()}
+        with clock("FLA"):
+            fla = _run(fla_op, fla_args, cot, l2norm)
+        assert o.dtype == io and final.dtype == torch.float32
+        for n in GRADS:
+            assert ours[f"d{n}"] is not None and ours[f"d{n}"].dtype == args[n].dtype, n
+        for name, x in ours.items():
+            q = name.split(" ")[0]
+            err = rel_err(x, ref[q])  # (inf where not finite, FLA's NaN at g = −inf too)
+            fe = float("inf") if fla[q] is None else rel_err(fla[q], ref[q])
+            errors.setdefault(name, []).append((err, fe))
+            per_draw = TOL[q] if fe == float("inf") or fe <= TOL[q] else FLA_RATIO * fe + SLACK[io]
+            if not err <= per_draw:
+                rows.append(f"{name:>22}  draw {draw}: qla {err:.3e}  FLA {fe:.3e}  bound {per_draw:.3e}  FAIL")
+                failures.append(f"{name} (draw {draw})")
+    for name, pairs in errors.items():
         q = name.split(" ")[0]
-        err = rel_err(x, ref[q])
-        fe = float("inf") if fla[q] is None else rel_err(fla[q], ref[q])
-        _row(rows, failures, name, x, err, fe, _bound(q, fe, io, fla_nan_expected))
+        err, fe = (sum(e) / len(e) for e in zip(*pairs))
+        _row(rows, failures, name, err, fe, _bound(q, fe, io, fla_nan_expected),
+             spread=f"  (draws {min(e for e, _ in pairs):.2e}–{max(e for e, _ in pairs):.2e})")
     table = "\n".join(rows + [str(clock)])
     print(table)
     assert not failures, f"{', '.join(failures)} out of tolerance:\n{table}"
 
 
 class _Clock:
-    """Wall time of named parts, the GPU synchronised at each end."""
+    """Wall time of named parts (summed over the draws), the GPU synchronised at each end."""
 
     def __init__(self):
         self.parts = {}
@@ -236,7 +258,7 @@ class _Clock:
         t = time.perf_counter()
         yield
         torch.cuda.synchronize()
-        self.parts[name] = time.perf_counter() - t
+        self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t
 
     def __str__(self):
         return "wall time: " + ", ".join(f"{n} {s:.2f} s" for n, s in self.parts.items())
@@ -253,9 +275,10 @@ def _bound(q, fe, io, fla_nan_expected) -> float:
     return bound
 
 
-def _row(rows, failures, name, x, err, fe, bound) -> None:
-    ok = bool(torch.isfinite(x).all()) and err <= bound
-    rows.append(f"{name:>22}  qla {err:.3e}  FLA {fe:.3e}  bound {bound:.3e}  {'ok' if ok else 'FAIL'}")
+def _row(rows, failures, name, err, fe, bound, spread="") -> None:
+    """One quantity's line: its error (inf where not finite), FLA's, the bound; a failure where above."""
+    ok = err <= bound
+    rows.append(f"{name:>22}  qla {err:.3e}  FLA {fe:.3e}  bound {bound:.3e}  {'ok' if ok else 'FAIL'}{spread}")
     if not ok:
         failures.append(name)
 
@@ -265,8 +288,9 @@ def _row(rows, failures, name, x, err, fe, bound) -> None:
 def test_gdn_real_data(case, dtype):
     spec = dict(DATA_CASES[case])
     l2norm = spec.get("l2norm", False)
-    args = make_inputs(K=128, V=128, dtype=DTYPES[dtype], seed=list(DATA_CASES).index(case), **spec)
-    _check(args, l2norm=l2norm, fla_nan_expected=bool(spec.get("reset")))
+    seed = list(DATA_CASES).index(case)
+    _check(lambda draw: make_inputs(K=128, V=128, dtype=DTYPES[dtype], seed=seed + 1000 * draw, **spec),
+           l2norm=l2norm, fla_nan_expected=bool(spec.get("reset")))
 
 
 @pytest.mark.parametrize("segments", [3, 8])
@@ -277,17 +301,17 @@ def test_gdn_real_data_context_parallel(case, segments):
     where they do not; o, the final state and every gradient within the bounds above, against
     FLA's error without it (issue 17)."""
     spec = dict(DATA_CASES[case])
-    args = make_inputs(K=128, V=128, dtype=torch.bfloat16, seed=list(DATA_CASES).index(case), **spec)
-    _check(args, l2norm=spec.get("l2norm", False), fla_nan_expected=bool(spec.get("reset")),
-           context_parallel=segments)
+    seed = list(DATA_CASES).index(case)
+    _check(lambda draw: make_inputs(K=128, V=128, dtype=torch.bfloat16, seed=seed + 1000 * draw, **spec),
+           l2norm=spec.get("l2norm", False), fla_nan_expected=bool(spec.get("reset")), context_parallel=segments)
 
 
 @pytest.mark.parametrize("K,V", HEAD_DIM_CASES, ids=[f"K{K}-V{V}" for K, V in HEAD_DIM_CASES])
 def test_gdn_head_dims_on_uniform_keys(K, V):
     """Every head dim trains: above 128 the backward runs on column blocks of V
     (Program.backward_columns; at K = 256 blocks of 64)."""
-    args = make_inputs(lens=HEAD_DIM_LENS, K=K, V=V, dtype=torch.bfloat16, keys="uniform", gate="fla", seed=K + V)
-    _check(args)
+    _check(lambda draw: make_inputs(lens=HEAD_DIM_LENS, K=K, V=V, dtype=torch.bfloat16, keys="uniform", gate="fla",
+                                    seed=K + V + 1000 * draw))
 
 
 @pytest.mark.parametrize("kernel", ["narrow", "wide"])
@@ -313,7 +337,7 @@ def test_gdn_real_data_fused_forward(case, kernel):
     rows, failures = [], []
     for q, x, r, f in zip(("o", "final_state"), ours, ref, fla):
         fe = rel_err(f, r) if bool(torch.isfinite(f).all()) else float("inf")
-        _row(rows, failures, q, x, rel_err(x, r), fe, _bound(q, fe, torch.bfloat16, bool(spec.get("reset"))))
+        _row(rows, failures, q, rel_err(x, r), fe, _bound(q, fe, torch.bfloat16, bool(spec.get("reset"))))
     table = "\n".join(rows)
     print(table)
     assert not failures, f"{', '.join(failures)} out of tolerance:\n{table}"
