@@ -1,7 +1,8 @@
 """The KernelIR interpreter for a warp-specialised kernel: its roles run one statement at a time in
 an order their barriers allow, and what the hardware would get wrong is an error here.
 
-Each role walks the chunks with its own counter. A wait blocks its role until the barrier's phase
+Each role walks the chunks with its own counter (from the sequence's last chunk where the kernel
+walks in reverse: a backward's scan). A wait blocks its role until the barrier's phase
 for that chunk has completed; an arrival counts the role's threads. Every role runs as far as it
 can before the next one gets a turn (`order` says which goes first), so a role that reads a ring
 copy without waiting for it reads it before it is written. The interpreter checks, and names:
@@ -174,9 +175,11 @@ def run_roles(kernel: Kernel, tensors: dict, sizes: Sizes, scale: float, order=N
                             "is missing")
                     version[key], released[key] = c, set()
             active = c < chunks - skip
-            at.active, at.t0 = active, bos + (skip + c) * sizes.C
-            at.i_slot = offsets + skip + c
-            at.n_valid = torch.where(active, (seq_len - (skip + c) * sizes.C).clamp(max=sizes.C), 0)
+            # the walk's c-th chunk: from the sequence's last where the kernel walks in reverse
+            i_c = (chunks - 1 - skip - c if kernel.reverse else skip + c).clamp(min=0)
+            at.active, at.t0 = active, bos + i_c * sizes.C
+            at.i_slot = offsets + i_c
+            at.n_valid = torch.where(active, (seq_len - i_c * sizes.C).clamp(max=sizes.C), 0)
         else:
             active = torch.ones_like(i_n, dtype=torch.bool)
             at.active = active

@@ -19,9 +19,11 @@ import functools
 
 import torch
 
+from qla_compiler.errors import NotFusable
 from qla_compiler.layout import chunk_slots
 from qla_compiler.passes.lower_tilelang import tile_width
 
+from . import forward
 from .forward import run_kernels
 
 
@@ -117,9 +119,22 @@ def _block(x: torch.Tensor, param, dim: str, start: int, width: int) -> torch.Te
     return x.narrow(axis, start, n).contiguous()
 
 
+def backward_program_of(program, segments=None):
+    """The backward program a call of `program` (a block's, where it runs on blocks) runs: with
+    its scan warp-specialised where the launch policy says so (LaunchPolicy.backward_scan_roles)
+    and the schedule can (not where the entering states are kept in float32: GLA's), except
+    under context parallelism, whose window walks run the plain scan's kernels."""
+    if forward.POLICY.backward_scan_roles and not segments:
+        try:
+            return program.backward_roles_program
+        except NotFusable:
+            pass
+    return program.backward_program
+
+
 def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments, cache: bool = True):
     """backward() on the whole of V (t: the kernels' tensors by name, the cotangent of o among them)."""
-    bprog = bprog_of.backward_program
+    bprog = backward_program_of(bprog_of, segments)
     d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments, cache)
     role = {x: r for r, x in bprog.chunk.gradient_of.items()}  # input -> its gradient's output role
     holds = bprog.kernels.results()  # output role -> the tensor an out kernel writes it to

@@ -48,7 +48,10 @@ class LaunchPolicy:
     (Program.fused_training_program) where an inference call of its shape runs the fused one
     (None or True: it does, 12 % off a GDN training step on the H100 and as accurate or more in
     every output and gradient, benchmarks/NOTES.md session 44; False: the training program's
-    separate kernels, as QLA_FUSED_TRAINING=0 sets it for the process)."""
+    separate kernels, as QLA_FUSED_TRAINING=0 sets it for the process). `backward_scan_roles`
+    whether a backward runs its scan warp-specialised (Program.backward_roles_program; None or
+    False: the plain scan kernel, as fast on the H100 and 0.5 GiB lighter at 16/64:8x4096,
+    benchmarks/NOTES.md session 45; QLA_BACKWARD_SCAN_ROLES=1 sets it for the process)."""
     sms: int | None = None
     block_v: int | None = None
     token_block_v: int | None = None
@@ -60,10 +63,13 @@ class LaunchPolicy:
     segment_chain: Callable | None = None
     poison: float | None = None
     fused_training: bool | None = None
+    backward_scan_roles: bool | None = None
 
 
-POLICY = LaunchPolicy(fused={"1": True, "0": False}.get(os.environ.get("QLA_FUSED_FORWARD", "")),
-                      fused_training={"1": True, "0": False}.get(os.environ.get("QLA_FUSED_TRAINING", "")))
+_SWITCH = {"1": True, "0": False}
+POLICY = LaunchPolicy(fused=_SWITCH.get(os.environ.get("QLA_FUSED_FORWARD", "")),
+                      fused_training=_SWITCH.get(os.environ.get("QLA_FUSED_TRAINING", "")),
+                      backward_scan_roles=_SWITCH.get(os.environ.get("QLA_BACKWARD_SCAN_ROLES", "")))
 
 
 @contextlib.contextmanager

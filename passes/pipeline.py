@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from qla_compiler.errors import PassError, SpecError
+from qla_compiler.errors import NotFusable, PassError, SpecError
 from qla_compiler.ir.chunk import ChunkIR
 from qla_compiler.ir.chunk_diff import ChunkDiff, chunk_diff
 from qla_compiler.ir.kernel import KernelIR
@@ -294,8 +294,26 @@ class Program:
         whose kernels the runtime compiles like the forward's (kernels/backward.py runs them).
         The backward recomputes the forward from its inputs and the states entering each chunk;
         what the training forward stored (self.stored()) its kernels load instead."""
-        if "backward_program" not in self._derived:
-            self._need_kernels("backward program: ")
+        return self._backward_scheduled(scan_roles=False)
+
+    @property
+    def backward_roles_program(self) -> "Program":
+        """backward_program with its scan warp-specialised (schedule_fused.scan_with_roles): the
+        d S chain in registers on a role of its own, a loads role and a stores role; the same
+        prep and out kernels. The runtime takes it where the launch policy's backward_scan_roles
+        says (kernels/backward.backward_program_of).
+
+            >>> import qla_compiler
+            >>> [k.name for k in qla_compiler.compile_spec("gdn").backward_roles_program.kernels.kernels]
+            ['gdn_backward_prep', 'gdn_backward_scan_roles', 'gdn_backward_out']
+        """
+        return self._backward_scheduled(scan_roles=True)
+
+    def _backward_scheduled(self, scan_roles: bool) -> "Program":
+        key = "backward_roles_program" if scan_roles else "backward_program"
+        where = f"backward program{' (scan with roles)' if scan_roles else ''}: "
+        if key not in self._derived:
+            self._need_kernels(where)
             if (why := self.backward_unsupported()) is not None:
                 raise PassError("partition", f"backward program: {why}")
             back = self.backward
@@ -304,14 +322,20 @@ class Program:
             # anyway, one matmul per chunk, rather than have every training step keep it
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
                         and (x in carried or self.chunk.node(x).op != "matmul")]
-            prog = self._scheduled(back, [("autodiff", back)], "backward program: ", partial=self.partial,
-                                   provided=provided)
+            try:
+                prog = self._scheduled(back, [("autodiff", back)], where, partial=self.partial,
+                                       provided=provided, scan_roles=scan_roles)
+            except NotFusable as e:  # kept: the runtime asks on every call (kernels/backward.backward_program_of)
+                self._derived[key] = e
+                raise
             _check_saved_dtypes(self.training_program.kernels, prog.kernels)
             # (the backward's alone: a forward's per-token tensors may be kept for the backward)
             for p in (REUSE_MEMORY, RELEASE_MEMORY):
-                prog._keep(p.name, _run_pass(p, prog.kernels, "backward program: "))
-            self._derived["backward_program"] = prog
-        return self._derived["backward_program"]
+                prog._keep(p.name, _run_pass(p, prog.kernels, where))
+            self._derived[key] = prog
+        if isinstance(self._derived[key], NotFusable):
+            raise self._derived[key]
+        return self._derived[key]
 
     def backward_columns(self) -> tuple:
         """(width, program): the column blocks of V a backward at this program's head-dim tiles runs
@@ -480,9 +504,11 @@ class Program:
         return got
 
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,
-                   fused: bool = False, wide: bool = False, partial: tuple = (), **split) -> "Program":
+                   fused: bool = False, wide: bool = False, partial: tuple = (), scan_roles: bool = False,
+                   **split) -> "Program":
         """`chunk` through partition (`split`: the values it keeps in memory, or is given) and
-        schedule (for this program's head-dim tiles; `fused`, `wide`, `partial`: schedule's):
+        schedule (for this program's head-dim tiles; `fused`, `wide`, `partial`, `scan_roles`:
+        schedule's):
         a Program whose stages are `before` and those two (`into`, if given). A failure names the
         pass."""
         self._need_kernels(where)
@@ -491,7 +517,7 @@ class Program:
         ir = chunk
         for p in (Pass("partition", lambda c: partition(c, **split), "split into kernels"),
                   Pass("schedule", lambda part: schedule(part, head_dims=self.head_dims, fused=fused, wide=wide,
-                                                                partial=partial),
+                                                                partial=partial, scan_roles=scan_roles),
                        "place buffers, order statements")):
             ir = _run_pass(p, ir, where)
             prog._keep(p.name, ir)

@@ -42,7 +42,7 @@ from .partition import Partition
 from .schedule_build import (CHUNK_MAP, CHUNK_OFFSETS, STATE, STATE_IO, Builder, build, check_v_columns,
                              crossing_tensor, global_name, head_params, ident, input_params, log_space, product_slots,
                              state_dtype, store_rows)
-from .schedule_fused import fused_kernel
+from .schedule_fused import fused_kernel, scan_with_roles
 from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
                               dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups, packed_shared,
                               place_loads, reads, repeats_work, smem_bytes, threads_for, zero_pad)
@@ -67,7 +67,8 @@ KEY_BLOCKS = os.environ.get("QLA_KEY_BLOCKS", "1") == "1"
 
 
 def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_dims: tuple = HEAD_DIMS,
-             fused: bool = False, wide: bool = False, partial: tuple = (), key_blocks: bool = KEY_BLOCKS) -> KernelIR:
+             fused: bool = False, wide: bool = False, partial: tuple = (), key_blocks: bool = KEY_BLOCKS,
+             scan_roles: bool = False) -> KernelIR:
     """The KernelIR of a partitioned chunk program, its shared memory and registers budgeted for
     head-dim tiles up to `head_dims` (K, V): the kernels of larger tiles differ (more threads, fewer
     stages, outputs split across kernels), those of smaller ones would only waste memory. With
@@ -76,7 +77,8 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     the input kinds whose gradients the host adds up over blocks (a backward on column blocks of V:
     the keys'; on blocks of K: the values'), which the out kernel writes in float32: bf16 partials
     would round each before the sum. `key_blocks`: an out kernel may run on blocks of K's
-    columns (_key_block).
+    columns (_key_block). `scan_roles`: the scan alone warp-specialised (schedule_fused.scan_with_roles),
+    its out kernels after it as without.
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
@@ -93,7 +95,11 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         kernel, kir.block_v_max = fused_kernel(part, dims, wide)
         kir.kernels.append(kernel)
     else:
-        kir.kernels.append(_scan_kernel(part, dims))
+        if scan_roles:
+            kernel, kir.block_v_max = scan_with_roles(part, dims)
+            kir.kernels.append(kernel)
+        else:
+            kir.kernels.append(_scan_kernel(part, dims))
         kir.kernels += out_kernels(part, split_phase_loads, dims, partial, key_blocks=key_blocks)
     for i, k in enumerate(kir.kernels):
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)

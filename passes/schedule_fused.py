@@ -33,6 +33,10 @@ forms v_new = T·(diag(β)V − diag(βΓ)K·S₀) itself, three products a chun
 solves T_r alone and stores T = T_r ⊙ R (partition._folded_into_prep); scale_after_product_on_chain
 puts diag(βΓ) on the product K·S₀. The chain then forms no block wider than the V-block.
 
+The scan alone (scan_with_roles: a backward's, whose out kernel sums over V and stays parallel
+over chunks) is the same cut without an output role: the chain, a `stores` role that stores every
+carried value from its ring copy, and the loads, walking the chunks last to first.
+
 For training (Program.fused_training_program) the partition keeps what the backward loads: the
 prep stores T_r beside T, and the output role stores the carried values it is handed (the
 entering state, v_new) from their ring copies (Partition.stored), so the training forward is this
@@ -80,24 +84,27 @@ ROLE_DOCS = {
     "state": "the state: S in registers, its decay and update; hands the entering state on",
     "value": "the chain's products, from the entering state to the chunk's new values",
     "output": "the output from the entering state and the chunk's own tokens",
+    "stores": "stores what the chain hands on (the entering state, ...) for the out kernels after the scan",
     "loads": "TMA loads of the next chunks into the rings (one warp issues), padding rows zeroed",
 }
 
 
-def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
+def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool = True) -> tuple:
     """(the fused scan + output kernel of a forward partition, the widest V-block it is budgeted
     for); its prep kernel stays before it. `wide`: at V-block WIDE_BLOCK_V, the chain cut into a
-    state role and a value role (four roles in all)."""
+    state role and a value role (four roles in all). Without `output` (scan_with_roles), the
+    scan alone, its out kernels after it."""
     ir = part.chunk
-    if ir.reverse:
+    if ir.reverse and output:
         raise NotFusable("schedule", "the fused kernel is a forward's: a backward scan keeps its out kernels")
-    outputs = tuple(ir.outputs)
-    if len(outputs) != 1:
+    outputs = tuple(ir.outputs) if output else ()
+    if output and len(outputs) != 1:
         raise NotFusable("schedule", f"the fused kernel writes one output; this program has {outputs}")
-    (result,) = outputs
-    if ir.state_in in part.stored and state_dtype(ir, ir.state_in) != "io":
-        raise NotFusable("schedule", f"the entering states are kept in {state_dtype(ir, ir.state_in)}; the fused "
-                         "kernel hands them to the output role, and stores them, in the io dtype")
+    result = outputs[0] if output else None
+    stored = part.stored if output else part.carried  # (a scan alone stores all it carries)
+    if ir.state_in in stored and state_dtype(ir, ir.state_in) != "io":
+        raise NotFusable("schedule", f"the entering states are kept in {state_dtype(ir, ir.state_in)}; a kernel "
+                         "with roles hands them on between its roles, and stores them, in the io dtype")
     if wide and dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS > 255:
         raise NotFusable("schedule", f"the wide fused kernel's state, K×{WIDE_BLOCK_V} float32 at K = {dims['K']}, "
                          "does not fit one warpgroup's registers")
@@ -106,7 +113,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     # the per-token vectors their blocks scale by (β·Γ, the decay to the chunk's end, ...) made
     # by the loads role: once a chunk, where inlined each block element recomputes its exponential
     loaded_out = part.out_loads
-    needed = ir.closure([ir.outputs[result]], stop=loaded_out, within=set(part.out))
+    needed = ir.closure([ir.outputs[result]], stop=loaded_out, within=set(part.out)) if output else set()
     out_nodes = tuple(n.name for n in ir.order() if n.name in needed)
     products = [x for x in out_nodes if ir.node(x).op == "contract"]
     if products:  # (a per-key gate's X ⋆ Z on its diagonal sub-blocks: passes/rewrite_subchunk.py)
@@ -125,9 +132,12 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
         chain.buf(STATE_IO, ("K", "V"), "io", "shared")
         chain_body.insert(0, Stmt("copy", STATE_IO, (STATE,)))
     out = build(ir, out_nodes, loaded_out, tiled=True, dims=dims, vectors=vectors)
-    o_s = out.buf(f"{result}_s", ir.node(ir.outputs[result]).shape, "io", "shared")
-    out_body = out.body + [Stmt("ewise", o_s, (), (("expr", out.ex(ir.outputs[result], ("i", "j"))), ("index", ("i", "j")))),
-                           Stmt("store", result, (o_s,), (("rows", "n_valid"),))]
+    out_body = []
+    if output:
+        o_s = out.buf(f"{result}_s", ir.node(ir.outputs[result]).shape, "io", "shared")
+        out_body = out.body + [Stmt("ewise", o_s, (), (("expr", out.ex(ir.outputs[result], ("i", "j"))),
+                                                       ("index", ("i", "j")))),
+                               Stmt("store", result, (o_s,), (("rows", "n_valid"),))]
 
     # -- one set of loads for both roles: the carried values come from the chain instead
     rename_out = {}
@@ -153,14 +163,15 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
             rename_out[name] = f"{name}_out"
     rename_out.update(private)
     chain_body = [st.renamed(private) for st in chain_body]
-    out_body = _stores(ir, part, handed) + [st.renamed(rename_out) for st in out_body]
+    # (the scan alone stores every carried value: the out kernels after it load them)
+    out_body = _stores(ir, stored, handed) + [st.renamed(rename_out) for st in out_body]
 
     # -- the compute roles: the chain as one role, or (wide) cut in two where the state and the
     # chain's products would not fit one warpgroup's registers: the state role, every statement
     # that touches the state fragment (its decay, its update, its copy for the products), and the
     # value role, the rest of the chain (the products from the entering state to the new values)
     bodies = _split_chain(chain_body) if wide else {"chain": chain_body}
-    bodies["output"] = out_body
+    bodies["output" if output else "stores"] = out_body
     kinds = {b.name: b.scope for b in (*chain.buffers.values(), *out.buffers.values())}
     kinds.update({rename_out.get(n, n): b.scope for n, b in out.buffers.items()})
     bodies = {role: _through_fragments(body, kinds) for role, body in bodies.items()}
@@ -248,28 +259,43 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False) -> tuple:
     roles = tuple(roles)
 
     params, names = [], set()
-    for p in _params(ir, part, out_nodes, loaded_out):
+    for p in _params(ir, part, out_nodes, loaded_out, result, stored):
         if p.name not in names:
             names.add(p.name)
             params.append(p)
     nodes = tuple(n.name for n in ir.order() if n.name in set(part.scan) | set(out_nodes))
     kernel = Kernel(
-        f"{ir.name}_fused", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), len(roles) * THREADS, params,
-        list(buffers.values()), [], [], [], loop="chunks of the sequence", max_stages=depth,
-        roles=tuple(f"{r.name}: {r.doc}" for r in roles),
-        doc="sequential over chunks: the state chain and the output, warp-specialised", kind="fused",
-        nodes=nodes, outputs=(result,), warp_roles=roles, barriers=tuple(barriers))
+        f"{ir.name}_fused" if output else f"{ir.name}_scan_roles", (("v_block", "V/BV"), ("value_head", "HV"),
+                                                                    ("sequence", "N")),
+        len(roles) * THREADS, params, list(buffers.values()), [], [], [],
+        loop="chunks of the sequence" + (", last to first" if ir.reverse else ""), reverse=ir.reverse,
+        max_stages=depth, roles=tuple(f"{r.name}: {r.doc}" for r in roles),
+        doc=("sequential over chunks: the state chain and the output, warp-specialised" if output else
+             "sequential over chunks: the state chain, warp-specialised; its out kernels after it"),
+        kind="fused" if output else "scan", nodes=nodes, outputs=outputs, warp_roles=roles, barriers=tuple(barriers))
     return kernel, block_v  # (schedule verifies it)
 
 
-def _stores(ir, part: Partition, handed: dict) -> list:
-    """The output role's stores of the carried values the partition keeps for another program (a
-    training forward's entering states and v_new, which its backward loads), from the ring copies
-    the chain hands over: first once the copy is there (_independent_first keeps them ahead of the
-    role's other reads of it), plain copies by the role's threads, so the copy is free again when
-    the role's last read is done, with no wait on a bulk store."""
+def scan_with_roles(part: Partition, dims: dict) -> tuple:
+    """(the scan kernel of `part` warp-specialised, the widest V-block it is budgeted for): the
+    chain, a `stores` role and the loads role, as fused_kernel cuts them, with no output role: the
+    out kernels stay after it and load what the stores role stores. For a backward, whose out
+    kernel sums over V and runs parallel over chunks: its reverse walk carries d S in registers
+    while the loads of the chunks before it land and the stores of the one after it drain, where
+    the plain scan kernel leaves the loads to TileLang's automatic producer and its stores on the
+    chain."""
+    return fused_kernel(part, dims, output=False)
+
+
+def _stores(ir, stored: tuple, handed: dict) -> list:
+    """The output role's stores of the carried values `stored` (those the partition keeps for
+    another program: a training forward's entering states and v_new, which its backward loads; a
+    scan alone's: every carried value, for its out kernels), from the ring copies the chain hands
+    over: first once the copy is there (_independent_first keeps them ahead of the role's other
+    reads of it), plain copies by the role's threads, so the copy is free again when the role's
+    last read is done, with no wait on a bulk store."""
     out = []
-    for x in part.stored:
+    for x in stored:
         if x == ir.state_in:
             out.append(Stmt("store_chunk_state", global_name(ir, x), (handed[x],)))
         else:
@@ -380,18 +406,17 @@ def _budgets(roles: list, dims: dict) -> dict:
     return {r: out.get(r, share) for r in roles}
 
 
-def _params(ir, part: Partition, out_nodes, loaded_out) -> list:
+def _params(ir, part: Partition, out_nodes, loaded_out, result: str | None, stored: tuple) -> list:
     carried = set(part.carried)
     ps = input_params(ir, part.scan, part.crossing + part.provided)
     ps += input_params(ir, out_nodes, loaded_out - carried)
     ps += [Tensor("cu_seqlens", ("N+1",), "int32", "in")]
-    if ir.state_in in part.stored:
+    if ir.state_in in stored:
         ps.append(CHUNK_OFFSETS)
     ps += [Tensor("initial_state", ("N", "HV", "K", "V"), "float32", "in")]
     ps += head_params(ir, set(part.scan) | set(out_nodes))
-    (result,) = ir.outputs
-    return ps + [Tensor(result, ("1", "T", "HV", "V"), "io", "out", result=result)] \
-        + [crossing_tensor(ir, x, "out") for x in part.stored] \
+    made = [Tensor(result, ("1", "T", "HV", "V"), "io", "out", result=result)] if result else []
+    return ps + made + [crossing_tensor(ir, x, "out") for x in stored] \
         + [Tensor("final_state", ("N", "HV", "K", "V"), "float32", "out")]
 
 

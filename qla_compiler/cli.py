@@ -59,7 +59,9 @@ def main(argv=None) -> int:
                          "warp-specialised kernel (roles, register budgets, barriers; QLA_FUSED_FORWARD=1 runs it); "
                          "at --shape ...,BV=128 the wide one, its chain on a state and a value role; with "
                          "--training: the fused training forward, which also stores what the backward loads "
-                         "(what a training call runs where inference fuses; QLA_FUSED_TRAINING=0 turns it off)")
+                         "(what a training call runs where inference fuses; QLA_FUSED_TRAINING=0 turns it off); "
+                         "with --backward: the backward with its scan warp-specialised the same way "
+                         "(QLA_BACKWARD_SCAN_ROLES=1 runs it)")
     ap.add_argument("--windows", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the scan kernel alone as context parallelism's first "
                          "scan runs it, each walk from a chunk given per sequence and value head (its segment's "
@@ -124,7 +126,9 @@ def main(argv=None) -> int:
             return 1
         try:
             chosen = [f for f in ("backward", "training", "token_step", "fused") if getattr(args, f)]
-            if len(chosen) > 1 and chosen != ["training", "fused"]:  # (those two: the fused training forward)
+            # (training and fused: the fused training forward; backward and fused: the backward's
+            # scan with roles)
+            if len(chosen) > 1 and chosen not in (["training", "fused"], ["backward", "fused"]):
                 raise ValueError(" and ".join(f"--{f.replace('_', '-')}" for f in chosen) + ": choose one")
             shape = None
             if args.emit in ("kernel", "tilelang", "cuda"):  # the kernels this shape class runs
@@ -133,13 +137,15 @@ def main(argv=None) -> int:
             fused = "fused_wide_program" if shape is not None and shape.BV > 64 else "fused_program"
             if args.training and args.fused:
                 fused = fused.replace("_program", "_training_program")
+            if args.backward and args.fused:
+                fused = "backward_roles_program"
             note = ""
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
                                   ("token_step", "token_step_program"), ("fused", fused)):
-                if getattr(args, flag) and not (flag == "training" and args.fused):
+                if getattr(args, flag) and not (flag in ("training", "backward") and args.fused):
                     if args.emit not in ("kernel", "tilelang", "cuda"):
                         raise ValueError(f"--{flag.replace('_', '-')} goes with --emit kernel, tilelang or cuda")
-                    if flag == "backward":  # (the kernels one block runs, where it runs on blocks)
+                    if args.backward:  # (the kernels one block runs, where it runs on blocks)
                         prog, shape, note = _backward_block(prog, shape)
                     prog = getattr(prog, variant)
             if args.windows:

@@ -167,15 +167,18 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         for c, (_, launched, _) in zip(classes, seqs):
             keys, width, _ = _variant(c).backward_blocks()
             if keys >= K and width >= V:
-                out.append(dataclasses.replace(c, part="backward"))
+                back = dataclasses.replace(c, part="backward")
+                out.append(capped(back, launched, _program(back).kernels.block_v_max))
                 continue
             # each block is a problem of its own widths (the last one's may be narrower); a
             # context-parallel scan's widened values, K + V wide, are the block's K + V wide there
             for kw in dict.fromkeys(w for _, w in column_blocks(K, keys)):
                 for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
                     wide = w + (kw if c.shape.V > V else 0)
-                    out.append(dataclasses.replace(c, part="backward", columns=width,
-                                                   shape=launch(wide, launched, keys=kw)))
+                    back = dataclasses.replace(c, part="backward", columns=width, shape=launch(wide, launched, keys=kw))
+                    cap = _program(back).kernels.block_v_max
+                    out.append(dataclasses.replace(back, shape=launch(wide, launched, cap, keys=kw))
+                               if cap < back.shape.BV else back)
     return list(dict.fromkeys(out))
 
 
@@ -316,19 +319,21 @@ def _op_of(spec: str):
 def _program(c: Compile):
     """The program a Compile names: its variant's forward (as inference runs it), training
     forward or backward (on blocks of K's or V's columns, where c.columns says so)."""
-    from .kernels import forward
+    from .kernels import backward, forward
 
     program = _variant(c)
     if c.part == "token_step":
         return program.token_step_program
+    # (a context-parallel class's backward runs the plain scan: backward.backward_program_of)
     if c.columns:
-        program = program.backward_blocks()[2].backward_program
+        program = backward.backward_program_of(program.backward_blocks()[2], segments=c.kernels != "all")
     elif c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
         program = forward.inference_program(program, fused=bool(c.fused), wide=c.fused == "wide")
     elif c.part == "training" and c.fused:  # (a fused training forward: the launch policy's fused_training)
         program = forward.fused_or_not(program, wide=c.fused == "wide", training=True)
     else:
-        program = {"training": program.training_program, "backward": program.backward_program}[c.part]
+        program = program.training_program if c.part == "training" else \
+            backward.backward_program_of(program, segments=c.kernels != "all")
     return program.windows_program if c.kernels == "windows" else program
 
 

@@ -284,8 +284,8 @@ def test_cli_emits_the_fused_kernel(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "kernel gdn_fused" in out and "role output: threads [128, 256)" in out and "kernel gdn_out" not in out
     assert (tmp_path / "gdn.fused.kernel.txt").exists()
-    assert main(["gdn", "--emit", "kernel", "--fused", "--backward"]) == 1
-    assert "--backward and --fused: choose one" in capsys.readouterr().err
+    assert main(["gdn", "--emit", "kernel", "--fused", "--token-step"]) == 1
+    assert "--token-step and --fused: choose one" in capsys.readouterr().err
 
 
 def test_the_policy_picks_the_fused_kernel(runs):
