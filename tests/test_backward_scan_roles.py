@@ -18,6 +18,7 @@ from qla_compiler.kernels import backward as bwd
 from qla_compiler.kernels import forward as fwd
 from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.testing import random_inputs, rel_err
+from test_fused_forward import _without
 
 SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn", "kda"]
 # a 1-token sequence, partial last chunks, and 5 chunks in one sequence: the 3-deep load ring wraps
@@ -98,16 +99,6 @@ def test_any_role_order_the_barriers_allow_gives_the_same_result(steps):
     for order in (("stores", "chain", "loads"), ("loads", "chain", "stores"), ("loads", "stores", "chain")):
         again = _replay(op, roles, k, order)
         assert all(torch.equal(again[n], first[n]) for n in first), order
-
-
-def _without(kernel, role: str, pred):
-    roles = []
-    for r in kernel.warp_roles:
-        body = list(r.body)
-        if r.name == role:
-            body.pop(next(i for i, s in enumerate(body) if pred(s)))
-        roles.append(dataclasses.replace(r, body=tuple(body)))
-    return dataclasses.replace(kernel, warp_roles=tuple(roles))
 
 
 MUTANTS = {
