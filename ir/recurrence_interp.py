@@ -36,21 +36,31 @@ def run_recurrence(ir: RecurrenceIR, inputs: dict, lengths, scale: float, initia
          else initial_state.to(dtype).clone())
     consts = {c.symbol: torch.tensor(c.values(HV), dtype=dtype, device=device).view(1, HV, 1, 1)
               for c in ir.constants}
-    lengths = torch.as_tensor(lengths, device=device).view(N, 1, 1, 1)
+    # Each step runs on the sequences still going, longest first: a padded batch kept every
+    # sequence's state and intermediates for autograd up to the longest length (8 sequences of
+    # 1–500 tokens at K = V = 128 held 24 GiB on the GPU beside other tests, session 45), and a
+    # masked step past a sequence's end still differentiated through its zero-padded inputs
+    lengths = [int(n) for n in torch.as_tensor(lengths).flatten().tolist()]
+    order = sorted(range(N), key=lambda n: -lengths[n])
+    states = list(S.unbind(0))  # each sequence's state, as its last step left it
     out = torch.zeros(N, L, HV, vdim, dtype=dtype, device=device)
     eye = torch.eye(kdim, dtype=dtype, device=device)
     for t in range(L):
+        going = [n for n in order if lengths[n] > t]
+        if not going:
+            break
+        rows = torch.tensor(going, device=device)
         env = dict(consts)
         for i in ir.inputs:
-            x = inputs[i.name][:, t]
-            env[i.symbol] = x.unsqueeze(-1) if i.kind in ("key", "value", "key_gate") else x.view(N, HV, 1, 1)
-        env[ir.state] = S
-        active = t < lengths
-        S = torch.where(active, _eval(ir.step, env, eye), S)
-        env[ir.state] = S
-        o = _eval(ir.output, env, eye)
-        out[:, t] = torch.where(active, scale * o, 0.0).squeeze(-1)
-    return out, S
+            x = inputs[i.name][rows, t]
+            env[i.symbol] = x.unsqueeze(-1) if i.kind in ("key", "value", "key_gate") else x.view(len(going), HV, 1, 1)
+        env[ir.state] = torch.stack([states[n] for n in going])
+        S_t = _eval(ir.step, env, eye)
+        env[ir.state] = S_t
+        out[rows, t] = scale * _eval(ir.output, env, eye).squeeze(-1)
+        for n, s in zip(going, S_t.unbind(0)):
+            states[n] = s
+    return out, torch.stack(states)
 
 
 def _eval(e, env, eye):
