@@ -41,6 +41,8 @@ def run_recurrence(ir: RecurrenceIR, inputs: dict, lengths, scale: float, initia
     # 1–500 tokens at K = V = 128 held 24 GiB on the GPU beside other tests, session 45), and a
     # masked step past a sequence's end still differentiated through its zero-padded inputs
     lengths = [int(n) for n in torch.as_tensor(lengths).flatten().tolist()]
+    if len(lengths) != N:
+        raise ValueError(f"lengths: expected one per sequence, {N}, got {len(lengths)}")
     order = sorted(range(N), key=lambda n: -lengths[n])
     states = list(S.unbind(0))  # each sequence's state, as its last step left it
     out = torch.zeros(N, L, HV, vdim, dtype=dtype, device=device)

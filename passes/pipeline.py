@@ -333,8 +333,8 @@ class Program:
             for p in (REUSE_MEMORY, RELEASE_MEMORY):
                 prog._keep(p.name, _run_pass(p, prog.kernels, where))
             self._derived[key] = prog
-        if isinstance(self._derived[key], NotFusable):
-            raise self._derived[key]
+        if isinstance(self._derived[key], NotFusable):  # (a fresh traceback: not one grown by every call)
+            raise self._derived[key].with_traceback(None)
         return self._derived[key]
 
     def backward_columns(self) -> tuple:
@@ -500,7 +500,7 @@ class Program:
                 self._derived[key] = e
         got = self._derived[key]
         if isinstance(got, PassError):
-            raise got
+            raise got.with_traceback(None)
         return got
 
     def _scheduled(self, chunk: ChunkIR, before: list, where: str, into: "Program | None" = None,

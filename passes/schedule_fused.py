@@ -102,6 +102,8 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
         raise NotFusable("schedule", f"the fused kernel writes one output; this program has {outputs}")
     result = outputs[0] if output else None
     stored = part.stored if output else part.carried  # (a scan alone stores all it carries)
+    if any(ir.node(x).shape == ("C",) for x in stored):  # (no shipped spec's scan carries one)
+        raise NotFusable("schedule", "a per-token vector the scan carries: its roles hand on blocks only")
     if ir.state_in in stored and state_dtype(ir, ir.state_in) != "io":
         raise NotFusable("schedule", f"the entering states are kept in {state_dtype(ir, ir.state_in)}; a kernel "
                          "with roles hands them on between its roles, and stores them, in the io dtype")

@@ -6,12 +6,14 @@ barriers; what the lowering emits."""
 import dataclasses
 import re
 import shutil
+import traceback
 
 import pytest
 import torch
 
 import qla_compiler
 from qla_compiler.emulate import emulated_step
+from qla_compiler.errors import NotFusable
 from qla_compiler.ir.kernel_interp import InterpretError, Sizes
 from qla_compiler.ir.kernel_interp_roles import run_roles
 from qla_compiler.kernels import backward as bwd
@@ -154,6 +156,11 @@ def test_the_policy_picks_the_scan_with_roles_where_it_can():
         assert bwd.backward_program_of(gdn) is gdn.backward_roles_program
         assert bwd.backward_program_of(gdn, segments=4) is gdn.backward_program
         assert bwd.backward_program_of(gla) is gla.backward_program
+        for _ in range(20):  # (every backward asks: the kept refusal must not grow a traceback a call)
+            bwd.backward_program_of(gla)
+    with pytest.raises(NotFusable) as refused:
+        gla.backward_roles_program
+    assert len(traceback.extract_tb(refused.value.__traceback__)) < 8
     names = [k.name for k in gdn.backward_roles_program.kernels.kernels]
     assert names == ["gdn_backward_prep", "gdn_backward_scan_roles", "gdn_backward_out"]
 
