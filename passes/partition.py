@@ -48,6 +48,13 @@ PREPARED_OPS = ("inv_unit_lower", "cumsum")
 # (FLA 10.28). QLA_SHARE_DECAYS=0 turns it off (the generated source differs: both variants cache
 # side by side).
 SHARE_DECAYS = os.environ.get("QLA_SHARE_DECAYS", "1") == "1"
+# A matmul is "built on an inverse" (prepared) only through values this program computes: in a
+# backward the forward's v_new is loaded (provided), so d P = dO·v_newᵀ and GDN's q·Kᵀ partials of
+# d q and d k (d P masked, times K or Q) are plain products of loaded blocks, recomputed by the
+# out kernel as Q Kᵀ is, instead of 1.25 GiB of partials crossing memory twice at 16/64:8x4096
+# (benchmarks/NOTES.md, session 45). Not yet timed on a GPU: QLA_RECOMPUTE_ON_LOADED=1 turns it on
+# (the generated source differs: both variants cache side by side).
+RECOMPUTE_ON_LOADED = os.environ.get("QLA_RECOMPUTE_ON_LOADED", "0") == "1"
 ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
 
@@ -86,11 +93,12 @@ class Partition:
         return "\n".join(lines)
 
 
-def _prepared(ir: ChunkIR, name: str, for_scan: bool) -> bool:
+def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset()) -> bool:
     """Computed by prep: inverses and prefix sums, and matmuls built on an inverse. For the scan,
     also every matmul whose result is per-token rows: loading it costs what loading an input block
     costs, and it leaves the sequential path (a K×V result stays in the scan: it would cost a
-    state's worth of memory per chunk)."""
+    state's worth of memory per chunk). With RECOMPUTE_ON_LOADED, "built on" looks through the
+    values this program computes only, not through the `provided` ones it loads."""
     n = ir.node(name)
     if n.op in PREPARED_OPS:
         return True
@@ -98,7 +106,24 @@ def _prepared(ir: ChunkIR, name: str, for_scan: bool) -> bool:
         return False
     if for_scan and n.shape[0] == "C":
         return True
+    if RECOMPUTE_ON_LOADED:
+        return _built_on_inverse(ir, name, provided)
     return any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
+
+
+def _built_on_inverse(ir: ChunkIR, name: str, provided: set) -> bool:
+    """Whether an inverse is among `name`'s arguments, their arguments and so on, not counting
+    what lies behind a `provided` value (loaded, not computed)."""
+    seen, todo = set(), [name]
+    while todo:
+        for a in ir.node(todo.pop()).args:
+            if a in seen or a in provided:
+                continue
+            if ir.node(a).op == "inv_unit_lower":
+                return True
+            seen.add(a)
+            todo.append(a)
+    return False
 
 
 def _combined(ir: ChunkIR, free, prepared: set) -> set:
@@ -185,8 +210,8 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
     keep = {x for x in keep if x not in dependent}
     if provided - set(free):
         raise PassError("partition", f"provided values must be state-free: {sorted(provided - set(free))}")
-    prepared = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, for_scan=False)})
-    prepared_scan = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, for_scan=True)})
+    prepared = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, False, provided)})
+    prepared_scan = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, True, provided)})
     for n in ir.order():
         if n.op in PREPARED_OPS and n.name in dependent:
             raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")

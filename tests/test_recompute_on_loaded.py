@@ -1,0 +1,63 @@
+"""partition.RECOMPUTE_ON_LOADED (QLA_RECOMPUTE_ON_LOADED=1, off by default until timed): a matmul
+counts as built on an inverse only through values the program computes, so a backward's products
+of loaded blocks (GDN's d P = dO·v_newᵀ and the q·Kᵀ partials of d q and d k) are recomputed by
+its out kernel instead of crossing memory from its prep. The switch is read at import: a child
+process runs with it, and its emulated training steps are checked against autograd through the
+float64 reference."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qla_compiler.testing import rel_err
+
+SPECS = ["gdn", "delta_net", "kda"]
+CHILD = """
+import sys, torch
+import qla_compiler
+from qla_compiler.emulate import emulated_step
+from qla_compiler.testing import random_inputs
+out = {{}}
+for spec in {specs!r}:
+    op = qla_compiler.compile(spec, target="sm90")
+    args = random_inputs(op, T=300, H=2, HV=4, K=64, V=64, cu_seqlens=[0, 1, 200, 300], initial_state=True,
+                         dtype=torch.bfloat16, seed=4)
+    step = emulated_step(op, args)
+    part = op.program.backward_program.stage("partition")
+    out[spec] = dict(args=args, d_o=step["d_o"], d_final=step["d_final"], grads=step["grads"], d_h0=step["d_h0"],
+                     crossing=part.crossing, out=part.out)
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def recomputed(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recompute") / "out.pt"
+    subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS), str(path)], check=True,
+                   env={**os.environ, "QLA_RECOMPUTE_ON_LOADED": "1", "OMP_NUM_THREADS": "1"}, timeout=900)
+    return torch.load(path, weights_only=False)
+
+
+def test_gdns_backward_prep_keeps_only_what_the_scan_reads(ops, recomputed):
+    """Off (this process), the prep hands the out kernel d P and the q·Kᵀ partials through memory;
+    on, it makes only what the scan loads (W and d v_new's intra-chunk term), and the out kernel
+    forms the rest from the blocks it loads anyway."""
+    before = ops["gdn"].program.backward_program.stage("partition")
+    assert set(before.crossing) == {"W", "d_v_new.o_intra", "d_P", "d_q.QKt", "d_k.QKt"}
+    got = recomputed["gdn"]
+    assert set(got["crossing"]) == {"W", "d_v_new.o_intra"}
+    assert {"d_P", "d_q.QKt", "d_k.QKt"} <= set(got["out"])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_recomputed_backward_matches_autograd(ops, recomputed, spec):
+    got, op = recomputed[spec], ops[spec]
+    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in got["args"].items()}
+    o_ref, s_ref = op.reference(**ref)
+    torch.autograd.backward([o_ref, s_ref], [got["d_o"].double(), got["d_final"].double()])
+    for name in op.input_names:  # (bf16 inputs and tensors between kernels: ~3e-3; a wrong wiring is O(1))
+        assert rel_err(got["grads"][name], ref[name].grad) <= 1e-2, name
+    assert rel_err(got["d_h0"], ref["initial_state"].grad) <= 1e-2
