@@ -28,11 +28,9 @@ def _elements(shape: tuple, sizes: dict) -> int:
     return n
 
 
-def statement_bytes(kernel, st, sizes: dict, io_bytes: int) -> tuple[int, int]:
-    """(bytes loaded, bytes stored) by one execution of `st` in one CTA: its block's elements at
-    the global tensor's dtype."""
-    params = {p.name: p for p in kernel.params}
-    buffers = {b.name: b for b in kernel.buffers}
+def statement_bytes(params: dict, buffers: dict, st, sizes: dict, io_bytes: int) -> tuple[int, int]:
+    """(bytes loaded, bytes stored) by one execution of `st` in one CTA of a kernel with these
+    parameters and buffers (by name): its block's elements at the global tensor's dtype."""
     if st.op in LOADS and st.srcs and st.srcs[0] in params:
         tensor, block = params[st.srcs[0]], buffers[st.dst]
         size = io_bytes if tensor.dtype == "io" else _DTYPE_BYTES.get(tensor.dtype, 4)
@@ -69,10 +67,12 @@ def kernel_traffic(kernel, sizes: dict, io_bytes: int = 2) -> tuple[int, int]:
     else:  # a CTA per (chunk, value head[, key block]): the body runs once
         walks = chunks = sizes["HV"] * sizes["CH"] * (sizes["K"] // kernel.key_block if kernel.key_block else 1)
         prologue, body, epilogue = [], [*prologue, *body, *epilogue], []
+    params, buffers = {p.name: p for p in kernel.params}, {b.name: b for b in kernel.buffers}
+    sizes = dict(sizes, BK=kernel.key_block or sizes["K"])
     total = [0, 0]
     for stmts, times in ((prologue, walks), (body, chunks), (epilogue, walks)):
         for st in stmts:
-            loaded, stored = statement_bytes(kernel, st, dict(sizes, BK=kernel.key_block or sizes["K"]), io_bytes)
+            loaded, stored = statement_bytes(params, buffers, st, sizes, io_bytes)
             total[0] += loaded * times
             total[1] += stored * times
     return total[0], total[1]

@@ -43,15 +43,18 @@ def run_recurrence(ir: RecurrenceIR, inputs: dict, lengths, scale: float, initia
     lengths = [int(n) for n in torch.as_tensor(lengths).flatten().tolist()]
     if len(lengths) != N:
         raise ValueError(f"lengths: expected one per sequence, {N}, got {len(lengths)}")
-    order = sorted(range(N), key=lambda n: -lengths[n])
+    order = sorted(range(N), key=lambda n: -lengths[n])  # those going at step t are a prefix of it
+    by_length = torch.tensor(order, device=device)  # (once: its prefixes are views, no copy a step)
     states = list(S.unbind(0))  # each sequence's state, as its last step left it
     out = torch.zeros(N, L, HV, vdim, dtype=dtype, device=device)
     eye = torch.eye(kdim, dtype=dtype, device=device)
+    n_going = N
     for t in range(L):
-        going = [n for n in order if lengths[n] > t]
-        if not going:
+        while n_going and lengths[order[n_going - 1]] <= t:
+            n_going -= 1
+        if not n_going:
             break
-        rows = torch.tensor(going, device=device)
+        going, rows = order[:n_going], by_length[:n_going]
         env = dict(consts)
         for i in ir.inputs:
             x = inputs[i.name][rows, t]
