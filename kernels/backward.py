@@ -119,22 +119,25 @@ def _block(x: torch.Tensor, param, dim: str, start: int, width: int) -> torch.Te
     return x.narrow(axis, start, n).contiguous()
 
 
-def backward_program_of(program, segments=None):
+def backward_program_of(program, segments=None, wide: bool = False):
     """The backward program a call of `program` (a block's, where it runs on blocks) runs: with
     its scan warp-specialised where the launch policy says so (LaunchPolicy.backward_scan_roles)
-    and the schedule can (not where the entering states are kept in float32: GLA's), except
-    under context parallelism, whose window walks run the plain scan's kernels."""
+    and the schedule can (not where the entering states are kept in float32: GLA's), at V-block
+    128 where `wide` (forward.runs_wide, the fused forward's rule: Program.backward_wide_roles_program),
+    except under context parallelism, whose window walks run the plain scan's kernels."""
     if forward.POLICY.backward_scan_roles and not segments:
-        try:
-            return program.backward_roles_program
-        except NotFusable:
-            pass
+        for variant in ("backward_wide_roles_program",) * wide + ("backward_roles_program",):
+            try:
+                return getattr(program, variant)
+            except NotFusable:
+                pass
     return program.backward_program
 
 
 def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments, cache: bool = True):
     """backward() on the whole of V (t: the kernels' tensors by name, the cotangent of o among them)."""
-    bprog = backward_program_of(bprog_of, segments)
+    wide = forward.runs_wide(dims.K, dims.V, dims.HV, dims.N, forward.sm_count(t["chunk_map"].device), segments)
+    bprog = backward_program_of(bprog_of, segments, wide)
     d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments, cache)
     role = {x: r for r, x in bprog.chunk.gradient_of.items()}  # input -> its gradient's output role
     holds = bprog.kernels.results()  # output role -> the tensor an out kernel writes it to

@@ -41,7 +41,8 @@ class LaunchPolicy:
     torch.empty leaves it). A kernel that leaves part of an output unwritten, read by a later one,
     then gives results that depend on the value (tests/test_gpu_unwritten_memory.py).
     `token_block_v` the token step's V-block (None: kernels/token_step.block_v's rule). `wide`
-    whether a fused call runs the wide fused kernel (None: runs_wide's rule). `window_search` and
+    whether a fused call runs the wide fused kernel, and a backward with its scan on roles the
+    wide scan (None: runs_wide's rule). `window_search` and
     `segment_chain` what runs context parallelism's two helper steps, with _window_search's and
     _segment_chain's signatures (None: their kernels on the GPU, else their torch definitions).
     `fused_training` whether a training call runs the fused training forward
@@ -49,9 +50,10 @@ class LaunchPolicy:
     (None or True: it does, 12 % off a GDN training step on the H100 and as accurate or more in
     every output and gradient, benchmarks/NOTES.md session 44; False: the training program's
     separate kernels, as QLA_FUSED_TRAINING=0 sets it for the process). `backward_scan_roles`
-    whether a backward runs its scan warp-specialised (Program.backward_roles_program; None or
-    False: the plain scan kernel, as fast on the H100 and 0.5 GiB lighter at 16/64:8x4096,
-    benchmarks/NOTES.md session 45; QLA_BACKWARD_SCAN_ROLES=1 sets it for the process)."""
+    whether a backward runs its scan warp-specialised (Program.backward_roles_program, or
+    backward_wide_roles_program where runs_wide says; None or False: the plain scan kernel, as
+    fast on the H100 at V-block 32 and 0.5 GiB lighter at 16/64:8x4096, benchmarks/NOTES.md
+    session 45; QLA_BACKWARD_SCAN_ROLES=1 sets it for the process)."""
     sms: int | None = None
     block_v: int | None = None
     token_block_v: int | None = None
@@ -190,9 +192,10 @@ def wide_fused(K: int, V: int, HV: int, N: int, sms: int) -> bool:
 
 
 def runs_wide(K: int, V: int, HV: int, N: int, sms: int, context_parallel) -> bool:
-    """Whether a fused inference call runs the wide fused kernel: the launch policy's choice (its
-    `wide`, or a V-block of 128), else wide_fused's rule. A context-parallel call runs the narrow one
-    as its scan, on N·segments sequences: the wide kernel's rule is for whole sequences."""
+    """Whether a fused inference call runs the wide fused kernel (and a backward on roles the wide
+    scan: kernels/backward.py): the launch policy's choice (its `wide`, or a V-block of 128), else
+    wide_fused's rule. A context-parallel call runs the narrow one as its scan, on N·segments
+    sequences: the wide kernel's rule is for whole sequences."""
     if context_parallel:
         return False
     if POLICY.wide is not None:

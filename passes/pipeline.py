@@ -50,6 +50,7 @@ from .lowerable import unsupported
 from .partition import partition
 from .release_memory import release_memory
 from .reuse_memory import reuse_memory
+from .rewrite_carry_negated import CARRY_NEGATED
 from .rewrite_decay_side import DECAY_VALUE_SIDE
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
 from .rewrite_wy import FOLD_WY
@@ -309,22 +310,47 @@ class Program:
         """
         return self._backward_scheduled(scan_roles=True)
 
-    def _backward_scheduled(self, scan_roles: bool) -> "Program":
-        key = "backward_roles_program" if scan_roles else "backward_program"
-        where = f"backward program{' (scan with roles)' if scan_roles else ''}: "
+    @property
+    def backward_wide_roles_program(self) -> "Program":
+        """backward_roles_program at V-block 128 (schedule_fused.WIDE_BLOCK_V), for calls whose grid
+        fills the GPU at that width: its d S chain on a state role and a value role, so a CTA per
+        (value head, sequence) loads each chunk's K-wide blocks once. After carry_negated, so the
+        scan carries the block its chain's products read (GDN's d WS, stored by the stores role
+        from the buffer it is handed) and the out kernel forms d v_new = −d WS.
+
+            >>> import qla_compiler
+            >>> wide = qla_compiler.compile_spec("gdn").backward_wide_roles_program.kernels
+            >>> wide.block_v_max, [r.name for r in wide.kernels[1].warp_roles]
+            (128, ['state', 'value', 'stores', 'loads'])
+        """
+        return self._backward_scheduled(scan_roles=True, wide=True)
+
+    def _backward_scheduled(self, scan_roles: bool, wide: bool = False) -> "Program":
+        key = f"backward{'_wide' if wide else ''}{'_roles' if scan_roles else ''}_program"
+        what = ("scan with roles, wide" if wide else "scan with roles") if scan_roles else ""
+        where = f"backward program{f' ({what})' if what else ''}: "
         if key not in self._derived:
             self._need_kernels(where)
             if (why := self.backward_unsupported()) is not None:
                 raise PassError("partition", f"backward program: {why}")
             back = self.backward
+            before = [("autodiff", back)]
+            # wide: the decay on the value side (as the fused forward's: each role runs every pass
+            # itself, and a C×V pass in registers beats a C×K one through shared memory), and the
+            # block the chain's products read carried (the stores role stores it as it is handed)
+            for rewrite in (DECAY_VALUE_SIDE, CARRY_NEGATED) if wide else ():
+                after = _run_pass(rewrite, back, where)
+                if set(after.graph.nodes) != set(back.graph.nodes):
+                    before.append((rewrite.name, after))
+                    back = after
             carried = self.training_program.stage("partition").carried
             # a state-free product (W = T·diag(βΓ)K) the backward recomputes from what it loads
             # anyway, one matmul per chunk, rather than have every training step keep it
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
                         and (x in carried or self.chunk.node(x).op != "matmul")]
             try:
-                prog = self._scheduled(back, [("autodiff", back)], where, partial=self.partial,
-                                       provided=provided, scan_roles=scan_roles)
+                prog = self._scheduled(back, before, where, partial=self.partial,
+                                       provided=provided, scan_roles=scan_roles, wide=wide)
             except NotFusable as e:  # kept: the runtime asks on every call (kernels/backward.backward_program_of)
                 self._derived[key] = e
                 raise

@@ -78,7 +78,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
     the keys'; on blocks of K: the values'), which the out kernel writes in float32: bf16 partials
     would round each before the sum. `key_blocks`: an out kernel may run on blocks of K's
     columns (_key_block). `scan_roles`: the scan alone warp-specialised (schedule_fused.scan_with_roles),
-    its out kernels after it as without.
+    its out kernels after it as without; with `wide`, at V-block 128 with the chain on two roles.
 
         >>> kir = schedule(partition(prog.chunk))          # doctest: +SKIP
         >>> print(kir)                                       # doctest: +SKIP
@@ -96,7 +96,7 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         kir.kernels.append(kernel)
     else:
         if scan_roles:
-            kernel, kir.block_v_max = scan_with_roles(part, dims)
+            kernel, kir.block_v_max = scan_with_roles(part, dims, wide)
             kir.kernels.append(kernel)
         else:
             kir.kernels.append(_scan_kernel(part, dims))

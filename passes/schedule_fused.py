@@ -67,10 +67,11 @@ LOAD_STAGES = (4, 3, 2)
 FUSED_BLOCK_VS = (64, 32)
 MIN_WIDE_STAGES = 3
 # Every buffer of the fused kernel lives for the whole kernel, so TileLang lays them out exactly
-# as smem_bytes sums them (the gdn kernel at BV = 16: 127488 bytes both ways); the parallel
-# kernels' SMEM_BUDGET leaves room for an allocator that packs reused memory less tightly. An
-# H200 CTA takes 227 KB of dynamic shared memory; the barriers are static.
-FUSED_SMEM_BUDGET = 224 * 1024
+# as smem_bytes sums them (the gdn kernel at BV = 16: 127488 bytes both ways; GDN's whole-V
+# backward scan: 230912); the parallel kernels' SMEM_BUDGET leaves room for an allocator that
+# packs reused memory less tightly. A Hopper CTA takes 227 KB of shared memory, and ptxas reports
+# 1 KB of static shared memory (the barriers) in every TileLang kernel of ours.
+FUSED_SMEM_BUDGET = 226 * 1024
 LOADS_REGISTERS = 112  # addresses, and a masked load's (K = 100: 40, 56, 88 spilled; ptxas, sm_90a)
 WARP = 32
 # The wide kernel's V-block: the output role's Q Kᵀ and mask once per value head, not per V-block,
@@ -107,6 +108,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     if ir.state_in in stored and state_dtype(ir, ir.state_in) != "io":
         raise NotFusable("schedule", f"the entering states are kept in {state_dtype(ir, ir.state_in)}; a kernel "
                          "with roles hands them on between its roles, and stores them, in the io dtype")
+    kernel_name = f"{ir.name}_fused" if output else f"{ir.name}_scan_roles"
     if wide and dims["K"] * WIDE_BLOCK_V // THREADS + STATE_EXTRA_REGISTERS > 255:
         raise NotFusable("schedule", f"the wide fused kernel's state, K×{WIDE_BLOCK_V} float32 at K = {dims['K']}, "
                          "does not fit one warpgroup's registers")
@@ -190,10 +192,16 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     _check_rings([st for body in bodies.values() for st in body], ring)
     owner, handoffs = _owners(bodies, {n: b for n, b in found.items() if n not in ring})
     owner.update(dict.fromkeys(ring, "loads"))
+    # the output role and a state role of its own wait for what the others hand them as late as
+    # they can: their other work first (the output's Q Kᵀ; the state's products of loaded blocks)
+    for role in ("output", "state"):
+        if role in bodies:
+            bodies[role] = _independent_first(bodies[role], {x for x, rs in handoffs.items() if role in rs})
     shares = {}
     for role, body in bodies.items():
         own = {n: b for n, b in found.items() if owner.get(n) == role and n not in handoffs and b.scope == "shared"}
-        shares.update(_dead_before(body, own))
+        bodies[role], taken = _dead_before(body, own)
+        shares.update(taken)
 
     def ring_depth(bv: int, handed_depth: int):
         at = {**dims, "BV": bv}
@@ -208,7 +216,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
         fits = {d: ring_depth(block_v, d) for d in (RING, 1)}
         handed_depth = next((d for d, (stages, _) in fits.items() if (stages or 0) >= 2), None)
         if handed_depth is None:
-            raise NotFusable("schedule", f"{ir.name}_fused: its rings and blocks need {fits[1][1]} KB of shared "
+            raise NotFusable("schedule", f"{kernel_name}: its rings and blocks need {fits[1][1]} KB of shared "
                              f"memory at V-block {block_v}, over the {FUSED_SMEM_BUDGET // 1024} KB budget")
         depth = fits[handed_depth][0]
     else:
@@ -218,7 +226,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
         block_v = next((bv for bv in widths if (fits[bv][0] or 0) >= MIN_WIDE_STAGES), None) or \
             next((bv for bv in reversed(widths) if fits[bv][0]), None)
         if block_v is None:
-            raise NotFusable("schedule", f"{ir.name}_fused: its rings and blocks need {fits[widths[-1]][1]} KB "
+            raise NotFusable("schedule", f"{kernel_name}: its rings and blocks need {fits[widths[-1]][1]} KB "
                              f"of shared memory at V-block {widths[-1]}, over the "
                              f"{FUSED_SMEM_BUDGET // 1024} KB budget")
         depth = fits[block_v][0]
@@ -244,8 +252,6 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     for role, body in bodies.items():
         read = {x for x, rs in handoffs.items() if role in rs}
         written = {x for x in handoffs if owner[x] == role}
-        if role == "output":
-            body = _independent_first(body, read)
         body = _synced(body, ring, "loads", reader=True) if role in readers else body
         bodies[role] = _synced(_synced(body, read, None, reader=True), written, None, reader=False)
     loads_body = _loads_role(loads)
@@ -267,8 +273,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
             params.append(p)
     nodes = tuple(n.name for n in ir.order() if n.name in set(part.scan) | set(out_nodes))
     kernel = Kernel(
-        f"{ir.name}_fused" if output else f"{ir.name}_scan_roles", (("v_block", "V/BV"), ("value_head", "HV"),
-                                                                    ("sequence", "N")),
+        kernel_name, (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")),
         len(roles) * THREADS, params, list(buffers.values()), [], [], [],
         loop="chunks of the sequence" + (", last to first" if ir.reverse else ""), reverse=ir.reverse,
         max_stages=depth, roles=tuple(f"{r.name}: {r.doc}" for r in roles),
@@ -278,15 +283,17 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     return kernel, block_v  # (schedule verifies it)
 
 
-def scan_with_roles(part: Partition, dims: dict) -> tuple:
+def scan_with_roles(part: Partition, dims: dict, wide: bool = False) -> tuple:
     """(the scan kernel of `part` warp-specialised, the widest V-block it is budgeted for): the
     chain, a `stores` role and the loads role, as fused_kernel cuts them, with no output role: the
     out kernels stay after it and load what the stores role stores. For a backward, whose out
     kernel sums over V and runs parallel over chunks: its reverse walk carries d S in registers
     while the loads of the chunks before it land and the stores of the one after it drain, where
     the plain scan kernel leaves the loads to TileLang's automatic producer and its stores on the
-    chain."""
-    return fused_kernel(part, dims, output=False)
+    chain. `wide`: at V-block 128, the chain on a state role and a value role (a CTA per value
+    head and sequence loads each chunk's K-wide blocks once, where V-blocks of 32 load them four
+    times)."""
+    return fused_kernel(part, dims, wide=wide, output=False)
 
 
 def _stores(ir, stored: tuple, handed: dict) -> list:
@@ -308,15 +315,33 @@ def _stores(ir, stored: tuple, handed: dict) -> list:
 def _split_chain(body: list) -> dict:
     """The chain's statements as two roles: `state`, those that read or write the state fragment
     (the loop-carried accumulator), and `value`, the rest (what the state's update needs from the
-    entering state); a chain with no such rest (linear attention) is the state role alone. What one
-    role hands the other goes through shared memory (_owners)."""
+    entering state); a chain with no such rest (linear attention) is the state role alone. Where
+    the value role works on the entering state, the state role also takes the statements of loaded
+    values that only it reads (the backward's d QS = diag(Γ)·d O): it forms them while it waits
+    for the value role, and no buffer between the roles holds them. What one role hands the other
+    goes through shared memory (_owners)."""
     touches = [bool({STATE} & (reads(st) | st.writes())) for st in body]
-    state = [st for st, t in zip(body, touches) if t]
-    value = [st for st, t in zip(body, touches) if not t]
-    if not state:
+    if not any(touches):
         raise NotFusable("schedule", "the chain cannot be cut into a state role and a value role: "
                          "no statement touches the state")
-    return {"state": state, "value": value} if value else {"state": state}
+    entering, made = [], {STATE_IO}  # the statements on the entering state's copy, and what they make
+    for st, t in zip(body, touches):
+        entering.append(not t and bool(reads(st) & made))
+        if entering[-1]:
+            made |= st.writes()
+    # the loaded-value statements whose results only the state (and others of them) read, where
+    # the value role works on the entering state: the state role forms them while it waits for
+    # that (else, the gate-only chains' V' = diag(d)V, the value role forms them ahead of it)
+    moved = {i for i, (t, e) in enumerate(zip(touches, entering)) if not t and not e} if any(entering) else set()
+    while True:
+        keep = {i for i in moved if all(touches[j] or j in moved for j, other in enumerate(body)
+                                        if j != i and body[i].writes() & reads(other))}
+        if keep == moved:
+            break
+        moved = keep
+    state = [t or i in moved for i, t in enumerate(touches)]
+    roles = {"state": [st for st, s in zip(body, state) if s], "value": [st for st, s in zip(body, state) if not s]}
+    return roles if roles["value"] else {"state": roles["state"]}
 
 
 def _through_fragments(body: list, scope: dict) -> list:
@@ -440,11 +465,16 @@ def _vectors_for_loads(ir, nodes: set, loaded: set) -> set:
             and from_vectors(x) and any(len(u.shape) == 2 for u in ir.users(x) if u.name in nodes)}
 
 
-def _dead_before(body: list, buffers: dict) -> dict:
-    """Shared buffers of one role that can take another's memory: B takes A's where A and B have
-    one shape and dtype, the chunk's first access to each is a write, and every access to A comes
-    before the first to B (so A's value is dead when B is written, and B's when the next chunk
-    writes A). GDN's chain: v_new_decayed in v_resid's memory, whose last reader (T·) is done."""
+def _dead_before(body: list, buffers: dict) -> tuple:
+    """(`body`, the shared buffers of one role that can take another's memory): B takes A's where
+    A and B have one shape and dtype, the chunk's first access to each is a write, and every
+    access to A comes before the first to B (so A's value is dead when B is written, and B's when
+    the next chunk writes A). GDN's chain: v_new_decayed in v_resid's memory, whose last reader
+    (T·) is done. Also where B's first write reads A at the element it writes and nothing else
+    touches A after it (B is A updated in place: the backward's low half of d QS, its bf16
+    rounding's remainder, in the high half's memory); a later reader of A that can go before that
+    write does (_in_place), so the body comes back in its new order."""
+    body = _in_place(body, buffers)
     span = {}
     for i, st in enumerate(body):
         for name in (reads(st) | st.writes()) & set(buffers):
@@ -452,15 +482,49 @@ def _dead_before(body: list, buffers: dict) -> dict:
             span[name] = (first, i)
     written_first = sorted((n for n, (i, _) in span.items() if n in body[i].writes() and n not in reads(body[i])),
                            key=lambda n: span[n][0])
+
+    def dead(a: str, b: str) -> bool:
+        first = span[b][0]
+        return span[a][1] < first or (span[a][1] == first and _updates(body[first], a, b))
+
     out, hosts = {}, {}
     for b in written_first:
         host = next((a for a in written_first
-                     if a != b and a not in out and span[a][1] < span[b][0]
+                     if a != b and a not in out and dead(a, b)
                      and (buffers[a].shape, buffers[a].dtype) == (buffers[b].shape, buffers[b].dtype)
                      and all(span[g][1] < span[b][0] for g in hosts.get(a, ()))), None)
         if host is not None:
             out[b] = host
             hosts.setdefault(host, []).append(b)
+    return body, out
+
+
+def _updates(st: Stmt, a: str, b: str) -> bool:
+    """Whether `st` writes `b` element-wise reading `a` only at the element it writes (an update
+    of A into B that can run in A's memory)."""
+    return st.op == "ewise" and st.dst == b and _read_at(st.attr["expr"], a, st.attr["index"])
+
+
+def _in_place(body: list, buffers: dict) -> list:
+    """`body` with the readers of a block A that come after a write of B updating A in place
+    (_updates) moved ahead of that write, where they touch nothing the statements they pass write
+    or read: then the update is A's last access (the backward's d S₀ += qᵀ·d QS before d QS's low
+    half is formed from it)."""
+    out = list(body)
+    for st in list(out):
+        if st.op != "ewise" or st.dst not in buffers:
+            continue
+        same = (buffers[st.dst].shape, buffers[st.dst].dtype)
+        for a in sorted(a for a in reads(st) & set(buffers) if a != st.dst and _updates(st, a, st.dst)
+                        and (buffers[a].shape, buffers[a].dtype) == same):
+            i = out.index(st)
+            for j in range(i + 1, len(out)):
+                later, passed = out[j], out[i:j]
+                if a in reads(later) and a not in later.writes() \
+                        and not any((reads(later) | later.writes()) & p.writes() or later.writes() & reads(p)
+                                    for p in passed):
+                    out[i:j + 1] = [later, *passed]
+                    i += 1
     return out
 
 
@@ -471,17 +535,23 @@ def _check_rings(body: list, ring: set) -> None:
 
 
 def _independent_first(body: list, handed: set) -> list:
-    """The output role's statements with those that need nothing the chain hands over (Q Kᵀ and
-    its mask) moved ahead of those that do, so the role waits for the chain as late as it can. A
-    statement stays behind if it reads what the chain hands over, or touches a buffer a statement
-    staying behind reads or writes (so the order of every dependent pair is kept)."""
-    ahead, behind, reads_behind, writes_behind = [], [], set(), set()
+    """A role's statements with those that need nothing handed over to it (the output's Q Kᵀ and
+    its mask, the state's products of loaded blocks) moved ahead of those that do, so the role
+    waits for another as late as it can. A statement stays behind if it reads what is handed over,
+    or touches a buffer a statement staying behind reads or writes (so the order of every
+    dependent pair is kept), except that accumulations into one buffer commute (d S₀ += Qᵀ·d QS
+    goes ahead of d S₀ += Wᵀ·d WS, which waits for the value role)."""
+    ahead, behind, reads_behind, writes_behind, summed_behind = [], [], set(), set(), set()
     for st in body:
         r, w = reads(st), st.writes()
-        if r & handed or r & writes_behind or w & (reads_behind | writes_behind):
+        summed = w if st.op == "gemm" and st.attr.get("accumulate") else set()
+        if r & handed or r & (writes_behind | summed_behind) or (w - summed) & (reads_behind | writes_behind
+                                                                                | summed_behind) \
+                or summed & (reads_behind | writes_behind):
             behind.append(st)
             reads_behind |= r
-            writes_behind |= w
+            writes_behind |= w - summed
+            summed_behind |= summed
         else:
             ahead.append(st)
     return ahead + behind

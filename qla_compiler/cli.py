@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             if args.training and args.fused:
                 fused = fused.replace("_program", "_training_program")
             if args.backward and args.fused:
-                fused = "backward_roles_program"
+                fused = "backward_wide_roles_program" if shape is not None and shape.BV > 64 else "backward_roles_program"
             note = ""
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
                                   ("token_step", "token_step_program"), ("fused", fused)):

@@ -60,7 +60,8 @@ class Compile:
     columns: int = 0
     # a call that runs the fused forward (kernels/forward.runs_fused; a training one, the fused
     # training forward where the launch policy says so): "narrow", or "wide" (kernels/forward.wide_fused);
-    # "" where it runs the separate kernels
+    # "" where it runs the separate kernels. A backward's: "wide" where its grid fills the GPU at
+    # V-block 128 (its scan on roles runs there, where the launch policy says so: kernels/backward)
     fused: str = ""
 
 
@@ -164,10 +165,15 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
                 c = fused(c, n, None)
                 c = capped(c, launched, _program(c).kernels.block_v_max)
             out.append(c)
-        for c, (_, launched, _) in zip(classes, seqs):
+        for c, (n, launched, _) in zip(classes, seqs):
             keys, width, _ = _variant(c).backward_blocks()
+
+            def on_roles(k, v):  # (kernels/backward._backward: where the launch policy puts the scan
+                # on roles, at V-block 128 where runs_wide says)
+                with forward.launch_policy(block_v=block_v):
+                    return "wide" if c.kernels == "all" and forward.runs_wide(k, v, HV, n, sms, None) else ""
             if keys >= K and width >= V:
-                back = dataclasses.replace(c, part="backward")
+                back = dataclasses.replace(c, part="backward", fused=on_roles(K, V))
                 out.append(capped(back, launched, _program(back).kernels.block_v_max))
                 continue
             # each block is a problem of its own widths (the last one's may be narrower); a
@@ -175,10 +181,11 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
             for kw in dict.fromkeys(w for _, w in column_blocks(K, keys)):
                 for w in dict.fromkeys(w for _, w in column_blocks(V, width)):
                     wide = w + (kw if c.shape.V > V else 0)
-                    back = dataclasses.replace(c, part="backward", columns=width, shape=launch(wide, launched, keys=kw))
+                    back = dataclasses.replace(c, part="backward", columns=width, fused=on_roles(kw, w),
+                                               shape=launch(wide, launched, keys=kw))
                     cap = _program(back).kernels.block_v_max
                     out.append(dataclasses.replace(back, shape=launch(wide, launched, cap, keys=kw))
-                               if cap < back.shape.BV else back)
+                               if cap < back.shape.BV or cap > 64 else back)
     return list(dict.fromkeys(out))
 
 
@@ -238,7 +245,7 @@ def compile_classes(todo: list, log=print) -> list:
     started = []
     for c in todo:
         program = _program(c)
-        if c.fused and not any(k.warp_roles for k in program.kernels.kernels):
+        if c.fused and c.part != "backward" and not any(k.warp_roles for k in program.kernels.kernels):
             # (the runtime's fallback, kernels/forward.fused_or_not, on errors.NotFusable: said
             # here, where a deployment would otherwise not learn that its class runs unfused)
             log(f"{c.spec} {c.fused} fused forward at H={c.shape.H} HV={c.shape.HV} K={c.shape.K} "
@@ -326,14 +333,15 @@ def _program(c: Compile):
         return program.token_step_program
     # (a context-parallel class's backward runs the plain scan: backward.backward_program_of)
     if c.columns:
-        program = backward.backward_program_of(program.backward_blocks()[2], segments=c.kernels != "all")
+        program = backward.backward_program_of(program.backward_blocks()[2], segments=c.kernels != "all",
+                                               wide=c.fused == "wide")
     elif c.part == "forward":  # what an inference call runs (a context-parallel one: its scan or the rest)
         program = forward.inference_program(program, fused=bool(c.fused), wide=c.fused == "wide")
     elif c.part == "training" and c.fused:  # (a fused training forward: the launch policy's fused_training)
         program = forward.fused_or_not(program, wide=c.fused == "wide", training=True)
     else:
         program = program.training_program if c.part == "training" else \
-            backward.backward_program_of(program, segments=c.kernels != "all")
+            backward.backward_program_of(program, segments=c.kernels != "all", wide=c.fused == "wide")
     return program.windows_program if c.kernels == "windows" else program
 
 

@@ -100,11 +100,39 @@ def test_gdn_gradients_with_context_parallel(segments):
 @pytest.mark.parametrize("spec", ["delta_net", "simple_gla", "retnet", "linear_attn"])
 def test_other_specs_gradients(spec):
     """The same compiler's backward for the other specs (1-token, partial and multi-chunk sequences)."""
-    op = qla_compiler.compile(spec, target="sm90")
-    args = make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=128, V=128)
-    cot = _cotangents(args)
-    ours, ref = _qla_grads(op, args, cot), _ref_grads(op, args, cot)
+    ours, ref = _other_grads(qla_compiler.compile(spec, target="sm90"))
     for n in ours:
         assert ours[n] is not None, n
         err = rel_err(ours[n], ref[n])
         assert err <= TOL, (n, err)
+
+
+def _other_grads(op):
+    args = make_inputs(op, lens=[1, 200, 77], H=2, HV=2, K=128, V=128)
+    cot = _cotangents(args)
+    return _qla_grads(op, args, cot), _ref_grads(op, args, cot)
+
+
+@pytest.mark.parametrize("case", GDN_CASES)
+def test_gdn_gradients_through_the_whole_v_scan_on_roles(case):
+    """The backward's scan on roles at V-block 128 (Program.backward_wide_roles_program: a CTA per
+    value head and sequence), as the launch policy forces it: the same tolerances against the
+    reference and FLA as the plain scan's."""
+    from qla_compiler.kernels import backward as bwd
+    from qla_compiler.kernels import forward as fwd
+
+    op = qla_compiler.compile("gdn", target="sm90")
+    with fwd.launch_policy(backward_scan_roles=True, wide=True):
+        assert bwd.backward_program_of(op.program, wide=True) is op.program.backward_wide_roles_program
+        _check(op, make_inputs(op, H=2, HV=8, K=128, V=128, **GDN_CASES[case]))
+
+
+@pytest.mark.parametrize("spec", ["delta_net", "simple_gla"])
+def test_other_specs_gradients_through_the_whole_v_scan_on_roles(spec):
+    from qla_compiler.kernels import forward as fwd
+
+    op = qla_compiler.compile(spec, target="sm90")
+    with fwd.launch_policy(backward_scan_roles=True, wide=True):
+        ours, ref = _other_grads(op)
+    for n in ours:
+        assert ours[n] is not None and rel_err(ours[n], ref[n]) <= TOL, (n, rel_err(ours[n], ref[n]))

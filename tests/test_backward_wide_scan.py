@@ -1,0 +1,199 @@
+"""The backward's scan on roles at V-block 128 (Program.backward_wide_roles_program): a CTA per
+(value head, sequence), its d S chain cut into a state role and a value role as the wide fused
+forward's is. On the CPU: what the schedule cuts and how much shared memory it takes, a training
+step with every kernel emulated against the plain scan and autograd, the barriers and the in-place
+buffer checked by the role interpreter, and what ptxas makes of the lowering."""
+import re
+
+import pytest
+import torch
+
+import qla_compiler
+from qla_compiler.emulate import emulated_step
+from qla_compiler.ir.kernel_interp import InterpretError, Sizes
+from qla_compiler.ir.kernel_interp_roles import run_roles
+from qla_compiler.kernels import backward as bwd
+from qla_compiler.kernels import forward as fwd
+from qla_compiler.passes.lower_tilelang import ShapeClass
+from qla_compiler.passes.schedule_fused import FUSED_SMEM_BUDGET
+from qla_compiler.passes.schedule_memory import smem_bytes
+from qla_compiler.testing import random_inputs, rel_err
+from test_fused_forward import _without
+
+# the delta rule's (a value role), and the gate-only ones' (the state role alone)
+SPECS = ["gdn", "delta_net", "simple_gla"]
+LENS = [0, 1, 130, 400]  # a 1-token sequence, partial last chunks, 5 chunks in one sequence
+AT = {"C": 64, "K": 128, "V": 128, "BV": 128}
+
+
+def _scan(program):
+    kir = program.backward_wide_roles_program.kernels
+    return kir.kernels[kir.scan]
+
+
+def test_gdn_whole_v_scan_fits_a_cta_with_the_state_updating_on_its_own():
+    """At K = V = 128 the chain's rings and hand-offs take 225.5 KB, under the 226 KB a Hopper CTA
+    leaves beside its static barriers: the scan carries d WS (the out kernel negates it), and
+    the state role forms d QS = diag(Γ)·d O and its low half itself, in one buffer, ahead of its
+    wait for the value role."""
+    program = qla_compiler.compile_spec("gdn")
+    k = _scan(program)
+    assert program.backward_wide_roles_program.kernels.block_v_max == 128
+    assert [(r.name, r.registers) for r in k.warp_roles] == [("state", 168), ("value", 112), ("stores", 112),
+                                                              ("loads", 112)]
+    used = sum(smem_bytes([b], AT) * b.stages for b in k.buffers if b.scope == "shared" and not b.shares)
+    assert used == 230912 <= FUSED_SMEM_BUDGET
+    assert [p.name for p in k.params if p.role == "out"] == ["d_S_next_chunks", "d_WS_rows", "final_state"]
+    buffers = {b.name: b for b in k.buffers}
+    assert buffers["d_QS_lo_s"].shares == "d_QS_s" and buffers["d_QS_s"].owner == "state"
+    state = [str(s) for s in k.warp_roles[0].body]
+    first_wait = next(i for i, s in enumerate(state) if "wait d_WS_s_full" in s)
+    assert any("q_sᵀ · d_QS_lo_s" in s for s in state[:first_wait])
+    # d S₀ += qᵀ·d QS runs before the low half overwrites d QS in place
+    hi = next(i for i, s in enumerate(state) if "q_sᵀ · d_QS_s" in s)
+    lo = next(i for i, s in enumerate(state) if s.startswith("d_QS_lo_s"))
+    assert hi < lo
+
+
+def test_the_out_kernel_forms_d_v_new_from_the_carried_block():
+    program = qla_compiler.compile_spec("gdn").backward_wide_roles_program
+    assert [n for n, _ in program.stages][:2] == ["autodiff", "carry_negated"]
+    part = program.stage("partition")
+    assert part.carried == ("d_S_next", "d_WS")
+    chunk = program.chunk
+    assert chunk.node("d_v_new.of_d_WS").op == "neg" and "d_v_new.of_d_WS" in part.out
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """Per spec: the op, its inputs, an emulated training step with the backward's scan on roles
+    at V-block 128 and one with the plain scan (exact float64 kernels)."""
+    out = {}
+    for spec in SPECS:
+        op = qla_compiler.compile(spec, target="sm90")
+        a = random_inputs(op, T=400, H=1, HV=2, K=128, V=128, cu_seqlens=LENS, initial_state=True,
+                          dtype=torch.bfloat16, seed=7)
+        with fwd.launch_policy(backward_scan_roles=True, wide=True):
+            roles = emulated_step(op, a, block_v=128)
+        with fwd.launch_policy(backward_scan_roles=False):
+            plain = emulated_step(op, a, block_v=64)
+        out[spec] = (op, a, roles, plain)
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_wide_scan_computes_what_the_plain_scan_does(steps, spec):
+    """Every chunk's d S entering it and d h0 are the plain scan's to float64 rounding, and every
+    gradient agrees with autograd through the reference."""
+    op, a, roles, plain = steps[spec]
+    name = f"{spec}_backward_scan_roles"
+    assert name in [n for n, _ in roles["emulator"].calls]
+    k = _scan(op.program)
+    assert k.warp_roles[0].name == "state"
+    mine, theirs = roles["emulator"].seen[name], plain["emulator"].seen[f"{spec}_backward_scan"]
+    for out in ("d_S_next_chunks", "final_state"):
+        assert rel_err(mine[out], theirs[out]) <= 1e-12, out
+    if "d_WS_rows" in mine:  # (the delta rule's: the plain scan carries d v_new = −d WS)
+        assert rel_err(mine["d_WS_rows"], -theirs["d_v_new_rows"]) <= 1e-12
+    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in a.items()}
+    o_ref, s_ref = op.reference(**ref)
+    torch.autograd.backward([o_ref, s_ref], [roles["d_o"].double(), roles["d_final"].double()])
+    for n in op.input_names:  # (bf16 inputs, bf16 tensors between kernels: ~3e-3)
+        assert rel_err(roles["grads"][n], ref[n].grad) <= 1e-2, n
+    assert rel_err(roles["d_h0"], ref["initial_state"].grad) <= 1e-2
+
+
+def _replay(op, step: dict, kernel, order=None):
+    seen = step["emulator"].seen[f"{op.program.recurrence.name}_backward_scan_roles"]
+    t = {n: x.clone() for n, x in seen.items()}
+    outs = {p.name for p in kernel.params if p.role == "out"}
+    for n in outs:
+        t[n].zero_()
+    sizes = Sizes(K=128, V=128, BV=128, HV=2, G=2, C=64, head_logs=op._head_logs(2))
+    run_roles(kernel, t, sizes, step["scale"], order=order)
+    return {n: t[n] for n in outs}
+
+
+def test_any_role_order_the_barriers_allow_gives_the_same_result(steps):
+    op, _, roles, _ = steps["gdn"]
+    k = _scan(op.program)
+    first = _replay(op, roles, k)
+    for order in (("value", "stores", "state", "loads"), ("loads", "stores", "value", "state")):
+        again = _replay(op, roles, k, order)
+        assert all(torch.equal(again[n], first[n]) for n in first), order
+
+
+MUTANTS = {
+    # the state role takes d WS before the value role has written it
+    "state reads d WS unwaited": ("state", lambda s: s.op == "wait" and s.dst == "d_WS_s_full",
+                                  r"reads d_WS_s without waiting on the barrier that hands it over"),
+    # the value role overwrites d WS that the stores role has not stored yet
+    "value skips the empty wait": ("value", lambda s: s.op == "wait" and s.dst == "d_WS_s_empty",
+                                   r"writes d_WS_s without waiting for its readers to be done"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_barrier_mistakes_are_named(steps, mutant):
+    op, _, roles, _ = steps["gdn"]
+    role, pred, message = MUTANTS[mutant]
+    with pytest.raises(InterpretError, match=message):
+        _replay(op, roles, _without(_scan(op.program), role, pred))
+
+
+def test_the_low_half_formed_before_the_high_half_is_read_is_wrong(steps):
+    """The low half of d QS is written in the high half's memory: formed before d S₀ += qᵀ·d QS
+    has read the high half (the order before the schedule moved that product ahead), the state
+    takes the low half twice."""
+    import dataclasses
+
+    op, _, roles, _ = steps["gdn"]
+    k = _scan(op.program)
+    body = list(k.warp_roles[0].body)
+    hi = next(i for i, s in enumerate(body) if s.op == "gemm" and "d_QS_s" in s.srcs)
+    lo = next(i for i, s in enumerate(body) if s.dst == "d_QS_lo_s")
+    body[hi], body[lo] = body[lo], body[hi]
+    state = dataclasses.replace(k.warp_roles[0], body=tuple(body))
+    swapped = dataclasses.replace(k, warp_roles=(state, *k.warp_roles[1:]))
+    right, wrong = _replay(op, roles, k), _replay(op, roles, swapped)
+    assert rel_err(wrong["final_state"], right["final_state"]) > 1e-3
+
+
+def test_a_call_runs_it_where_the_policy_and_the_grid_say():
+    gdn, kda = (qla_compiler.compile_spec(s) for s in ("gdn", "kda"))
+    with fwd.launch_policy(backward_scan_roles=True):
+        assert bwd.backward_program_of(gdn, wide=True) is gdn.backward_wide_roles_program
+        assert bwd.backward_program_of(gdn) is gdn.backward_roles_program
+        # (KDA's chain asks 320 KB at V-block 128: the narrow scan on roles instead)
+        assert bwd.backward_program_of(kda, wide=True) is kda.backward_roles_program
+    assert bwd.backward_program_of(gdn, wide=True) is gdn.backward_program
+    assert fwd.runs_wide(128, 128, 64, 8, 132, None) and not fwd.runs_wide(128, 128, 8, 1, 132, None)
+
+
+def test_precompile_compiles_the_wide_scan_where_a_call_runs_it():
+    from qla_compiler.precompile import shape_classes
+
+    with fwd.launch_policy(backward_scan_roles=True):
+        many = shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, context_parallel=1, sms=132, training=True)
+        one = shape_classes("gdn", H=2, HV=8, K=128, n_seqs=1, context_parallel=1, sms=132, training=True)
+    back = [c for c in many if c.part == "backward"]
+    assert [(c.fused, c.shape.BV) for c in back] == [("wide", 128)]
+    assert [(c.fused, c.shape.BV) for c in one if c.part == "backward"] == [("", 16)]  # (8 CTAs a V-block)
+
+
+def test_the_cuda_has_four_register_budgets_and_no_spills(tmp_path, capsys):
+    from test_lowering import _ptxas_report
+
+    from qla_compiler.cli import main
+    from qla_compiler.kernels.runtime import lower_to_cuda
+
+    assert main(["gdn", "--emit", "kernel", "--backward", "--fused", "--shape", "H=2,HV=8,K=128,V=128,BV=128"]) == 0
+    assert "role value: threads [128, 256), 112 registers" in capsys.readouterr().out
+    program = qla_compiler.compile_spec("gdn").backward_wide_roles_program
+    cuda = lower_to_cuda(program, ShapeClass(H=2, HV=8, K=128, V=128, BV=128))["gdn_backward_scan_roles"]
+    assert re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda) == ["168", "112", "112", "112"]
+    assert "d_QS_lo_s" in cuda and "tma_load(" in cuda
+    report = _ptxas_report(cuda, tmp_path)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), spills
