@@ -83,7 +83,8 @@ def main():
     ap.add_argument("--rows", nargs="+", default=["16/64:8x4096"], help="h_qk/h_v:NxL, K = V = 128")
     ap.add_argument("--spec", default="gdn")
     ap.add_argument("--backward", action="store_true", help="the backward program's kernels")
-    ap.add_argument("--roles", action="store_true", help="with --backward: its scan with roles")
+    ap.add_argument("--roles", action="store_true",
+                    help="with --backward: its scan with roles (at --bv 128 the wide one)")
     ap.add_argument("--fused", action="store_true", help="the fused (training, with --training) forward")
     ap.add_argument("--training", action="store_true", help="the training forward's kernels")
     ap.add_argument("--bv", type=int, default=64, help="the walking kernel's V-block")
@@ -91,7 +92,8 @@ def main():
     args = ap.parse_args()
     prog = compile_spec(args.spec)
     if args.backward:
-        prog = prog.backward_roles_program if args.roles else prog.backward_program
+        prog = (prog.backward_wide_roles_program if args.bv == 128 else prog.backward_roles_program) if args.roles \
+            else prog.backward_program
     elif args.fused:
         prog = prog.fused_training_program if args.training else prog.fused_program
     elif args.training:

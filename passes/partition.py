@@ -51,10 +51,13 @@ SHARE_DECAYS = os.environ.get("QLA_SHARE_DECAYS", "1") == "1"
 # A matmul is "built on an inverse" (prepared) only through values this program computes: in a
 # backward the forward's v_new is loaded (provided), so d P = dO·v_newᵀ and GDN's q·Kᵀ partials of
 # d q and d k (d P masked, times K or Q) are plain products of loaded blocks, recomputed by the
-# out kernel as Q Kᵀ is, instead of 1.25 GiB of partials crossing memory twice at 16/64:8x4096
-# (benchmarks/NOTES.md, session 45). Not yet timed on a GPU: QLA_RECOMPUTE_ON_LOADED=1 turns it on
-# (the generated source differs: both variants cache side by side).
-RECOMPUTE_ON_LOADED = os.environ.get("QLA_RECOMPUTE_ON_LOADED", "0") == "1"
+# out kernel as Q Kᵀ is, instead of 1.25 GiB of partials crossing memory twice at 16/64:8x4096.
+# On the H100 (benchmarks/NOTES.md, session 46) the GDN training step went 12.20 → 11.08 ms there
+# (the backward prep 2.36 → 1.29, the out kernel no slower: 5.29 → 5.25) and its peak 6280 → 5528
+# MiB. Not for per-key gates (GLA, KDA: their backward kernels regroup under it, not yet timed).
+# QLA_RECOMPUTE_ON_LOADED=0 turns it off (the generated source differs: both variants cache side
+# by side).
+RECOMPUTE_ON_LOADED = os.environ.get("QLA_RECOMPUTE_ON_LOADED", "1") == "1"
 ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
 
@@ -97,8 +100,9 @@ def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset(
     """Computed by prep: inverses and prefix sums, and matmuls built on an inverse. For the scan,
     also every matmul whose result is per-token rows: loading it costs what loading an input block
     costs, and it leaves the sequential path (a K×V result stays in the scan: it would cost a
-    state's worth of memory per chunk). With RECOMPUTE_ON_LOADED, "built on" looks through the
-    values this program computes only, not through the `provided` ones it loads."""
+    state's worth of memory per chunk). With RECOMPUTE_ON_LOADED (not for a per-key gate), "built
+    on" looks through the values this program computes only, not through the `provided` ones it
+    loads."""
     n = ir.node(name)
     if n.op in PREPARED_OPS:
         return True
@@ -106,9 +110,13 @@ def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset(
         return False
     if for_scan and n.shape[0] == "C":
         return True
-    if RECOMPUTE_ON_LOADED:
+    if RECOMPUTE_ON_LOADED and not _per_key_gate(ir):
         return _built_on_inverse(ir, name, provided)
     return any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
+
+
+def _per_key_gate(ir: ChunkIR) -> bool:
+    return any(n.attr.get("kind") == "key_gate" for n in ir.inputs())
 
 
 def _built_on_inverse(ir: ChunkIR, name: str, provided: set) -> bool:

@@ -51,7 +51,7 @@ from .partition import partition
 from .release_memory import release_memory
 from .reuse_memory import reuse_memory
 from .rewrite_carry_negated import CARRY_NEGATED
-from .rewrite_decay_side import DECAY_VALUE_SIDE
+from .rewrite_decay_side import DECAY_VALUE_SIDE, DECAY_VALUE_SIDE_ON_CHAIN
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
 from .rewrite_wy import FOLD_WY
 from .rewrites import CHUNK_PASSES
@@ -335,10 +335,10 @@ class Program:
                 raise PassError("partition", f"backward program: {why}")
             back = self.backward
             before = [("autodiff", back)]
-            # wide: the decay on the value side (as the fused forward's: each role runs every pass
-            # itself, and a C×V pass in registers beats a C×K one through shared memory), and the
-            # block the chain's products read carried (the stores role stores it as it is handed)
-            for rewrite in (DECAY_VALUE_SIDE, CARRY_NEGATED) if wide else ():
+            # wide: the chain's decay on the value side (a C×V pass in registers, where the keys'
+            # would be a C×K block in shared memory the budget has no room for), and the block the
+            # chain's products read carried (the stores role stores it as it is handed)
+            for rewrite in (DECAY_VALUE_SIDE_ON_CHAIN, CARRY_NEGATED) if wide else ():
                 after = _run_pass(rewrite, back, where)
                 if set(after.graph.nodes) != set(back.graph.nodes):
                     before.append((rewrite.name, after))

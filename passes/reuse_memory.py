@@ -1,15 +1,17 @@
 """reuse_memory: KernelIR -> KernelIR, an output placed in the memory of an input whose value is
 dead once its kernel has read it (Tensor.reuses).
 
-A backward's out kernel reads per-token partials the kernels before it made (d_q_QKt_rows, the
-scan's d_v_new_rows) and writes the gradients of the same shape; each CTA loads its chunk's rows of
-a partial before it stores those rows of the gradient, and nothing after it reads the partial. So
+A backward's out kernel reads per-token partials the kernels before it made (the scan's
+d_v_new_rows; with QLA_RECOMPUTE_ON_LOADED=0 also GDN's d_q_QKt_rows and d_k_QKt_rows, which its
+prep forms then) and writes the gradients of the same shape; each CTA loads its chunk's rows of a
+partial before it stores those rows of the gradient, and nothing after it reads the partial. So
 the gradient can be written in the partial's place: at 16/64 heads, K = V = 128 and 32768 tokens,
-1.5 GB of the backward's 5.4 GB of buffers are never allocated (a step's peak on the H100: 8600 →
-7064 MiB, benchmarks/NOTES.md session 43). Its scan likewise writes each chunk's d v_new where it
-read that chunk's d v_new_o_intra (0.5 GB more, at the scan, where the step peaks since). The
-lowering is unchanged; the runtime passes the input's tensor as the output's where the two are
-allocated alike and the kernel runs once a call (kernels/forward.launch).
+1.5 GB of the backward's 5.4 GB of buffers were never allocated (a step's peak on the H100: 8600 →
+7064 MiB, benchmarks/NOTES.md session 43; since session 46 GDN's prep makes no q·Kᵀ partials,
+partition.RECOMPUTE_ON_LOADED). Its scan likewise writes each chunk's d v_new where it read that
+chunk's d v_new_o_intra (0.5 GB more, at the scan, where the step peaks since). The lowering is
+unchanged; the runtime passes the input's tensor as the output's where the two are allocated
+alike and the kernel runs once a call (kernels/forward.launch).
 
 Only a parallel kernel or a scan qualifies (Kernel.cannot_reuse says why another does not): a CTA on
 key blocks shares its rows with the other blocks, and a warp-specialised kernel's loads are a
@@ -19,7 +21,7 @@ for it there.
     >>> import qla_compiler
     >>> out = qla_compiler.compile_spec("gdn").backward_program.kernels.kernels[-1]
     >>> sorted((p.name, p.reuses) for p in out.params if p.reuses)
-    [('d_k', 'd_k_QKt_rows'), ('d_q', 'd_q_QKt_rows'), ('d_v', 'd_v_new_rows')]
+    [('d_v', 'd_v_new_rows')]
 """
 from __future__ import annotations
 

@@ -40,5 +40,5 @@ def _proof():
     return x, -(-x)
 
 
-CARRY_NEGATED = Rewrite("carry_negated", "x = −(−x): the out kernel reads −y where the chain's products read y = −x",
-                        _apply, _proof)
+CARRY_NEGATED = Rewrite("carry_negated",
+                        "x = −(−x): the out kernel reads −y where the chain's products read y = −x", _apply, _proof)

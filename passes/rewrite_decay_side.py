@@ -18,6 +18,7 @@ other shape classes (Program.for_shape).
 """
 from __future__ import annotations
 
+import networkx as nx
 import sympy as sp
 
 from qla_compiler.ir.chunk import ChunkIR
@@ -25,9 +26,10 @@ from qla_compiler.ir.chunk import ChunkIR
 from .rewrite import Rewrite, arg, is_op
 
 
-def _apply(ir: ChunkIR) -> None:
+def _apply(ir: ChunkIR, on_chain: bool = False) -> None:
+    chain = _chain(ir) if on_chain else None
     for mm in ir.of_op("matmul"):
-        if mm.attr.get("tb"):
+        if mm.attr.get("tb") or (chain is not None and mm.name not in chain):
             continue
         scaled, x = arg(ir, mm, 0), arg(ir, mm, 1)
         if not is_op(scaled, "scale_rows") or x.shape[-1] != "V" or scaled.shape[-1] == "V":
@@ -61,6 +63,19 @@ def _pays(shape) -> bool:
     return 2 * shape.BV < shape.K
 
 
+def _chain(ir: ChunkIR) -> set:
+    """The state chain's nodes: those between the state entering the chunk and the next state."""
+    if ir.state_in is None or ir.next_state is None:
+        return set()
+    return (nx.ancestors(ir.graph, ir.next_state) | {ir.next_state}) & ir.scan_nodes()
+
+
 DECAY_VALUE_SIDE = Rewrite("decay_value_side",
                            "(diag(d)K)ᵀX = Kᵀ(diag(d)X), (diag(d)K)X = diag(d)(KX): the decay on the V-blocked side",
                            _apply, _proof, shapes_kernels=True, pays=_pays)
+# The chain's products alone (the backward's scan on roles at V-block 128,
+# Program.backward_wide_roles_program): there a C×K block of decayed keys would be a shared buffer
+# the budget has no room for, and the decay on the product's C×V result stays in registers; the
+# out kernel's products keep the form the runtime picked for the V-block.
+DECAY_VALUE_SIDE_ON_CHAIN = Rewrite("decay_value_side_on_chain", "the same, on the state chain's products alone",
+                                    lambda ir: _apply(ir, on_chain=True), _proof, shapes_kernels=True)

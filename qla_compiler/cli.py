@@ -60,8 +60,8 @@ def main(argv=None) -> int:
                          "at --shape ...,BV=128 the wide one, its chain on a state and a value role; with "
                          "--training: the fused training forward, which also stores what the backward loads "
                          "(what a training call runs where inference fuses; QLA_FUSED_TRAINING=0 turns it off); "
-                         "with --backward: the backward with its scan warp-specialised the same way "
-                         "(QLA_BACKWARD_SCAN_ROLES=1 runs it)")
+                         "with --backward: the backward with its scan warp-specialised the same way, at "
+                         "BV=128 whole-V on a state and a value role (QLA_BACKWARD_SCAN_ROLES=1 runs it)")
     ap.add_argument("--windows", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the scan kernel alone as context parallelism's first "
                          "scan runs it, each walk from a chunk given per sequence and value head (its segment's "
@@ -138,7 +138,8 @@ def main(argv=None) -> int:
             if args.training and args.fused:
                 fused = fused.replace("_program", "_training_program")
             if args.backward and args.fused:
-                fused = "backward_wide_roles_program" if shape is not None and shape.BV > 64 else "backward_roles_program"
+                wide = shape is not None and shape.BV > 64
+                fused = "backward_wide_roles_program" if wide else "backward_roles_program"
             note = ""
             for flag, variant in (("backward", "backward_program"), ("training", "training_program"),
                                   ("token_step", "token_step_program"), ("fused", fused)):

@@ -20,8 +20,9 @@ from qla_compiler.testing import random_inputs
 SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn", "gla", "kda"]
 # kernel -> {output: the input whose memory it takes}
 SCAN_REUSES = {"d_v_new_rows": "d_v_new_o_intra_rows"}
-REUSED = {"gdn": {"gdn_backward_scan": SCAN_REUSES,
-                  "gdn_backward_out": {"d_q": "d_q_QKt_rows", "d_k": "d_k_QKt_rows", "d_v": "d_v_new_rows"}},
+# (GDN's d q and d k have no partials of their own to take: the out kernel forms the q·Kᵀ terms
+# itself, partition.RECOMPUTE_ON_LOADED; KDA's, a per-key gate's, cross memory as d P)
+REUSED = {"gdn": {"gdn_backward_scan": SCAN_REUSES, "gdn_backward_out": {"d_v": "d_v_new_rows"}},
           "kda": {"kda_backward_scan": SCAN_REUSES}}
 REUSED["delta_net"] = {k.replace("gdn", "delta_net"): r for k, r in REUSED["gdn"].items()}
 
@@ -29,15 +30,14 @@ REUSED["delta_net"] = {k.replace("gdn", "delta_net"): r for k, r in REUSED["gdn"
 @pytest.mark.parametrize("spec", SPECS)
 def test_which_outputs_take_an_inputs_memory(spec):
     """The delta rule's backward scan writes d v_new where it read d v_new's intra-chunk part, and
-    its out kernel d q, d k and d v in place of the partials it reads (the prep's q·Kᵀ partials,
-    the scan's d v_new); no other kernel and no forward program reuses anything (a forward's
-    per-token tensors may be kept for its backward)."""
+    its out kernel d v in place of the scan's d v_new; no other kernel and no forward program
+    reuses anything (a forward's per-token tensors may be kept for its backward)."""
     prog = qla_compiler.compile_spec(spec)
     back = prog.backward_program.kernels
     got = {k.name: {p.name: p.reuses for p in k.params if p.reuses} for k in back.kernels}
     assert {k: r for k, r in got.items() if r} == REUSED.get(spec, {})
     if spec == "gdn":
-        assert "d_q: io[1, T, HV, K]" in str(back) and "(in d_q_QKt_rows's memory)" in str(back)
+        assert "d_v: io[1, T, HV, V]" in str(back) and "(in d_v_new_rows's memory)" in str(back)
     assert [n for n, _ in prog.backward_program.stages[-2:]] == ["reuse_memory", "release_memory"]
     for forward in (prog.kernels, prog.training_program.kernels):
         assert not any(p.reuses for k in forward.kernels for p in k.params)
@@ -58,17 +58,17 @@ def _marked(kernel, out: str, given: str):
 
 
 def test_the_verifier_refuses_a_store_before_the_rows_are_read():
-    """Moving d q's store before the load of d_q_QKt_rows (a schedule bug) would overwrite the rows
+    """Moving d v's store before the load of d_v_new_rows (a schedule bug) would overwrite the rows
     the CTA is about to read: Kernel.verify names it."""
     kir, i = _out_kernel()
     k = kir.kernels[i]
-    store = next(s for s in k.body + k.epilogue if s.dst == "d_q")
+    store = next(s for s in k.body + k.epilogue if s.dst == "d_v")
     moved = dataclasses.replace(k, prologue=[store] + [s for s in k.prologue if s is not store],
                                 body=[s for s in k.body if s is not store],
                                 epilogue=[s for s in k.epilogue if s is not store])
-    with pytest.raises(ValueError, match="d_q is stored before d_q_QKt_rows's rows are read"):
+    with pytest.raises(ValueError, match="d_v is stored before d_v_new_rows's rows are read"):
         moved.verify()
-    moved_clear = _marked(moved, "d_q", "")
+    moved_clear = _marked(moved, "d_v", "")
     moved_clear.verify()  # (the same order without the claim is fine)
 
 
@@ -182,12 +182,12 @@ def test_the_verifier_refuses_a_release_of_what_is_still_needed():
         kernels[j] = dataclasses.replace(kernels[j], releases=names)
         return dataclasses.replace(kir, kernels=kernels)
 
-    releasing(i, "d_P_rows").verify()  # (what the pass would mark)
-    with pytest.raises(ValueError, match="reads_d_P_rows reads it later"):
-        releasing(i, "d_P_rows", reader="d_P_rows").verify()
+    releasing(i, "d_S_next_chunks").verify()  # (the scan's, read by this kernel alone)
+    with pytest.raises(ValueError, match="reads_d_v_new_rows reads it later"):
+        releasing(i, "d_v_new_rows", reader="d_v_new_rows").verify()
     with pytest.raises(ValueError, match="d_q is a result"):
         releasing(len(kir.kernels), "d_q", reader="d_q").verify()
     with pytest.raises(ValueError, match="no earlier kernel makes S0_chunks"):
         releasing(i, "S0_chunks").verify()
     with pytest.raises(ValueError, match="it is no input of the kernel"):
-        releasing(kir.scan, "d_P_rows").verify()
+        releasing(kir.scan, "d_v_new_rows").verify()

@@ -1,9 +1,10 @@
-"""partition.RECOMPUTE_ON_LOADED (QLA_RECOMPUTE_ON_LOADED=1, off by default until timed): a matmul
+"""partition.RECOMPUTE_ON_LOADED (on by default; QLA_RECOMPUTE_ON_LOADED=0 turns it off): a matmul
 counts as built on an inverse only through values the program computes, so a backward's products
 of loaded blocks (GDN's d P = dO·v_newᵀ and the q·Kᵀ partials of d q and d k) are recomputed by
-its out kernel instead of crossing memory from its prep. The switch is read at import: a child
-process runs with it, and its emulated training steps are checked against autograd through the
-float64 reference."""
+its out kernel instead of crossing memory from its prep; not for a per-key gate (GLA, KDA). The
+switch is read at import: a child process runs with it off, and its emulated training steps are
+checked against autograd through the float64 reference (the default's are, by the rest of the
+suite)."""
 import os
 import subprocess
 import sys
@@ -36,19 +37,20 @@ torch.save(out, sys.argv[1])
 def recomputed(tmp_path_factory):
     path = tmp_path_factory.mktemp("recompute") / "out.pt"
     subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS), str(path)], check=True,
-                   env={**os.environ, "QLA_RECOMPUTE_ON_LOADED": "1", "OMP_NUM_THREADS": "1"}, timeout=900)
+                   env={**os.environ, "QLA_RECOMPUTE_ON_LOADED": "0", "OMP_NUM_THREADS": "1"}, timeout=900)
     return torch.load(path, weights_only=False)
 
 
 def test_gdns_backward_prep_keeps_only_what_the_scan_reads(ops, recomputed):
-    """Off (this process), the prep hands the out kernel d P and the q·Kᵀ partials through memory;
-    on, it makes only what the scan loads (W and d v_new's intra-chunk term), and the out kernel
-    forms the rest from the blocks it loads anyway."""
-    before = ops["gdn"].program.backward_program.stage("partition")
-    assert set(before.crossing) == {"W", "d_v_new.o_intra", "d_P", "d_q.QKt", "d_k.QKt"}
-    got = recomputed["gdn"]
-    assert set(got["crossing"]) == {"W", "d_v_new.o_intra"}
-    assert {"d_P", "d_q.QKt", "d_k.QKt"} <= set(got["out"])
+    """On (this process), the prep makes only what the scan loads (W and d v_new's intra-chunk
+    term), and the out kernel forms the rest from the blocks it loads anyway; off, the prep hands
+    the out kernel d P and the q·Kᵀ partials through memory. KDA's kernels are the same both ways."""
+    now = ops["gdn"].program.backward_program.stage("partition")
+    assert set(now.crossing) == {"W", "d_v_new.o_intra"}
+    assert {"d_P", "d_q.QKt", "d_k.QKt"} <= set(now.out)
+    assert set(recomputed["gdn"]["crossing"]) == {"W", "d_v_new.o_intra", "d_P", "d_q.QKt", "d_k.QKt"}
+    kda = ops["kda"].program.backward_program.stage("partition")
+    assert (kda.crossing, kda.out) == (recomputed["kda"]["crossing"], recomputed["kda"]["out"])
 
 
 @pytest.mark.parametrize("spec", SPECS)
