@@ -79,14 +79,15 @@ def _kernel(op):
     return kir.kernels[kir.scan]
 
 
-def _replay(op, step: dict, kernel, order=None):
-    """Run `kernel` (the scan with roles, or a mutant) on the tensors its launch in `step` was given."""
+def _replay(op, step: dict, kernel, order=None, K=64, V=64, BV=32):
+    """Run `kernel` (the scan with roles, or a mutant) on the tensors its launch in `step` was given
+    (at head dims K, V and V-block BV)."""
     seen = step["emulator"].seen[f"{op.program.recurrence.name}_backward_scan_roles"]
     t = {n: x.clone() for n, x in seen.items()}
     outs = {p.name for p in kernel.params if p.role == "out"}
     for n in outs:
         t[n].zero_()
-    sizes = Sizes(K=64, V=64, BV=32, HV=2, G=2, C=64, head_logs=op._head_logs(2))
+    sizes = Sizes(K=K, V=V, BV=BV, HV=2, G=2, C=64, head_logs=op._head_logs(2))
     run_roles(kernel, t, sizes, step["scale"], order=order)
     return {n: t[n] for n in outs}
 

@@ -10,14 +10,14 @@ import torch
 
 import qla_compiler
 from qla_compiler.emulate import emulated_step
-from qla_compiler.ir.kernel_interp import InterpretError, Sizes
-from qla_compiler.ir.kernel_interp_roles import run_roles
+from qla_compiler.ir.kernel_interp import InterpretError
 from qla_compiler.kernels import backward as bwd
 from qla_compiler.kernels import forward as fwd
 from qla_compiler.passes.lower_tilelang import ShapeClass
 from qla_compiler.passes.schedule_fused import FUSED_SMEM_BUDGET
 from qla_compiler.passes.schedule_memory import smem_bytes
 from qla_compiler.testing import random_inputs, rel_err
+from test_backward_scan_roles import _replay as replay
 from test_fused_forward import _without
 
 # the delta rule's (a value role), and the gate-only ones' (the state role alone)
@@ -105,14 +105,7 @@ def test_the_wide_scan_computes_what_the_plain_scan_does(steps, spec):
 
 
 def _replay(op, step: dict, kernel, order=None):
-    seen = step["emulator"].seen[f"{op.program.recurrence.name}_backward_scan_roles"]
-    t = {n: x.clone() for n, x in seen.items()}
-    outs = {p.name for p in kernel.params if p.role == "out"}
-    for n in outs:
-        t[n].zero_()
-    sizes = Sizes(K=128, V=128, BV=128, HV=2, G=2, C=64, head_logs=op._head_logs(2))
-    run_roles(kernel, t, sizes, step["scale"], order=order)
-    return {n: t[n] for n in outs}
+    return replay(op, step, kernel, order, K=128, V=128, BV=128)
 
 
 def test_any_role_order_the_barriers_allow_gives_the_same_result(steps):
