@@ -210,7 +210,9 @@ class Stmt:
     warp-specialised kernel also: wait (dst: a barrier, at the chunk's stage and phase), arrive
     (dst: a barrier), fence_async (generic shared writes made visible to wgmma and TMA before the
     arrive that publishes them), and a load with attribute barrier (a TMA load issued by one
-    warp, landing on that barrier). A decayed_product (einsum `eq` of its sources with
+    warp, landing on that barrier). A store with attribute negate stores its block's negation (a
+    scan on roles storing a carried value whose negation its chain holds: GDN's d v_new from d
+    WS). A decayed_product (einsum `eq` of its sources with
     e^{γ_ik − γ_jk} on the diagonal `block`-blocks) with attribute scratch ("buf", name) sums a
     thread a row and stages the rows' sums in that shared block; with a fourth source X2 and
     attributes second ("buf", name) and second_scratch ("buf", name) it also forms X2's product

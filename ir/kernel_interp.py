@@ -300,7 +300,7 @@ class _Run:
             # statement that read it afterwards would read NaN here (kernels/tri_inverse.py)
             b[s.srcs[0]] = torch.full_like(b[s.srcs[0]], float("nan"))
         elif s.op == "store":
-            self.write_block(s.dst, b[s.srcs[0]])
+            self.write_block(s.dst, -b[s.srcs[0]] if a.get("negate") else b[s.srcs[0]])
         elif s.op == "store_vec":
             x = self.g[s.dst]
             ok = self._valid_rows() & self.at.active[:, None]

@@ -279,11 +279,13 @@ class _Render(ProductTemplates):
             src = s.srcs[0]
             dst_dtype = next(p.dtype for p in self.k.params if p.name == s.dst)
             value = f"{src}[i, j]" if self.dtype[src] == dst_dtype else f"T.cast({src}[i, j], {_dtype(dst_dtype)})"
+            value = f"-{value}" if a.get("negate") else value
             cols = f" and {self._col_ok(s.dst, scan)}" if self._masked(s.dst) else ""
             masked = [f"for i, j in T.Parallel({self._buf_shape(src)}):",
                       f"    if i < n_valid{cols}:",
                       f"        {self._element(s.dst, scan)} = {value}"]
-            if self.dtype[src] != "io" or cols:  # a float32 fragment: each thread stores its own elements
+            # a float32 fragment: each thread stores its own elements (a negated block: negated on the way)
+            if self.dtype[src] != "io" or cols or a.get("negate"):
                 return masked
             return ["if n_valid == C:", f"    {self._bulk_store(scan)}({src}, {self._global(s.dst, scan)})",
                     "else:"] + [f"    {ln}" for ln in masked]

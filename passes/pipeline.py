@@ -50,7 +50,6 @@ from .lowerable import unsupported
 from .partition import partition
 from .release_memory import release_memory
 from .reuse_memory import reuse_memory
-from .rewrite_carry_negated import CARRY_NEGATED
 from .rewrite_decay_side import DECAY_VALUE_SIDE, DECAY_VALUE_SIDE_ON_CHAIN
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
 from .rewrite_wy import FOLD_WY
@@ -314,9 +313,9 @@ class Program:
     def backward_wide_roles_program(self) -> "Program":
         """backward_roles_program at V-block 128 (schedule_fused.WIDE_BLOCK_V), for calls whose grid
         fills the GPU at that width: its d S chain on a state role and a value role, so a CTA per
-        (value head, sequence) loads each chunk's K-wide blocks once. After carry_negated, so the
-        scan carries the block its chain's products read (GDN's d WS, stored by the stores role
-        from the buffer it is handed) and the out kernel forms d v_new = −d WS.
+        (value head, sequence) loads each chunk's K-wide blocks once. GDN's d v_new is stored as
+        the negation of the d WS block the chain hands on (schedule_fused._negation_held): its out
+        kernel is the plain program's.
 
             >>> import qla_compiler
             >>> wide = qla_compiler.compile_spec("gdn").backward_wide_roles_program.kernels
@@ -336,9 +335,8 @@ class Program:
             back = self.backward
             before = [("autodiff", back)]
             # wide: the chain's decay on the value side (a C×V pass in registers, where the keys'
-            # would be a C×K block in shared memory the budget has no room for), and the block the
-            # chain's products read carried (the stores role stores it as it is handed)
-            for rewrite in (DECAY_VALUE_SIDE_ON_CHAIN, CARRY_NEGATED) if wide else ():
+            # would be a C×K block in shared memory the budget has no room for)
+            for rewrite in (DECAY_VALUE_SIDE_ON_CHAIN,) if wide else ():
                 after = _run_pass(rewrite, back, where)
                 if set(after.graph.nodes) != set(back.graph.nodes):
                     before.append((rewrite.name, after))

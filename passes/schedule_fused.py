@@ -129,8 +129,11 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     if chain.place.get(ir.next_state) != STATE:
         raise PassError("schedule", f"the next state {ir.next_state} is not accumulated in the state fragment")
     handed = {}  # carried value -> its chain buffer (the ring the output role reads)
+    # (a scan alone: a carried x whose negation the chain writes for a product of its own, the
+    # backward's d WS = −d v_new, is stored as −(that block): no buffer of its own)
+    negated = {x: y for x in part.carried if not output and (y := _negation_held(ir, chain, x))}
     for x in part.carried:
-        handed[x] = STATE_IO if x == ir.state_in else chain.operand(x)
+        handed[x] = STATE_IO if x == ir.state_in else negated.get(x) or chain.operand(x)
     chain_body = list(chain.body)
     if STATE_IO in handed.values() or any(STATE_IO in st.srcs for st in chain_body):
         chain.buf(STATE_IO, ("K", "V"), "io", "shared")
@@ -168,7 +171,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     rename_out.update(private)
     chain_body = [st.renamed(private) for st in chain_body]
     # (the scan alone stores every carried value: the out kernels after it load them)
-    out_body = _stores(ir, stored, handed) + [st.renamed(rename_out) for st in out_body]
+    out_body = _stores(ir, stored, handed, set(negated)) + [st.renamed(rename_out) for st in out_body]
 
     # -- the compute roles: the chain as one role, or (wide) cut in two where the state and the
     # chain's products would not fit one warpgroup's registers: the state role, every statement
@@ -296,20 +299,32 @@ def scan_with_roles(part: Partition, dims: dict, wide: bool = False) -> tuple:
     return fused_kernel(part, dims, wide=wide, output=False)
 
 
-def _stores(ir, stored: tuple, handed: dict) -> list:
+def _stores(ir, stored: tuple, handed: dict, negated: set = frozenset()) -> list:
     """The output role's stores of the carried values `stored` (those the partition keeps for
     another program: a training forward's entering states and v_new, which its backward loads; a
     scan alone's: every carried value, for its out kernels), from the ring copies the chain hands
     over: first once the copy is there (_independent_first keeps them ahead of the role's other
     reads of it), plain copies by the role's threads, so the copy is free again when the role's
-    last read is done, with no wait on a bulk store."""
+    last read is done, with no wait on a bulk store. Those `negated` are handed as their negation:
+    stored negated back."""
     out = []
     for x in stored:
         if x == ir.state_in:
             out.append(Stmt("store_chunk_state", global_name(ir, x), (handed[x],)))
         else:
-            out.append(Stmt("store", global_name(ir, x), (handed[x],), (("rows", "n_valid"),)))
+            out.append(Stmt("store", global_name(ir, x), (handed[x],),
+                            (("rows", "n_valid"),) + ((("negate", True),) if x in negated else ())))
     return out
+
+
+def _negation_held(ir, chain, x: str) -> str | None:
+    """The chain's shared io block holding −x (a node y = neg x the chain computes for a product),
+    if there is one."""
+    for u in ir.users(x):
+        held = chain.io_copy.get(u.name) or chain.place.get(u.name)
+        if u.op == "neg" and held and chain.buffers[held].scope == "shared" and chain.buffers[held].dtype == "io":
+            return held
+    return None
 
 
 def _split_chain(body: list) -> dict:
