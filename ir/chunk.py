@@ -124,6 +124,13 @@ class ChunkIR:
         s = self.state_in
         return set(nx.descendants(self.graph, s)) | {s} if s else set()
 
+    def chain_nodes(self) -> set[str]:
+        """The state chain: the scan's nodes the next state depends on (the loop-carried path from
+        the state entering the chunk to the state leaving it)."""
+        if self.next_state is None:
+            return set()
+        return (nx.ancestors(self.graph, self.next_state) | {self.next_state}) & self.scan_nodes()
+
     def inputs(self) -> list[Node]:
         return [n for n in self.order() if n.op == "input"]
 

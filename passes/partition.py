@@ -212,7 +212,7 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
     dependent = ir.scan_nodes()
     if s_next not in dependent:
         raise PassError("partition", f"the next state {s_next} does not depend on the state")
-    chain = (nx.ancestors(ir.graph, s_next) | {s_next}) & dependent
+    chain = ir.chain_nodes()
     free = [n.name for n in ir.order() if n.name not in dependent]
     keep_carried = {x for x in keep if x in dependent}
     keep = {x for x in keep if x not in dependent}

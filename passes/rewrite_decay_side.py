@@ -18,7 +18,6 @@ other shape classes (Program.for_shape).
 """
 from __future__ import annotations
 
-import networkx as nx
 import sympy as sp
 
 from qla_compiler.ir.chunk import ChunkIR
@@ -27,7 +26,7 @@ from .rewrite import Rewrite, arg, is_op
 
 
 def _apply(ir: ChunkIR, on_chain: bool = False) -> None:
-    chain = _chain(ir) if on_chain else None
+    chain = ir.chain_nodes() if on_chain else None
     for mm in ir.of_op("matmul"):
         if mm.attr.get("tb") or (chain is not None and mm.name not in chain):
             continue
@@ -61,13 +60,6 @@ def _pays(shape) -> bool:
     cost. On the H200 (session 7) the forward scan was 22-26% faster at BV = 16, 5% at 32, and
     12-16% slower at 64 (K = 128); the backward scan likewise."""
     return 2 * shape.BV < shape.K
-
-
-def _chain(ir: ChunkIR) -> set:
-    """The state chain's nodes: those between the state entering the chunk and the next state."""
-    if ir.state_in is None or ir.next_state is None:
-        return set()
-    return (nx.ancestors(ir.graph, ir.next_state) | {ir.next_state}) & ir.scan_nodes()
 
 
 DECAY_VALUE_SIDE = Rewrite("decay_value_side",
