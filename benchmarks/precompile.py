@@ -39,9 +39,7 @@ def classes(spec, H, HV, K, n_seqs, io="bfloat16", cp=1, stages=None, bv=None, V
 
 def for_gpu_tests():
     """The classes tests/test_gpu_*.py use (keep in step with those files)."""
-    out = []
-    for n in (8, 2, 1, 3):  # test_gpu_forward's GDN cases, and test_gpu_backward's (the same classes)
-        out += classes("gdn", 2, 8, 128, n, training=True)
+    out = for_backward_tests()  # (test_gpu_forward's GDN cases are the same classes)
     out += classes("gdn", 1, 2, 64, 3, io="float16", training=True)  # fp16, K = V = 64
     for spec in ("delta_net", "simple_gla", "retnet", "linear_attn"):
         out += classes(spec, 2, 2, 128, 3, training=True)
@@ -61,12 +59,18 @@ def for_gpu_tests():
         out += classes("gdn", 2, 8, 128, 3, cp=s, training=True)
     # (test_gpu_unwritten_memory's CASES are chosen among the classes here; its fused forward of
     # 2/8 heads, 3 sequences, forced fused, compiles on the node)
-    for spec in ("gla", "kda"):  # test_gpu_per_key's: 1, 2, 3 and 5 sequences; grouped heads at K = V = 64
+    return out + for_per_key_tests()
+
+
+def for_per_key_tests():
+    """tests/test_gpu_per_key.py's classes."""
+    out = []
+    for spec in ("gla", "kda"):  # 1, 2, 3 and 5 sequences; grouped heads at K = V = 64
         for n in (1, 2, 3, 5):
             out += classes(spec, 2, 2, 128, n, training=True)
         out += classes(spec, 1, 4, 64, 3, training=True)
         out += classes(spec, 2, 2, 128, 3, cp=4, training=True)  # its context-parallel case
-    for V in (256, 512):  # test_gpu_per_key's GLA at its standard heads: K blocks, and V's column blocks
+    for V in (256, 512):  # GLA at its standard heads: K blocks, and V's column blocks
         out += classes("gla", 2, 2, 256, 3, V=V, training=True)
     return out
 
@@ -87,6 +91,23 @@ def for_fused_training_tests():
             out += classes("gdn", 2, 8, 128, n, training=True, bv=128)
     return out + [Compile("gdn", "training", ShapeClass(H=2, HV=4, K=K, V=V, BV=32), None, fused="narrow")
                   for K, V in ((128, 128), (100, 60))]
+
+
+def for_backward_tests():
+    """tests/test_gpu_backward.py's GDN classes (its real-data cases: 8, 2, 1 and 3 sequences)."""
+    return [c for n in (8, 2, 1, 3) for c in classes("gdn", 2, 8, 128, n, training=True)]
+
+
+def for_scan_roles_tests():
+    """tests/test_gpu_backward.py's whole-V scans on roles, as its tests force them (GDN's cases,
+    DeltaNet and simple GLA)."""
+    out = []
+    with forward.launch_policy(backward_scan_roles=True, wide=True):
+        for n in (8, 2, 1, 3):
+            out += classes("gdn", 2, 8, 128, n, training=True)
+        for spec in ("delta_net", "simple_gla"):
+            out += classes(spec, 2, 2, 128, 3, training=True)
+    return out
 
 
 def for_per_key_bench(rows=("16/16:8x4096", "16/16:1x32768")):
@@ -157,6 +178,10 @@ def main(argv):
     ap.add_argument("--bench", action="store_true", help="the classes of qla-bench's rows")
     ap.add_argument("--fused-training-tests", action="store_true",
                     help="the classes of tests/test_gpu_fused_training.py")
+    ap.add_argument("--backward-tests", action="store_true", help="the GDN classes of tests/test_gpu_backward.py")
+    ap.add_argument("--per-key-tests", action="store_true", help="the classes of tests/test_gpu_per_key.py")
+    ap.add_argument("--scan-roles-tests", action="store_true",
+                    help="the classes of tests/test_gpu_backward.py's whole-V scans on roles")
     ap.add_argument("--per-key-bench", action="store_true",
                     help="the classes of qla-bench --spec gla|kda --backward on issue 18's rows")
     ap.add_argument("--cp", type=lambda x: x if x == "auto" else int(x), metavar="SEGMENTS",
@@ -175,7 +200,10 @@ def main(argv):
     todo = [c for i in args.items for c in parse(i)] + (for_gpu_tests() if args.tests else []) \
         + (for_bench(args.cp, args.rows, args.scan_stages, args.backward, args.block_v) if args.bench else []) \
         + (for_per_key_bench() if args.per_key_bench else []) \
-        + (for_fused_training_tests() if args.fused_training_tests else [])
+        + (for_fused_training_tests() if args.fused_training_tests else []) \
+        + (for_scan_roles_tests() if args.scan_roles_tests else []) \
+        + (for_per_key_tests() if args.per_key_tests else []) \
+        + (for_backward_tests() if args.backward_tests else [])
     todo = list(dict.fromkeys(todo))
     if args.shard:
         i, n = map(int, args.shard.split("/"))

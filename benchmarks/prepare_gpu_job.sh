@@ -3,7 +3,7 @@
 # device's minutes go to running (a fresh GPU node restores the tar: ../shared/gpu/README.md).
 #
 #   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
-#                                      [--fused-training]
+#                                      [--fused-training] [--switches]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -16,7 +16,10 @@
 # qla-bench --cp auto plans them, forward and training (the window searches too). --variants: the
 # experiments gpu_steps.txt runs (prep_variants.py, window_search_variants.py). --fused-training:
 # tests/test_gpu_fused_training.py's classes and the bench rows' training steps through the
-# fused training forward (qla-bench --backward --fused's qla-fused). Two processes per step (this
+# fused training forward (qla-bench --backward --fused's qla-fused). --switches: what
+# gpu_steps.txt times and tests under the switches not yet on by default (QLA_BACKWARD_SCAN_ROLES=wide,
+# QLA_RECOMPUTE_PER_KEY=1, QLA_MORE_WARPGROUPS=gradients), and the whole-V scan tests' classes
+# (~15 minutes here). Two processes per step (this
 # machine's cores); a fresh cache directory each run, so the tar holds no stale kernels.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -60,6 +63,13 @@ for a in "$@"; do
                       sharded fused_training_bench env QLA_FUSED_FORWARD=1 QLA_FUSED_TRAINING=1 \
                           $PY benchmarks/precompile.py --bench \
                           --backward --rows $ROWS ;;
+    --switches) sharded roles env QLA_BACKWARD_SCAN_ROLES=wide $PY benchmarks/precompile.py --bench --backward \
+                    --rows 16/64:8x4096 4/16:8x4096 2/8:8x4096 16/64:1x2048
+                sharded roles_tests $PY benchmarks/precompile.py --scan-roles-tests
+                sharded per_key env QLA_RECOMPUTE_PER_KEY=1 $PY benchmarks/precompile.py --per-key-tests --per-key-bench
+                sharded per_key_default $PY benchmarks/precompile.py --per-key-bench
+                sharded more_warps env QLA_MORE_WARPGROUPS=gradients $PY benchmarks/precompile.py --backward-tests \
+                    --bench --backward --rows 16/64:8x4096 4/16:8x4096 ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
                 $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1

@@ -121,12 +121,15 @@ def _block(x: torch.Tensor, param, dim: str, start: int, width: int) -> torch.Te
 
 def backward_program_of(program, segments=None, wide: bool = False):
     """The backward program a call of `program` (a block's, where it runs on blocks) runs: with
-    its scan warp-specialised where the launch policy says so (LaunchPolicy.backward_scan_roles)
-    and the schedule can (not where the entering states are kept in float32: GLA's), at V-block
-    128 where `wide` (forward.runs_wide, the fused forward's rule: Program.backward_wide_roles_program),
-    except under context parallelism, whose window walks run the plain scan's kernels."""
-    if forward.POLICY.backward_scan_roles and not segments:
-        for variant in ("backward_wide_roles_program",) * wide + ("backward_roles_program",):
+    its scan warp-specialised where the launch policy says so (forward.backward_scan_roles) and
+    the schedule can (not where the entering states are kept in float32: GLA's), at V-block 128
+    where `wide` (forward.runs_wide, the fused forward's rule: Program.backward_wide_roles_program)
+    and else at the narrow one's V-block unless the policy says "wide" (the wide one alone), except
+    under context parallelism, whose window walks run the plain scan's kernels."""
+    on = forward.backward_scan_roles()
+    if on and not segments:
+        narrow = ("backward_roles_program",) if on is True else ()
+        for variant in ("backward_wide_roles_program",) * wide + narrow:
             try:
                 return getattr(program, variant)
             except NotFusable:
@@ -137,7 +140,7 @@ def backward_program_of(program, segments=None, wide: bool = False):
 def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments, cache: bool = True):
     """backward() on the whole of V (t: the kernels' tensors by name, the cotangent of o among them)."""
     # (the rule only where the policy puts the scan on roles: the default path asks nothing a call)
-    wide = bool(forward.POLICY.backward_scan_roles) and \
+    wide = bool(forward.backward_scan_roles()) and \
         forward.runs_wide(dims.K, dims.V, dims.HV, dims.N, forward.sm_count(t["chunk_map"].device), segments)
     bprog = backward_program_of(bprog_of, segments, wide)
     d_h0 = run_kernels(bprog, t, dims, scale, io, t["cu_seqlens"], d_final, segments, cache)

@@ -50,10 +50,11 @@ class LaunchPolicy:
     (None or True: it does, 12 % off a GDN training step on the H100 and as accurate or more in
     every output and gradient, benchmarks/NOTES.md session 44; False: the training program's
     separate kernels, as QLA_FUSED_TRAINING=0 sets it for the process). `backward_scan_roles`
-    whether a backward runs its scan warp-specialised (Program.backward_roles_program, or
-    backward_wide_roles_program where runs_wide says; None or False: the plain scan kernel, as
-    fast on the H100 at V-block 32 and 0.5 GiB lighter at 16/64:8x4096, benchmarks/NOTES.md
-    session 45; QLA_BACKWARD_SCAN_ROLES=1 sets it for the process)."""
+    whether a backward runs its scan warp-specialised: True, everywhere it can
+    (Program.backward_roles_program, or backward_wide_roles_program where runs_wide says); "wide",
+    only the wide one, where runs_wide says (a CTA per value head and sequence), the plain scan
+    kernel elsewhere; False, the plain scan kernel everywhere; None, BACKWARD_SCAN_ROLES's choice.
+    QLA_BACKWARD_SCAN_ROLES=1, wide or 0 sets it for the process."""
     sms: int | None = None
     block_v: int | None = None
     token_block_v: int | None = None
@@ -65,13 +66,18 @@ class LaunchPolicy:
     segment_chain: Callable | None = None
     poison: float | None = None
     fused_training: bool | None = None
-    backward_scan_roles: bool | None = None
+    backward_scan_roles: bool | str | None = None
 
 
 _SWITCH = {"1": True, "0": False}
 POLICY = LaunchPolicy(fused=_SWITCH.get(os.environ.get("QLA_FUSED_FORWARD", "")),
                       fused_training=_SWITCH.get(os.environ.get("QLA_FUSED_TRAINING", "")),
-                      backward_scan_roles=_SWITCH.get(os.environ.get("QLA_BACKWARD_SCAN_ROLES", "")))
+                      backward_scan_roles={**_SWITCH, "wide": "wide"}.get(os.environ.get("QLA_BACKWARD_SCAN_ROLES", "")))
+# A backward's scan where the policy leaves it None: the plain kernel. The narrow scan on roles is
+# no faster at V-block 32 and 0.5 GiB heavier (H100, NOTES session 45); the whole-V one took the
+# scan 1.99 → 1.29 ms at 16/64:8x4096 but with an out kernel 0.55 ms slower (session 46), and its
+# fix, which keeps the plain out kernel, has not run on a GPU yet: "wide" once it has paid there.
+BACKWARD_SCAN_ROLES = False
 
 
 @contextlib.contextmanager
@@ -189,6 +195,13 @@ def wide_fused(K: int, V: int, HV: int, N: int, sms: int) -> bool:
     (True, False, False)
     """
     return tile_width(K) <= 128 and tile_width(V) >= 128 and block_v(V, HV, N, sms, K, widest=128) == 128
+
+
+def backward_scan_roles() -> bool | str:
+    """The launch policy's backward_scan_roles, its None read as BACKWARD_SCAN_ROLES: True,
+    "wide" or False."""
+    on = POLICY.backward_scan_roles
+    return BACKWARD_SCAN_ROLES if on is None else on
 
 
 def runs_wide(K: int, V: int, HV: int, N: int, sms: int, context_parallel) -> bool:

@@ -54,10 +54,11 @@ SHARE_DECAYS = os.environ.get("QLA_SHARE_DECAYS", "1") == "1"
 # out kernel as Q Kᵀ is, instead of 1.25 GiB of partials crossing memory twice at 16/64:8x4096.
 # On the H100 (benchmarks/NOTES.md, session 46) the GDN training step went 12.20 → 11.08 ms there
 # (the backward prep 2.36 → 1.29, the out kernel no slower: 5.29 → 5.25) and its peak 6280 → 5528
-# MiB. Not for per-key gates (GLA, KDA: their backward kernels regroup under it, not yet timed).
-# QLA_RECOMPUTE_ON_LOADED=0 turns it off (the generated source differs: both variants cache side
-# by side).
+# MiB. Not for per-key gates (GLA, KDA: their backward kernels regroup under it, not yet timed;
+# QLA_RECOMPUTE_PER_KEY=1 applies it to them too, to time it). QLA_RECOMPUTE_ON_LOADED=0 turns it
+# off (the generated source differs: both variants cache side by side).
 RECOMPUTE_ON_LOADED = os.environ.get("QLA_RECOMPUTE_ON_LOADED", "1") == "1"
+RECOMPUTE_PER_KEY = os.environ.get("QLA_RECOMPUTE_PER_KEY", "0") == "1"
 ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
 
@@ -110,7 +111,7 @@ def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset(
         return False
     if for_scan and n.shape[0] == "C":
         return True
-    if RECOMPUTE_ON_LOADED and not _per_key_gate(ir):
+    if RECOMPUTE_ON_LOADED and (RECOMPUTE_PER_KEY or not _per_key_gate(ir)):
         return _built_on_inverse(ir, name, provided)
     return any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
 

@@ -17,8 +17,9 @@ from .key_blocks import key_cut
 from .partition import Partition
 from .schedule_build import (CHUNK_MAP, build, crossing_tensor, head_params, input_params, product_slots,
                              store_rows)
-from .schedule_memory import (FRAGMENT_REGISTERS, SMEM_BUDGET, THREADS, ctas_per_sm, dim_sizes, kernel_occupancy,
-                              live_fragments, live_shared, more_warpgroups, place_loads, repeats_work, threads_for)
+from .schedule_memory import (FRAGMENT_REGISTERS, MORE_WARPGROUPS, MORE_WARPGROUPS_GRADIENTS, SMEM_BUDGET, THREADS,
+                              ctas_per_sm, dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups,
+                              place_loads, repeats_work, threads_for)
 
 
 def out_kernels(part: Partition, split_phase: bool, dims: dict, partial: tuple, groups=None,
@@ -238,14 +239,15 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
         running = live_fragments(built[0].buffers, built[0].body + built[1], dims) <= two
         b, stores, outs = built if running else (b, stores, outs)
     params = input_params(ir, nodes, loaded, wide=takes) + [CHUNK_MAP] + head_params(ir, nodes) + outs
-    what = "the gradients " + ", ".join(roles) if any(r in ir.gradient_of for r in roles) else "the output"
+    gradients = any(r in ir.gradient_of for r in roles)
+    what = "the gradients " + ", ".join(roles) if gradients else "the output"
     body = b.body + stores
     # (with running sums it keeps two warpgroups: KDA's d q, d k, d v kernel, 224 fragment registers
     # a thread on one, spilled 472 bytes at 255; on two, 112)
     threads = 2 * THREADS if running else threads_for(b, body)
     placed = place_loads(b, body, split_phase)
     peak, fragments = max(live_shared(b.buffers, placed, dims), default=0), live_fragments(b.buffers, placed, dims)
-    threads = more_warpgroups(threads, peak, fragments)
+    threads = more_warpgroups(threads, peak, fragments, MORE_WARPGROUPS_GRADIENTS if gradients else MORE_WARPGROUPS)
     # a kernel on key blocks asks ptxas for the CTAs an SM the blocks were chosen for (_key_block):
     # unasked, it gave KDA's d q d k d g kernel 163 registers a thread at 256 threads, one CTA an SM
     ctas = ctas_per_sm(peak, fragments, threads) if key_block else 0

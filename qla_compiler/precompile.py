@@ -170,7 +170,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
 
             def on_roles(k, v):  # (kernels/backward._backward: where the launch policy puts the scan
                 # on roles, at V-block 128 where runs_wide says)
-                if not forward.POLICY.backward_scan_roles or c.kernels != "all":
+                if not forward.backward_scan_roles() or c.kernels != "all":
                     return ""
                 with forward.launch_policy(block_v=block_v):
                     return "wide" if forward.runs_wide(k, v, HV, n, sms, None) else ""

@@ -784,13 +784,15 @@ def test_kernels_short_of_warps_take_twice_their_warpgroups_when_asked():
     forward, session 36): a parallel kernel that an
     SM runs fewer than 16 warps of takes twice its warpgroups, up to four, where the SM would then
     run more; the KernelIR says so (its threads, its role's warps). GDN's solve-only prep, 6 CTAs
-    of 4 warps, keeps its 128 threads. The 512-thread kernel lowers to CUDA with launch bounds of 512."""
+    of 4 warps, keeps its 128 threads. The 512-thread kernel lowers to CUDA with launch bounds of 512.
+    QLA_MORE_WARPGROUPS=gradients does it for a backward's out kernels alone."""
     code = ("import qla_compiler; p = qla_compiler.compile_spec('{}'); "
             "print({{k.name: (k.threads, k.roles[0].split(':')[0]) for k in p.{}.kernels.kernels if not k.loop}})")
     seen = {}
-    for on in ("0", "1"):
+    for on in ("0", "1", "gradients"):
         env = {**os.environ, "QLA_MORE_WARPGROUPS": on}
-        for spec, program in (("kda", "backward_program"), ("kda", "training_program"), ("gdn", "fused_program")):
+        for spec, program in (("kda", "backward_program"), ("kda", "training_program"), ("gdn", "fused_program"),
+                              ("gdn", "backward_program")):
             out = subprocess.run([sys.executable, "-c", code.format(spec, program)], capture_output=True, text=True,
                                  check=True, env=env).stdout
             seen.setdefault(on, {}).update(eval(out))  # noqa: S307 - our own dict's repr
@@ -802,6 +804,11 @@ def test_kernels_short_of_warps_take_twice_their_warpgroups_when_asked():
     assert seen["1"]["kda_backward_prep"] == (256, "all 8 warps")
     assert seen["0"]["kda_prep"][0] == 128 and seen["1"]["kda_prep"] == (256, "all 8 warps")  # (2 CTAs an SM)
     assert seen["1"]["gdn_prep"] == seen["0"]["gdn_prep"] == (128, "all 4 warps")  # (GDN's solve-only prep)
+    grads = {n for n in seen["0"] if "_backward_out" in n}
+    assert seen["gradients"]["gdn_backward_out"] == (512, "all 16 warps")
+    assert {n: seen["gradients"][n] for n in grads} == {n: seen["1"][n] for n in grads}
+    assert {n: k for n, k in seen["gradients"].items() if n not in grads} == \
+        {n: k for n, k in seen["0"].items() if n not in grads}
 
     import types
 

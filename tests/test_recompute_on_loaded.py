@@ -4,7 +4,8 @@ of loaded blocks (GDN's d P = dO·v_newᵀ and the q·Kᵀ partials of d q and d
 its out kernel instead of crossing memory from its prep; not for a per-key gate (GLA, KDA). The
 switch is read at import: a child process runs with it off, and its emulated training steps are
 checked against autograd through the float64 reference (the default's are, by the rest of the
-suite)."""
+suite). QLA_RECOMPUTE_PER_KEY=1 applies it to per-key gates too, to time it there: another child.
+"""
 import os
 import subprocess
 import sys
@@ -33,12 +34,24 @@ torch.save(out, sys.argv[1])
 """
 
 
+PER_KEY = ["kda"]  # (GLA has no backward prep: nothing crosses memory to recompute)
+
+
+def _child(tmp_path_factory, specs: list, **env) -> dict:
+    path = tmp_path_factory.mktemp("recompute") / "out.pt"
+    subprocess.run([sys.executable, "-c", CHILD.format(specs=specs), str(path)], check=True,
+                   env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, timeout=900)
+    return torch.load(path, weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def recomputed(tmp_path_factory):
-    path = tmp_path_factory.mktemp("recompute") / "out.pt"
-    subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS), str(path)], check=True,
-                   env={**os.environ, "QLA_RECOMPUTE_ON_LOADED": "0", "OMP_NUM_THREADS": "1"}, timeout=900)
-    return torch.load(path, weights_only=False)
+    return _child(tmp_path_factory, SPECS, QLA_RECOMPUTE_ON_LOADED="0")
+
+
+@pytest.fixture(scope="module")
+def per_key(tmp_path_factory):
+    return _child(tmp_path_factory, PER_KEY, QLA_RECOMPUTE_PER_KEY="1")
 
 
 def test_gdns_backward_prep_keeps_only_what_the_scan_reads(ops, recomputed):
@@ -53,9 +66,25 @@ def test_gdns_backward_prep_keeps_only_what_the_scan_reads(ops, recomputed):
     assert (kda.crossing, kda.out) == (recomputed["kda"]["crossing"], recomputed["kda"]["out"])
 
 
+def test_per_key_gates_recompute_only_under_their_switch(ops, per_key):
+    """With QLA_RECOMPUTE_PER_KEY=1, KDA's backward prep hands its out kernels only what the scan
+    reads, as GDN's does by default; by default also d P and the P-sums of d q and d k."""
+    for spec in PER_KEY:
+        now = ops[spec].program.backward_program.stage("partition")
+        assert set(per_key[spec]["crossing"]) < set(now.crossing), spec
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_recomputed_backward_matches_autograd(ops, recomputed, spec):
-    got, op = recomputed[spec], ops[spec]
+    _check_against_autograd(recomputed[spec], ops[spec])
+
+
+@pytest.mark.parametrize("spec", PER_KEY)
+def test_per_key_gates_recomputed_match_autograd(ops, per_key, spec):
+    _check_against_autograd(per_key[spec], ops[spec])
+
+
+def _check_against_autograd(got: dict, op) -> None:
     ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
            for n, x in got["args"].items()}
     o_ref, s_ref = op.reference(**ref)
