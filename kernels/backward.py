@@ -139,7 +139,7 @@ def backward_program_of(program, segments=None, wide: bool = False):
 
 def _backward(bprog_of, t: dict, kinds: dict, dims, scale: float, io, d_final, segments, cache: bool = True):
     """backward() on the whole of V (t: the kernels' tensors by name, the cotangent of o among them)."""
-    # (the rule only where the policy puts the scan on roles: the default path asks nothing a call)
+    # (the rule only where the policy puts the scan on roles, as by default: a few integer steps)
     wide = bool(forward.backward_scan_roles()) and \
         forward.runs_wide(dims.K, dims.V, dims.HV, dims.N, forward.sm_count(t["chunk_map"].device), segments)
     bprog = backward_program_of(bprog_of, segments, wide)

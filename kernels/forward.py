@@ -73,11 +73,12 @@ _SWITCH = {"1": True, "0": False}
 POLICY = LaunchPolicy(fused=_SWITCH.get(os.environ.get("QLA_FUSED_FORWARD", "")),
                       fused_training=_SWITCH.get(os.environ.get("QLA_FUSED_TRAINING", "")),
                       backward_scan_roles={**_SWITCH, "wide": "wide"}.get(os.environ.get("QLA_BACKWARD_SCAN_ROLES", "")))
-# A backward's scan where the policy leaves it None: the plain kernel. The narrow scan on roles is
-# no faster at V-block 32 and 0.5 GiB heavier (H100, NOTES session 45); the whole-V one took the
-# scan 1.99 → 1.29 ms at 16/64:8x4096 but with an out kernel 0.55 ms slower (session 46), and its
-# fix, which keeps the plain out kernel, has not run on a GPU yet: "wide" once it has paid there.
-BACKWARD_SCAN_ROLES = False
+# A backward's scan where the policy leaves it None: the whole-V one on roles where runs_wide says,
+# else the plain kernel. On the H100 (NOTES session 47) the GDN training step 11.09 → 10.37 ms at
+# 16/64:8x4096 (the scan 2.00 → 1.29, the out kernel the plain one) and 2.81 → 2.62 at
+# 4/16:8x4096, the peak unchanged. The narrow scan on roles is no faster at V-block 32 and 0.5 GiB
+# heavier (session 45): not by default.
+BACKWARD_SCAN_ROLES = "wide"
 
 
 @contextlib.contextmanager

@@ -61,8 +61,8 @@ def main(argv=None) -> int:
                          "--training: the fused training forward, which also stores what the backward loads "
                          "(what a training call runs where inference fuses; QLA_FUSED_TRAINING=0 turns it off); "
                          "with --backward: the backward with its scan warp-specialised the same way, at "
-                         "BV=128 whole-V on a state and a value role (QLA_BACKWARD_SCAN_ROLES=1 runs it, =wide the "
-                         "whole-V one alone)")
+                         "BV=128 whole-V on a state and a value role (by default where the grid fills the GPU at BV=128; "
+                         "QLA_BACKWARD_SCAN_ROLES=1 runs roles everywhere, =0 nowhere)")
     ap.add_argument("--windows", action="store_true",
                     help="with --emit kernel/tilelang/cuda: the scan kernel alone as context parallelism's first "
                          "scan runs it, each walk from a chunk given per sequence and value head (its segment's "

@@ -146,8 +146,8 @@ def test_a_forward_walk_of_the_reverse_scan_is_wrong():
 
 
 def test_the_policy_picks_the_scan_with_roles_where_it_can():
-    """Off by default (no faster than the plain scan on the H100, and it takes no input's memory);
-    on, every call but a context-parallel one (its
+    """Off by default at the narrow V-block (no faster than the plain scan on the H100, and it takes
+    no input's memory; by default only the whole-V one runs, test_backward_wide_scan.py); on, every call but a context-parallel one (its
     window walks are the plain scan's) and GLA's (its entering states are kept in float32, which
     the roles do not hand on) runs it."""
     gdn, gla = (qla_compiler.compile_spec(s) for s in ("gdn", "gla"))

@@ -174,11 +174,12 @@ def test_a_call_runs_it_where_the_policy_and_the_grid_say():
         assert bwd.backward_program_of(gdn) is gdn.backward_roles_program
         # (KDA's chain asks 320 KB at V-block 128: the narrow scan on roles instead)
         assert bwd.backward_program_of(kda, wide=True) is kda.backward_roles_program
-    assert bwd.backward_program_of(gdn, wide=True) is gdn.backward_program  # (fwd.BACKWARD_SCAN_ROLES)
-    with fwd.launch_policy(backward_scan_roles="wide"):  # the wide one alone; the plain scan elsewhere
-        assert bwd.backward_program_of(gdn, wide=True) is gdn.backward_wide_roles_program
-        assert bwd.backward_program_of(gdn) is gdn.backward_program
-        assert bwd.backward_program_of(kda, wide=True) is kda.backward_program
+    with fwd.launch_policy(backward_scan_roles=False):
+        assert bwd.backward_program_of(gdn, wide=True) is gdn.backward_program
+    # by default (fwd.BACKWARD_SCAN_ROLES) the wide one alone; the plain scan elsewhere
+    assert bwd.backward_program_of(gdn, wide=True) is gdn.backward_wide_roles_program
+    assert bwd.backward_program_of(gdn) is gdn.backward_program
+    assert bwd.backward_program_of(kda, wide=True) is kda.backward_program
     assert fwd.runs_wide(128, 128, 64, 8, 132, None) and not fwd.runs_wide(128, 128, 8, 1, 132, None)
 
 
@@ -191,9 +192,10 @@ def test_precompile_compiles_the_wide_scan_where_a_call_runs_it():
     back = [c for c in many if c.part == "backward"]
     assert [(c.fused, c.shape.BV) for c in back] == [("wide", 128)]
     assert [(c.fused, c.shape.BV) for c in one if c.part == "backward"] == [("", 16)]  # (8 CTAs a V-block)
-    with fwd.launch_policy(backward_scan_roles="wide"):  # the same classes: "" is the plain scan there
-        assert shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, context_parallel=1, sms=132, training=True) == many
-    plain = shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, context_parallel=1, sms=132, training=True)
+    # by default ("wide") the same classes: "" is the plain scan there
+    assert shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, context_parallel=1, sms=132, training=True) == many
+    with fwd.launch_policy(backward_scan_roles=False):
+        plain = shape_classes("gdn", H=16, HV=64, K=128, n_seqs=8, context_parallel=1, sms=132, training=True)
     assert [c.fused for c in plain if c.part == "backward"] == [""]
 
 
