@@ -22,7 +22,7 @@ from test_backward_scan_roles import _replay as replay
 from test_fused_forward import _without
 
 # the delta rule's (a value role), and the gate-only ones' (the state role alone)
-SPECS = ["gdn", "delta_net", "simple_gla"]
+SPECS = ["gdn", "delta_net", "simple_gla", "retnet", "linear_attn"]  # (every spec whose scan runs it)
 LENS = [0, 1, 130, 400]  # a 1-token sequence, partial last chunks, 5 chunks in one sequence
 AT = {"C": 64, "K": 128, "V": 128, "BV": 128}
 
