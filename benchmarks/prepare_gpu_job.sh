@@ -17,10 +17,11 @@
 # experiments gpu_steps.txt runs (prep_variants.py, window_search_variants.py). --fused-training:
 # tests/test_gpu_fused_training.py's classes and the bench rows' training steps through the
 # fused training forward (qla-bench --backward --fused's qla-fused). --switches: what
-# gpu_steps.txt times and tests under the switches not yet on by default (QLA_BACKWARD_SCAN_ROLES=wide,
-# QLA_RECOMPUTE_PER_KEY=1, QLA_MORE_WARPGROUPS=gradients), and the whole-V scan tests' classes
-# (~15 minutes here). Two processes per step (this
-# machine's cores); a fresh cache directory each run, so the tar holds no stale kernels.
+# gpu_steps.txt times and tests under the switches that are off (QLA_RECOMPUTE_PER_KEY=1,
+# QLA_MORE_WARPGROUPS=gradients), the plain backward scan it compares the default's whole-V one
+# with (QLA_BACKWARD_SCAN_ROLES=0), and the whole-V scan tests' classes (~15 minutes here). Two
+# processes per step (this machine's cores); a fresh cache directory each run, so the tar holds
+# no stale kernels.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .gpu/enter.sh ] || { echo "no .gpu/: run bash ../shared/gpu/make-bundle.sh first" >&2; exit 1; }
@@ -63,7 +64,7 @@ for a in "$@"; do
                       sharded fused_training_bench env QLA_FUSED_FORWARD=1 QLA_FUSED_TRAINING=1 \
                           $PY benchmarks/precompile.py --bench \
                           --backward --rows $ROWS ;;
-    --switches) sharded roles env QLA_BACKWARD_SCAN_ROLES=wide $PY benchmarks/precompile.py --bench --backward \
+    --switches) sharded plain_scan env QLA_BACKWARD_SCAN_ROLES=0 $PY benchmarks/precompile.py --bench --backward \
                     --rows 16/64:8x4096 4/16:8x4096 2/8:8x4096 16/64:1x2048
                 sharded roles_tests $PY benchmarks/precompile.py --scan-roles-tests
                 sharded per_key env QLA_RECOMPUTE_PER_KEY=1 $PY benchmarks/precompile.py --per-key-tests --per-key-bench

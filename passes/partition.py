@@ -54,8 +54,9 @@ SHARE_DECAYS = os.environ.get("QLA_SHARE_DECAYS", "1") == "1"
 # out kernel as Q Kᵀ is, instead of 1.25 GiB of partials crossing memory twice at 16/64:8x4096.
 # On the H100 (benchmarks/NOTES.md, session 46) the GDN training step went 12.20 → 11.08 ms there
 # (the backward prep 2.36 → 1.29, the out kernel no slower: 5.29 → 5.25) and its peak 6280 → 5528
-# MiB. Not for per-key gates (GLA, KDA: their backward kernels regroup under it, not yet timed;
-# QLA_RECOMPUTE_PER_KEY=1 applies it to them too, to time it). QLA_RECOMPUTE_ON_LOADED=0 turns it
+# MiB. Not for per-key gates: QLA_RECOMPUTE_PER_KEY=1 applies it to them too, and KDA's training
+# step went 9.85 → 11.74 ms at 16/16:8x4096 (H100, NOTES session 47; its out kernels are bound by
+# their exponentials, not latency; GLA has no backward prep). QLA_RECOMPUTE_ON_LOADED=0 turns it
 # off (the generated source differs: both variants cache side by side).
 RECOMPUTE_ON_LOADED = os.environ.get("QLA_RECOMPUTE_ON_LOADED", "1") == "1"
 RECOMPUTE_PER_KEY = os.environ.get("QLA_RECOMPUTE_PER_KEY", "0") == "1"

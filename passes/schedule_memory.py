@@ -179,8 +179,9 @@ def threads_for(b: Builder, body: list) -> int:
 # 14.6 → 15.8; it sped KDA's and GLA's backward out kernels, but less than key blocks do
 # (schedule.KEY_BLOCKS). QLA_MORE_WARPGROUPS=1 turns it on (the generated source differs, so both
 # variants cache side by side).
-# QLA_MORE_WARPGROUPS=gradients applies it to a backward's out kernels alone (GDN's: latency-bound
-# at 8 warps an SM, session 44's ncu; not timed alone when the switch was).
+# QLA_MORE_WARPGROUPS=gradients applies it to a backward's out kernels alone: off too, GDN's
+# (latency-bound at 8 warps an SM, session 44's ncu) ran 5.26 → 5.76 ms at 16 warps (H100,
+# 16/64:8x4096, NOTES session 47).
 MORE_WARPGROUPS = os.environ.get("QLA_MORE_WARPGROUPS", "0") == "1"
 MORE_WARPGROUPS_GRADIENTS = os.environ.get("QLA_MORE_WARPGROUPS", "0") in ("1", "gradients")
 WARPS_ENOUGH = 16  # 4 a scheduler

@@ -147,9 +147,9 @@ def test_a_forward_walk_of_the_reverse_scan_is_wrong():
 
 def test_the_policy_picks_the_scan_with_roles_where_it_can():
     """Off by default at the narrow V-block (no faster than the plain scan on the H100, and it takes
-    no input's memory; by default only the whole-V one runs, test_backward_wide_scan.py); on, every call but a context-parallel one (its
-    window walks are the plain scan's) and GLA's (its entering states are kept in float32, which
-    the roles do not hand on) runs it."""
+    no input's memory; by default only the whole-V one runs, test_backward_wide_scan.py); on,
+    every call but a context-parallel one (its window walks are the plain scan's) and GLA's (its
+    entering states are kept in float32, which the roles do not hand on) runs it."""
     gdn, gla = (qla_compiler.compile_spec(s) for s in ("gdn", "gla"))
     assert not fwd.POLICY.backward_scan_roles
     assert bwd.backward_program_of(gdn) is gdn.backward_program
