@@ -32,6 +32,13 @@ SM_SHARED, CTA_RESERVED, SM_REGISTERS = 228 * 1024, 1024, 65536
 # allowed dynamic shared memory size"), which GLA's d v kernel at K = V = 256 did on the H100
 # (session 36) with 192 KB live at its peak and 256 KB as TileLang placed its blocks (packed_shared)
 CTA_SHARED_MAX = SM_SHARED - CTA_RESERVED
+# What place_loads leaves free below the shared memory a CTA may take at its kernel's CTAs an SM
+# (_room), for TileLang's allocator packing less tightly than live_shared counts
+ROOM_MARGIN = 8 * 1024
+# Blocks issued as early as the kernel's CTAs an SM leave room for (_room), not only under its
+# own peak. QLA_LOAD_ROOM=0 turns it off (the generated source differs: both variants cache side
+# by side).
+LOAD_ROOM = os.environ.get("QLA_LOAD_ROOM", "1") == "1"
 # packed_shared's alignment of every block: TileLang aligns a TMA-swizzled block to 1024 bytes
 PACK_ALIGN = 1024
 # registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
@@ -89,7 +96,8 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
 
     With `split_phase` (the default, SPLIT_PHASE_LOADS) vectors are loaded first, and a block (the chunk's
     rows of a per-token tensor, or the state entering the chunk) is a TMA copy in two phases:
-    issued as early as it fits under the kernel's peak of live shared memory, waited for right
+    issued as early as it fits under the kernel's peak of live shared memory, then earlier still
+    where the CTAs an SM the kernel runs leave each more than that peak (_room), waited for right
     before its first reader, so its latency overlaps the work in between. A partial chunk's rows
     past the sequence belong to the next one (TMA cannot mask them): they are zeroed after the
     wait. An issue after other work is marked `sync`: its memory may be what an earlier block
@@ -117,11 +125,71 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
     # a vector is 256 bytes: all of them first, their global latencies overlapping each other's
     vectors = [st for st in out if st.op == "load_vec"]
     out = vectors + [st for st in out if st.op != "load_vec"]
+    tight = _issued(b, out, issues)
+    room = _room(b, tight) if LOAD_ROOM else 0
+    if not room:
+        return tight
+    roomy = _earlier(b, tight, room)
+    return roomy if _asks(b, roomy) <= _share(_asks(b, tight)) - ROOM_MARGIN else tight
+
+
+def _issued(b: Builder, stmts: list, issues: list) -> list:
+    """`stmts` with each of the async `issues` placed as early as _earliest_issue allows."""
+    out = list(stmts)
     for issue in issues:
-        at = _earliest_issue(b, out, issue.dst)
-        after_work = any(not st.attr.get("async") for st in out[:at])
-        out.insert(at, Stmt(issue.op, issue.dst, issue.srcs, issue.attrs + ((("sync", True),) if after_work else ())))
+        _insert(out, _earliest_issue(b, out, issue.dst), issue)
     return out
+
+
+def _earlier(b: Builder, stmts: list, room: int) -> list:
+    """`stmts` with each async issue, in turn, moved up while its block fits under `room` as
+    well, up to the issue before it: never later than it was, the issues in their order."""
+    out = list(stmts)
+    for issue in [st for st in stmts if _issue(st)]:
+        at = next(i for i, st in enumerate(out) if st.op == issue.op and st.dst == issue.dst)
+        del out[at]
+        size, live = smem_bytes([b.buffers[issue.dst]], b.dims), live_shared(b.buffers, out, b.dims)
+        while at > 0 and live[at - 1] + size <= room and out[at - 1].op != "inverse" and not _issue(out[at - 1]):
+            at -= 1
+        _insert(out, at, Stmt(issue.op, issue.dst, issue.srcs, tuple(x for x in issue.attrs if x[0] != "sync")))
+    return out
+
+
+def _issue(st: Stmt) -> bool:
+    return st.op in ("load", "load_chunk_state") and bool(st.attr.get("async"))
+
+
+def _insert(stmts: list, at: int, issue: Stmt):
+    """Put the async `issue` at `at`, marked `sync` where other work comes before it."""
+    after_work = any(not st.attr.get("async") for st in stmts[:at])
+    stmts.insert(at, Stmt(issue.op, issue.dst, issue.srcs, issue.attrs + ((("sync", True),) if after_work else ())))
+
+
+def _asks(b: Builder, stmts: list) -> int:
+    """The shared memory a kernel of these statements takes: what is live at its peak, or as its
+    blocks are placed (packed_shared) where that is more."""
+    return max(max(live_shared(b.buffers, stmts, b.dims), default=0), packed_shared(b.buffers, stmts, b.dims))
+
+
+def _share(asks: int) -> int:
+    """The shared memory each CTA of a kernel that asks `asks` bytes may take without an SM
+    holding fewer of them (0 where not even one fits)."""
+    ctas = SM_SHARED // (asks + CTA_RESERVED)
+    return min(CTA_SHARED_MAX, SM_SHARED // ctas - CTA_RESERVED) if ctas else 0
+
+
+def _room(b: Builder, stmts: list) -> int:
+    """How much shared memory the blocks of the kernel of `stmts` (each issued under its own
+    peak) may have live once issued earlier: the SM's share for each of as many CTAs as the kernel
+    takes now (_share), less ROOM_MARGIN for TileLang's allocator packing less tightly than
+    live_shared counts, and within SMEM_BUDGET; 0 where that is no more than its peak. GDN's
+    backward out kernel peaks at 178 KB, one CTA an SM: its late block d o may be issued at the
+    start, where the peak alone left it to be loaded right before its reader, its latency in the
+    open. place_loads keeps the earlier issues only where the blocks, as placed (packed_shared),
+    still fit the share."""
+    peak = max(live_shared(b.buffers, stmts, b.dims), default=0)
+    room = min(SMEM_BUDGET, _share(_asks(b, stmts)) - ROOM_MARGIN)
+    return room if room > peak else 0
 
 
 def _earliest_issue(b: Builder, stmts: list, name: str) -> int:

@@ -15,11 +15,12 @@ import pytest
 
 import qla_compiler
 from qla_compiler.cli import main, parse_shape
+from qla_compiler.errors import PassError
 from qla_compiler.kernels.runtime import launch_shared_bytes, lower_to_cuda
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower, lower_kernel
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import schedule
-from qla_compiler.passes.schedule_memory import reads
+from qla_compiler.passes.schedule_memory import SMEM_BUDGET, reads
 from qla_compiler.specs import WITH_KERNELS as NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
@@ -507,6 +508,73 @@ def test_split_phase_loads_issue_early_and_wait_right_before_the_reader(name):
             order = [(s.op, s.dst) for s in kir.kernels[0].body]
             assert order.index(("load", "v_s")) > next(i for i, (op, _) in enumerate(order) if op == "inverse")
             assert order.index(("load", "k_s")) < order.index(("cumsum", "g_cum_s")), "k's load overlaps nothing"
+
+
+def _work_before_issues(k) -> dict:
+    """{block: the statements other than async issues before its load is issued} of a kernel."""
+    body, done = k.body, {}
+    for i, st in enumerate(k.body):
+        if st.op in ("load", "load_chunk_state") and st.attr.get("async"):
+            done[st.dst] = sum(not x.attr.get("async") for x in body[:i])
+    return done
+
+
+@pytest.mark.parametrize("tiles", [(128, 128), (256, 256)])
+def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch, tiles):
+    """schedule_memory._room: a parallel kernel's blocks are issued as early as the shared memory
+    its CTAs an SM leave each allows, not only under its own peak. Every block is issued no later
+    than under its peak alone, and no kernel of any spec takes so much more (as live or as placed)
+    that an SM holds fewer of its CTAs. GDN's backward out kernel (178 KB, one CTA an SM) issues
+    d o at the start, where under its peak it waited for it right before its reader."""
+    from qla_compiler.passes import schedule_memory
+    from qla_compiler.passes.schedule_memory import CTA_RESERVED, SM_SHARED
+
+    def kernels(room):
+        monkeypatch.setattr(schedule_memory, "LOAD_ROOM", room)
+        out = {}
+        for name in NAMES:
+            prog = qla_compiler.compile_spec(name)
+            progs = (prog,) if prog.backward_unsupported() else (prog, prog.backward_program)
+            for p in progs:
+                try:
+                    kir = schedule(p.stage("partition"), split_phase_loads=True, head_dims=tiles)
+                except PassError as err:  # (KDA's scan at K = V = 256: the pipeline takes blocks)
+                    out[p.chunk.name] = str(err)
+                    continue
+                out.update({k.name: k for k in kir.kernels if not k.loop})
+        return out
+
+    def ctas(k):
+        return SM_SHARED // (max(k.shared_peak, k.shared_packed) + CTA_RESERVED)
+
+    tight, roomy = kernels(False), kernels(True)
+    assert tight.keys() == roomy.keys()
+    moved = []
+    for name, k in roomy.items():
+        if isinstance(k, str):
+            assert k == tight[name]
+            continue
+        assert ctas(k) == ctas(tight[name]), f"{name}: {ctas(tight[name])} CTAs an SM under its peak, {ctas(k)} so"
+        early, late = _work_before_issues(k), _work_before_issues(tight[name])
+        assert early.keys() == late.keys() and all(early[x] <= late[x] for x in early), f"{name}: {early} {late}"
+        moved += [name] if early != late else []
+    if tiles == (128, 128):
+        assert "gdn_backward_out" in moved
+        out = roomy["gdn_backward_out"]
+        assert _work_before_issues(out)["d_o_s"] == 0 < _work_before_issues(tight["gdn_backward_out"])["d_o_s"]
+        assert tight["gdn_backward_out"].shared_peak < out.shared_peak <= SMEM_BUDGET
+
+
+def test_gdn_backward_out_kernel_with_early_blocks_fits_a_cta():
+    """What TileLang asks at launch for GDN's backward out kernel, its blocks issued early: more
+    than under its peak alone, within what one CTA may take."""
+    from qla_compiler.passes.schedule_memory import CTA_SHARED_MAX
+
+    backward = qla_compiler.compile_spec("gdn").backward_program
+    out = next(k for k in backward.kernels.kernels if k.name == "gdn_backward_out")
+    program = dataclasses.replace(backward, kernels=dataclasses.replace(backward.kernels, kernels=[out]))
+    asked = launch_shared_bytes(program, ShapeClass(H=2, HV=8, K=128, V=128, BV=64))["gdn_backward_out"]
+    assert 180 * 1024 < asked <= CTA_SHARED_MAX, asked
 
 
 def test_scan_waits_for_its_stores_only_before_reusing_their_blocks():
