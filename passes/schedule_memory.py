@@ -36,9 +36,11 @@ CTA_SHARED_MAX = SM_SHARED - CTA_RESERVED
 # (_room), for TileLang's allocator packing less tightly than live_shared counts
 ROOM_MARGIN = 8 * 1024
 # Blocks issued as early as the kernel's CTAs an SM leave room for (_room), not only under its
-# own peak. QLA_LOAD_ROOM=0 turns it off (the generated source differs: both variants cache side
-# by side).
-LOAD_ROOM = os.environ.get("QLA_LOAD_ROOM", "1") == "1"
+# own peak: "shared", the CTAs its shared memory allows; "registers", as its registers allow too
+# (ctas_per_sm's model). QLA_LOAD_ROOM=0 turns it off (the generated source differs: the
+# variants cache side by side).
+LOAD_ROOM = {"0": "", "1": "shared"}.get(os.environ.get("QLA_LOAD_ROOM", "shared"),
+                                         os.environ.get("QLA_LOAD_ROOM", "shared"))
 # packed_shared's alignment of every block: TileLang aligns a TMA-swizzled block to 1024 bytes
 PACK_ALIGN = 1024
 # registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
@@ -86,7 +88,7 @@ def _pad(load: Stmt) -> tuple:
     return (("pad", load.attr["pad"]),) if load.attr.get("pad") else ()
 
 
-def place_loads(b: Builder, body: list, split_phase: bool) -> list:
+def place_loads(b: Builder, body: list, split_phase: bool, threads: int = 0) -> list:
     """The parallel kernels' statements, with their loads placed by shared-memory liveness.
 
     Without `split_phase` each block is loaded through registers right before its first reader,
@@ -126,11 +128,12 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
     vectors = [st for st in out if st.op == "load_vec"]
     out = vectors + [st for st in out if st.op != "load_vec"]
     tight = _issued(b, out, issues)
-    room = _room(b, tight) if LOAD_ROOM else 0
+    threads = threads if LOAD_ROOM == "registers" else 0
+    room = _room(b, tight, threads) if LOAD_ROOM else 0
     if not room:
         return tight
     roomy = _earlier(b, tight, room)
-    return roomy if _asks(b, roomy) <= _share(_asks(b, tight)) - ROOM_MARGIN else tight
+    return roomy if _asks(b, roomy) <= _share(b, tight, threads) - ROOM_MARGIN else tight
 
 
 def _issued(b: Builder, stmts: list, issues: list) -> list:
@@ -171,14 +174,19 @@ def _asks(b: Builder, stmts: list) -> int:
     return max(max(live_shared(b.buffers, stmts, b.dims), default=0), packed_shared(b.buffers, stmts, b.dims))
 
 
-def _share(asks: int) -> int:
-    """The shared memory each CTA of a kernel that asks `asks` bytes may take without an SM
-    holding fewer of them (0 where not even one fits)."""
+def _share(b: Builder, stmts: list, threads: int) -> int:
+    """The shared memory each CTA of the kernel of `stmts` on `threads` threads may take without an
+    SM holding fewer of them than its shared memory and registers allow now (ctas_per_sm; without
+    `threads`, its shared memory alone), 0 where not even one fits. GDN's forward out kernel, 49 KB
+    and 150 registers a thread (ptxas): three CTAs an SM, 75 KB each."""
+    asks = _asks(b, stmts)
     ctas = SM_SHARED // (asks + CTA_RESERVED)
+    if ctas and threads:
+        ctas = ctas_per_sm(asks, live_fragments(b.buffers, stmts, b.dims), threads)
     return min(CTA_SHARED_MAX, SM_SHARED // ctas - CTA_RESERVED) if ctas else 0
 
 
-def _room(b: Builder, stmts: list) -> int:
+def _room(b: Builder, stmts: list, threads: int) -> int:
     """How much shared memory the blocks of the kernel of `stmts` (each issued under its own
     peak) may have live once issued earlier: the SM's share for each of as many CTAs as the kernel
     takes now (_share), less ROOM_MARGIN for TileLang's allocator packing less tightly than
@@ -188,7 +196,7 @@ def _room(b: Builder, stmts: list) -> int:
     open. place_loads keeps the earlier issues only where the blocks, as placed (packed_shared),
     still fit the share."""
     peak = max(live_shared(b.buffers, stmts, b.dims), default=0)
-    room = min(SMEM_BUDGET, _share(_asks(b, stmts)) - ROOM_MARGIN)
+    room = min(SMEM_BUDGET, _share(b, stmts, threads) - ROOM_MARGIN)
     return room if room > peak else 0
 
 

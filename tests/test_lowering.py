@@ -520,14 +520,16 @@ def _work_before_issues(k) -> dict:
 
 
 @pytest.mark.parametrize("tiles", [(128, 128), (256, 256)])
-def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch, tiles):
+@pytest.mark.parametrize("mode", ["shared", "registers"])
+def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch, tiles, mode):
     """schedule_memory._room: a parallel kernel's blocks are issued as early as the shared memory
     its CTAs an SM leave each allows, not only under its own peak. Every block is issued no later
     than under its peak alone, and no kernel of any spec takes so much more (as live or as placed)
-    that an SM holds fewer of its CTAs. GDN's backward out kernel (178 KB, one CTA an SM) issues
-    d o at the start, where under its peak it waited for it right before its reader."""
+    that an SM holds fewer of its CTAs (by its shared memory, or with "registers" by ctas_per_sm's
+    model of both). GDN's backward out kernel (178 KB, one CTA an SM) issues d o at the start,
+    where under its peak it waited for it right before its reader."""
     from qla_compiler.passes import schedule_memory
-    from qla_compiler.passes.schedule_memory import CTA_RESERVED, SM_SHARED
+    from qla_compiler.passes.schedule_memory import CTA_RESERVED, SM_SHARED, ctas_per_sm
 
     def kernels(room):
         monkeypatch.setattr(schedule_memory, "LOAD_ROOM", room)
@@ -545,9 +547,12 @@ def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch
         return out
 
     def ctas(k):
-        return SM_SHARED // (max(k.shared_peak, k.shared_packed) + CTA_RESERVED)
+        asks = max(k.shared_peak, k.shared_packed)
+        if mode == "registers":
+            return ctas_per_sm(asks, k.fragment_peak * 4 * k.threads, k.threads)
+        return SM_SHARED // (asks + CTA_RESERVED)
 
-    tight, roomy = kernels(False), kernels(True)
+    tight, roomy = kernels(""), kernels(mode)
     assert tight.keys() == roomy.keys()
     moved = []
     for name, k in roomy.items():
@@ -559,7 +564,7 @@ def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch
         assert early.keys() == late.keys() and all(early[x] <= late[x] for x in early), f"{name}: {early} {late}"
         moved += [name] if early != late else []
     if tiles == (128, 128):
-        assert "gdn_backward_out" in moved
+        assert "gdn_backward_out" in moved and ("gdn_out" in moved) == (mode == "registers")
         out = roomy["gdn_backward_out"]
         assert _work_before_issues(out)["d_o_s"] == 0 < _work_before_issues(tight["gdn_backward_out"])["d_o_s"]
         assert tight["gdn_backward_out"].shared_peak < out.shared_peak <= SMEM_BUDGET
