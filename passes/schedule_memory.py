@@ -44,8 +44,10 @@ LOAD_ROOM = {"0": "", "1": "shared"}.get(os.environ.get("QLA_LOAD_ROOM", "shared
 # The blocks a kernel issues at one place, issued in the order they are needed (the first reader's
 # block first), not the reverse: eight issued at the start of GDN's backward out kernel (168 KB)
 # take ~7 µs to arrive at one SM's share of the bandwidth, and its first product needs only k (the
-# block issued last before). QLA_ISSUE_ORDER=reverse restores the old order.
-ISSUE_IN_ORDER = os.environ.get("QLA_ISSUE_ORDER", "need") == "need"
+# block issued last). QLA_ISSUE_ORDER=need, an experiment, off: TileLang then places some kernels'
+# blocks less tightly than packed_shared counts (GLA's d v kernel at K = V = 256: 192 KB counted,
+# 256 asked at launch, over what a CTA may take), so the model must follow it first.
+ISSUE_IN_ORDER = os.environ.get("QLA_ISSUE_ORDER", "reverse") == "need"
 # packed_shared's alignment of every block: TileLang aligns a TMA-swizzled block to 1024 bytes
 PACK_ALIGN = 1024
 # registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
