@@ -236,7 +236,7 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict, key_block: int 
                             ("cumsum", "chunk-local cumulative gates"),
                             ("matmul", "the matmuls built on the inverse" if on_inverse else
                              None if inverses else "the per-token matmuls")) if op in ops and w]
-    body = place_loads(b, b.body + stores, split_phase, threads_for(b, b.body + stores))
+    body = place_loads(b, b.body + stores, split_phase)
     peak, fragments = max(live_shared(b.buffers, body, dims), default=0), live_fragments(b.buffers, body, dims)
     threads = more_warpgroups(threads_for(b, body), peak, fragments)
     # the inverse's sweeps and merges wait on shared memory (short_sb stalls, H200 ncu): a prep

@@ -35,19 +35,11 @@ CTA_SHARED_MAX = SM_SHARED - CTA_RESERVED
 # What place_loads leaves free below the shared memory a CTA may take at its kernel's CTAs an SM
 # (_room), for TileLang's allocator packing less tightly than live_shared counts
 ROOM_MARGIN = 8 * 1024
-# Blocks issued as early as the kernel's CTAs an SM leave room for (_room), not only under its
-# own peak: "shared", the CTAs its shared memory allows; "registers", as its registers allow too
-# (ctas_per_sm's model). QLA_LOAD_ROOM=0 turns it off (the generated source differs: the
-# variants cache side by side).
-LOAD_ROOM = {"0": "", "1": "shared"}.get(os.environ.get("QLA_LOAD_ROOM", "shared"),
-                                         os.environ.get("QLA_LOAD_ROOM", "shared"))
-# The blocks a kernel issues at one place, issued in the order they are needed (the first reader's
-# block first), not the reverse: eight issued at the start of GDN's backward out kernel (168 KB)
-# take ~7 µs to arrive at one SM's share of the bandwidth, and its first product needs only k (the
-# block issued last). QLA_ISSUE_ORDER=need, an experiment, off: TileLang then places some kernels'
-# blocks less tightly than packed_shared counts (GLA's d v kernel at K = V = 256: 192 KB counted,
-# 256 asked at launch, over what a CTA may take), so the model must follow it first.
-ISSUE_IN_ORDER = os.environ.get("QLA_ISSUE_ORDER", "reverse") == "need"
+# Blocks issued as early as the CTAs an SM its shared memory allows leave room for (_room), not
+# only under the kernel's own peak: GDN's backward out kernel 5.31 → 4.54 ms, its training step
+# 10.44 → 9.65 ms (H100, 16/64:8x4096; NOTES session 48). QLA_LOAD_ROOM=0 turns it off (the
+# generated source differs: both variants cache side by side).
+LOAD_ROOM = os.environ.get("QLA_LOAD_ROOM", "1") == "1"
 # packed_shared's alignment of every block: TileLang aligns a TMA-swizzled block to 1024 bytes
 PACK_ALIGN = 1024
 # registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
@@ -95,7 +87,7 @@ def _pad(load: Stmt) -> tuple:
     return (("pad", load.attr["pad"]),) if load.attr.get("pad") else ()
 
 
-def place_loads(b: Builder, body: list, split_phase: bool, threads: int = 0) -> list:
+def place_loads(b: Builder, body: list, split_phase: bool) -> list:
     """The parallel kernels' statements, with their loads placed by shared-memory liveness.
 
     Without `split_phase` each block is loaded through registers right before its first reader,
@@ -135,24 +127,18 @@ def place_loads(b: Builder, body: list, split_phase: bool, threads: int = 0) -> 
     vectors = [st for st in out if st.op == "load_vec"]
     out = vectors + [st for st in out if st.op != "load_vec"]
     tight = _issued(b, out, issues)
-    threads = threads if LOAD_ROOM == "registers" else 0
-    room = _room(b, tight, threads) if LOAD_ROOM else 0
+    room = _room(b, tight) if LOAD_ROOM else 0
     if not room:
         return tight
     roomy = _earlier(b, tight, room)
-    return roomy if _asks(b, roomy) <= _share(b, tight, threads) - ROOM_MARGIN else tight
+    return roomy if _asks(b, roomy) <= _share(_asks(b, tight)) - ROOM_MARGIN else tight
 
 
 def _issued(b: Builder, stmts: list, issues: list) -> list:
-    """`stmts` with each of the async `issues` (in the order of their first readers) placed as
-    early as _earliest_issue allows; with ISSUE_IN_ORDER after the issues already there, so that
-    the blocks are issued in the order they are needed."""
+    """`stmts` with each of the async `issues` placed as early as _earliest_issue allows."""
     out = list(stmts)
     for issue in issues:
-        at = _earliest_issue(b, out, issue.dst)
-        while ISSUE_IN_ORDER and _issue(out[at]):
-            at += 1
-        _insert(out, at, issue)
+        _insert(out, _earliest_issue(b, out, issue.dst), issue)
     return out
 
 
@@ -186,19 +172,16 @@ def _asks(b: Builder, stmts: list) -> int:
     return max(max(live_shared(b.buffers, stmts, b.dims), default=0), packed_shared(b.buffers, stmts, b.dims))
 
 
-def _share(b: Builder, stmts: list, threads: int) -> int:
-    """The shared memory each CTA of the kernel of `stmts` on `threads` threads may take without an
-    SM holding fewer of them than its shared memory and registers allow now (ctas_per_sm; without
-    `threads`, its shared memory alone), 0 where not even one fits. GDN's forward out kernel, 49 KB
-    and 150 registers a thread (ptxas): three CTAs an SM, 75 KB each."""
-    asks = _asks(b, stmts)
+def _share(asks: int) -> int:
+    """The shared memory each CTA of a kernel that asks `asks` bytes may take without an SM
+    holding fewer of them (0 where not even one fits). Its registers may allow fewer CTAs, and so
+    more each: counting them (ctas_per_sm's model) moved GDN's forward prep's and out kernel's
+    loads and gained nothing (H100, session 48)."""
     ctas = SM_SHARED // (asks + CTA_RESERVED)
-    if ctas and threads:
-        ctas = ctas_per_sm(asks, live_fragments(b.buffers, stmts, b.dims), threads)
     return min(CTA_SHARED_MAX, SM_SHARED // ctas - CTA_RESERVED) if ctas else 0
 
 
-def _room(b: Builder, stmts: list, threads: int) -> int:
+def _room(b: Builder, stmts: list) -> int:
     """How much shared memory the blocks of the kernel of `stmts` (each issued under its own
     peak) may have live once issued earlier: the SM's share for each of as many CTAs as the kernel
     takes now (_share), less ROOM_MARGIN for TileLang's allocator packing less tightly than
@@ -208,7 +191,7 @@ def _room(b: Builder, stmts: list, threads: int) -> int:
     open. place_loads keeps the earlier issues only where the blocks, as placed (packed_shared),
     still fit the share."""
     peak = max(live_shared(b.buffers, stmts, b.dims), default=0)
-    room = min(SMEM_BUDGET, _share(b, stmts, threads) - ROOM_MARGIN)
+    room = min(SMEM_BUDGET, _share(_asks(b, stmts)) - ROOM_MARGIN)
     return room if room > peak else 0
 
 

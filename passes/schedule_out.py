@@ -245,7 +245,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     # (with running sums it keeps two warpgroups: KDA's d q, d k, d v kernel, 224 fragment registers
     # a thread on one, spilled 472 bytes at 255; on two, 112)
     threads = 2 * THREADS if running else threads_for(b, body)
-    placed = place_loads(b, body, split_phase, threads)
+    placed = place_loads(b, body, split_phase)
     peak, fragments = max(live_shared(b.buffers, placed, dims), default=0), live_fragments(b.buffers, placed, dims)
     threads = more_warpgroups(threads, peak, fragments, MORE_WARPGROUPS_GRADIENTS if gradients else MORE_WARPGROUPS)
     # a kernel on key blocks asks ptxas for the CTAs an SM the blocks were chosen for (_key_block):

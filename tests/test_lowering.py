@@ -521,16 +521,14 @@ def _work_before_issues(k) -> dict:
 
 
 @pytest.mark.parametrize("tiles", [(128, 128), (256, 256)])
-@pytest.mark.parametrize("mode", ["shared", "registers"])
-def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch, tiles, mode):
+def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch, tiles):
     """schedule_memory._room: a parallel kernel's blocks are issued as early as the shared memory
     its CTAs an SM leave each allows, not only under its own peak. Every block is issued no later
     than under its peak alone, and no kernel of any spec takes so much more (as live or as placed)
-    that an SM holds fewer of its CTAs (by its shared memory, or with "registers" by ctas_per_sm's
-    model of both). GDN's backward out kernel (178 KB, one CTA an SM) issues d o at the start,
-    where under its peak it waited for it right before its reader."""
+    that an SM holds fewer of its CTAs. GDN's backward out kernel (178 KB, one CTA an SM) issues
+    d o at the start, where under its peak it waited for it right before its reader."""
     from qla_compiler.passes import schedule_memory
-    from qla_compiler.passes.schedule_memory import CTA_RESERVED, SM_SHARED, ctas_per_sm
+    from qla_compiler.passes.schedule_memory import CTA_RESERVED, SM_SHARED
 
     def kernels(room):
         monkeypatch.setattr(schedule_memory, "LOAD_ROOM", room)
@@ -548,12 +546,9 @@ def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch
         return out
 
     def ctas(k):
-        asks = max(k.shared_peak, k.shared_packed)
-        if mode == "registers":
-            return ctas_per_sm(asks, k.fragment_peak * 4 * k.threads, k.threads)
-        return SM_SHARED // (asks + CTA_RESERVED)
+        return SM_SHARED // (max(k.shared_peak, k.shared_packed) + CTA_RESERVED)
 
-    tight, roomy = kernels(""), kernels(mode)
+    tight, roomy = kernels(False), kernels(True)
     assert tight.keys() == roomy.keys()
     moved = []
     for name, k in roomy.items():
@@ -565,7 +560,7 @@ def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch
         assert early.keys() == late.keys() and all(early[x] <= late[x] for x in early), f"{name}: {early} {late}"
         moved += [name] if early != late else []
     if tiles == (128, 128):
-        assert "gdn_backward_out" in moved and ("gdn_out" in moved) == (mode == "registers")
+        assert "gdn_backward_out" in moved
         out = roomy["gdn_backward_out"]
         assert _work_before_issues(out)["d_o_s"] == 0 < _work_before_issues(tight["gdn_backward_out"])["d_o_s"]
         assert tight["gdn_backward_out"].shared_peak < out.shared_peak <= SMEM_BUDGET
@@ -898,18 +893,15 @@ def test_kernels_short_of_warps_take_twice_their_warpgroups_when_asked():
     assert "__launch_bounds__(512, 1)" in src
 
 
-def test_a_kernel_whose_blocks_do_not_pack_is_over_budget(monkeypatch):
-    """schedule_memory.packed_shared: GLA's d v kernel at K = V = 256, its blocks issued in the
-    reverse of the order they are needed (the default: ISSUE_IN_ORDER off), has 192 KB live at
-    its peak, but the entering d S (128 KB) comes after g_cum, k and q have left holes of 96 KB, so TileLang
+def test_a_kernel_whose_blocks_do_not_pack_is_over_budget(ops):
+    """schedule_memory.packed_shared: GLA's d v kernel at K = V = 256 has 192 KB live at its peak,
+    but the entering d S (128 KB) comes after g_cum, k and q have left holes of 96 KB, so TileLang
     places it on top and the kernel asks 256 KB at launch, more than a CTA may (the H100 refused
     it, session 36). The schedule counts the blocks as placed: the kernel is over the budget, and
     the backward takes V on column blocks of 128, where every kernel asks at most what a CTA may."""
-    from qla_compiler.passes import schedule_memory
     from qla_compiler.passes.schedule_memory import CTA_SHARED_MAX
 
-    monkeypatch.setattr(schedule_memory, "ISSUE_IN_ORDER", False)
-    wide = qla_compiler.compile_spec("gla").scheduled_for((256, 256))
+    wide = ops["gla"].program.scheduled_for((256, 256))
     d_v = next(k for k in wide.backward_program.kernels.kernels if k.name == "gla_backward_out_d_v")
     assert (d_v.shared_peak, d_v.shared_packed) == (192 * 1024, 256 * 1024)
     assert "shared ≤ 192 KB (256 KB as placed)" in str(d_v)
