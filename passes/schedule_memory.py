@@ -127,11 +127,12 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
     vectors = [st for st in out if st.op == "load_vec"]
     out = vectors + [st for st in out if st.op != "load_vec"]
     tight = _issued(b, out, issues)
-    room = _room(b, tight) if LOAD_ROOM else 0
+    share = _share(_asks(b, tight)) if LOAD_ROOM else 0
+    room = _room(b, tight, share)
     if not room:
         return tight
     roomy = _earlier(b, tight, room)
-    return roomy if _asks(b, roomy) <= _share(_asks(b, tight)) - ROOM_MARGIN else tight
+    return roomy if _asks(b, roomy) <= share - ROOM_MARGIN else tight
 
 
 def _issued(b: Builder, stmts: list, issues: list) -> list:
@@ -157,6 +158,7 @@ def _earlier(b: Builder, stmts: list, room: int) -> list:
 
 
 def _issue(st: Stmt) -> bool:
+    """Whether `st` issues a block's split-phase load."""
     return st.op in ("load", "load_chunk_state") and bool(st.attr.get("async"))
 
 
@@ -181,17 +183,17 @@ def _share(asks: int) -> int:
     return min(CTA_SHARED_MAX, SM_SHARED // ctas - CTA_RESERVED) if ctas else 0
 
 
-def _room(b: Builder, stmts: list) -> int:
+def _room(b: Builder, stmts: list, share: int) -> int:
     """How much shared memory the blocks of the kernel of `stmts` (each issued under its own
-    peak) may have live once issued earlier: the SM's share for each of as many CTAs as the kernel
-    takes now (_share), less ROOM_MARGIN for TileLang's allocator packing less tightly than
+    peak) may have live once issued earlier: `share`, the SM's share for each of as many CTAs as
+    the kernel takes now (_share), less ROOM_MARGIN for TileLang's allocator packing less tightly than
     live_shared counts, and within SMEM_BUDGET; 0 where that is no more than its peak. GDN's
     backward out kernel peaks at 178 KB, one CTA an SM: its late block d o may be issued at the
     start, where the peak alone left it to be loaded right before its reader, its latency in the
     open. place_loads keeps the earlier issues only where the blocks, as placed (packed_shared),
     still fit the share."""
     peak = max(live_shared(b.buffers, stmts, b.dims), default=0)
-    room = min(SMEM_BUDGET, _share(_asks(b, stmts)) - ROOM_MARGIN)
+    room = min(SMEM_BUDGET, share - ROOM_MARGIN)
     return room if room > peak else 0
 
 

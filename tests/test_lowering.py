@@ -20,7 +20,7 @@ from qla_compiler.kernels.runtime import launch_shared_bytes, lower_to_cuda
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower, lower_kernel
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import schedule
-from qla_compiler.passes.schedule_memory import SMEM_BUDGET, reads
+from qla_compiler.passes.schedule_memory import HEAD_DIMS, SMEM_BUDGET, reads
 from qla_compiler.specs import WITH_KERNELS as NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
@@ -435,11 +435,12 @@ def _vector_copy(k, st) -> bool:
     return st.op == "ewise" and buf is not None and buf.scope == "fragment" and len(buf.shape) == 1
 
 
-def _scheduled(prog, split_phase: bool):
+def _scheduled(prog, split_phase: bool, head_dims: tuple = HEAD_DIMS):
     """The kernels of the program and of its backward (where it has them: not yet a per-key
-    gate's), with or without split-phase loads (the default is schedule.SPLIT_PHASE_LOADS)."""
+    gate's), with or without split-phase loads (the default is schedule.SPLIT_PHASE_LOADS), at
+    head-dim tiles `head_dims`."""
     progs = (prog,) if prog.backward_unsupported() else (prog, prog.backward_program)
-    return [schedule(p.stage("partition"), split_phase_loads=split_phase) for p in progs]
+    return [schedule(p.stage("partition"), split_phase_loads=split_phase, head_dims=head_dims) for p in progs]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -534,15 +535,12 @@ def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch
         monkeypatch.setattr(schedule_memory, "LOAD_ROOM", room)
         out = {}
         for name in NAMES:
-            prog = qla_compiler.compile_spec(name)
-            progs = (prog,) if prog.backward_unsupported() else (prog, prog.backward_program)
-            for p in progs:
-                try:
-                    kir = schedule(p.stage("partition"), split_phase_loads=True, head_dims=tiles)
-                except PassError as err:  # (KDA's scan at K = V = 256: the pipeline takes blocks)
-                    out[p.chunk.name] = str(err)
-                    continue
-                out.update({k.name: k for k in kir.kernels if not k.loop})
+            try:
+                kirs = _scheduled(qla_compiler.compile_spec(name), True, tiles)
+            except PassError as err:  # (KDA's scan at K = V = 256: the pipeline takes blocks)
+                out[name] = str(err)
+                continue
+            out.update({k.name: k for kir in kirs for k in kir.kernels if not k.loop})
         return out
 
     def ctas(k):
