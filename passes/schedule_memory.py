@@ -40,6 +40,15 @@ ROOM_MARGIN = 8 * 1024
 # 10.44 → 9.65 ms (H100, 16/64:8x4096; NOTES session 48). QLA_LOAD_ROOM=0 turns it off (the
 # generated source differs: both variants cache side by side).
 LOAD_ROOM = os.environ.get("QLA_LOAD_ROOM", "1") == "1"
+# Blocks issued a few at a time in the order their readers need them, each as its wait for the
+# block LOAD_LOOKAHEAD earlier in that order begins (the first LOAD_LOOKAHEAD at the start),
+# instead of as early as the shared memory allows (_issued, _room). A CTA that issues all of its
+# blocks at once has them land together (the TMA unit serves the copies side by side: session 48
+# issued GDN's backward out kernel's in need order, all at the start, and it ran no faster), so its
+# first product waits for nearly all of them; a few in flight land the first block sooner and keep
+# the rest streaming in under the work. QLA_LOAD_LOOKAHEAD=L turns it on; 0 (the default) keeps
+# the early issues (the generated source differs: both variants cache side by side).
+LOAD_LOOKAHEAD = int(os.environ.get("QLA_LOAD_LOOKAHEAD", "0"))
 # packed_shared's alignment of every block: TileLang aligns a TMA-swizzled block to 1024 bytes
 PACK_ALIGN = 1024
 # registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
@@ -129,10 +138,11 @@ def place_loads(b: Builder, body: list, split_phase: bool) -> list:
     tight = _issued(b, out, issues)
     share = _share(_asks(b, tight)) if LOAD_ROOM else 0
     room = _room(b, tight, share)
-    if not room:
-        return tight
-    roomy = _earlier(b, tight, room)
-    return roomy if _asks(b, roomy) <= share - ROOM_MARGIN else tight
+    placed = tight
+    if room:
+        roomy = _earlier(b, tight, room)
+        placed = roomy if _asks(b, roomy) <= share - ROOM_MARGIN else tight
+    return _looking_ahead(b, placed, LOAD_LOOKAHEAD) if LOAD_LOOKAHEAD > 0 else placed
 
 
 def _issued(b: Builder, stmts: list, issues: list) -> list:
@@ -140,6 +150,26 @@ def _issued(b: Builder, stmts: list, issues: list) -> list:
     out = list(stmts)
     for issue in issues:
         _insert(out, _earliest_issue(b, out, issue.dst), issue)
+    return out
+
+
+def _looking_ahead(b: Builder, stmts: list, lookahead: int) -> list:
+    """`stmts` with each async issue moved down, where it comes earlier, to right before the wait
+    for the block `lookahead` places before it in the order of their waits: no more than
+    `lookahead` blocks in flight ahead of the one a reader waits for (LOAD_LOOKAHEAD). An issue only
+    moves later, so no more is live at any statement than before. A moved issue has a barrier
+    first only where a shared block's life has ended before it (memory TileLang may give it):
+    otherwise nothing can be reading its memory, and a barrier would only hold every warp up."""
+    order = [st.dst for st in stmts if st.op == "wait_load"]
+    out = list(stmts)
+    for i, name in enumerate(order[lookahead:], start=lookahead):
+        at = next(j for j, st in enumerate(out) if _issue(st) and st.dst == name)
+        anchor = next(j for j, st in enumerate(out) if st.op == "wait_load" and st.dst == order[i - lookahead])
+        if at < anchor:
+            issue = out.pop(at)
+            ended = any(last < anchor - 1 for _, last in _lifetimes(b.buffers, out, "shared").values())
+            out.insert(anchor - 1, Stmt(issue.op, issue.dst, issue.srcs,
+                                        tuple(x for x in issue.attrs if x[0] != "sync") + ((("sync", True),) if ended else ())))
     return out
 
 

@@ -531,6 +531,8 @@ def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch
     from qla_compiler.passes import schedule_memory
     from qla_compiler.passes.schedule_memory import CTA_RESERVED, SM_SHARED
 
+    monkeypatch.setattr(schedule_memory, "LOAD_LOOKAHEAD", 0)
+
     def kernels(room):
         monkeypatch.setattr(schedule_memory, "LOAD_ROOM", room)
         out = {}
@@ -562,6 +564,43 @@ def test_blocks_are_issued_as_early_as_the_ctas_an_sm_leave_room_for(monkeypatch
         out = roomy["gdn_backward_out"]
         assert _work_before_issues(out)["d_o_s"] == 0 < _work_before_issues(tight["gdn_backward_out"])["d_o_s"]
         assert tight["gdn_backward_out"].shared_peak < out.shared_peak <= SMEM_BUDGET
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_blocks_issued_a_few_ahead_of_their_readers(monkeypatch, lookahead):
+    """schedule_memory.LOAD_LOOKAHEAD: when a reader waits for a block, at most `lookahead` more
+    blocks have been issued and not yet waited for; no block is issued earlier than by default
+    (so no kernel takes more shared memory), and the first `lookahead` blocks in need order are
+    issued where the default issues them; an issue without a barrier before it comes before the
+    end of every shared block's life (no memory it could be given is still being read). GDN's
+    backward out kernel then issues its last blocks after work it issued them before."""
+    from qla_compiler.passes import schedule_memory
+    from qla_compiler.passes.schedule_memory import _lifetimes
+
+    def kernels(n):
+        monkeypatch.setattr(schedule_memory, "LOAD_LOOKAHEAD", n)
+        return {k.name: k for name in NAMES for kir in _scheduled(qla_compiler.compile_spec(name), True)
+                for k in kir.kernels if not k.loop}
+
+    default, ahead = kernels(0), kernels(lookahead)
+    assert default.keys() == ahead.keys()
+    for name, k in ahead.items():
+        in_flight = set()
+        lives = _lifetimes({b.name: b for b in k.buffers}, k.body, "shared")
+        for i, st in enumerate(k.body):
+            if st.op in ("load", "load_chunk_state") and st.attr.get("async"):
+                in_flight.add(st.dst)
+                assert st.attr.get("sync") or all(last >= i for _, last in lives.values()), f"{name}: {st} unguarded"
+            elif st.op == "wait_load":
+                assert len(in_flight - {st.dst}) <= lookahead, f"{name}: {sorted(in_flight)} in flight at {st}"
+                in_flight.discard(st.dst)
+        early, late = _work_before_issues(default[name]), _work_before_issues(k)
+        assert early.keys() == late.keys() and all(early[x] <= late[x] for x in early), f"{name}: {early} {late}"
+        first = [st.dst for st in k.body if st.op == "wait_load"][:lookahead]
+        assert all(early[x] == late[x] for x in first), f"{name}: {first} moved"
+        assert k.shared_peak <= default[name].shared_peak
+    out = "gdn_backward_out"
+    assert _work_before_issues(ahead[out])["d_o_s"] > _work_before_issues(default[out])["d_o_s"] == 0
 
 
 def test_gdn_backward_out_kernel_with_early_blocks_fits_a_cta():
