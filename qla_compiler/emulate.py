@@ -30,7 +30,8 @@ class KernelEmulator:
         """op: a CompiledOp; cu_seqlens: the whole sequences'; scale: the op's scale; rounding: the
         io dtype whose rounding the buffers get as on the GPU (ir/kernel_interp.Sizes), None for
         exact. `calls` lists (kernel, value width) in launch order; `seen[kernel]` holds copies of
-        the tensors the last launch of that kernel read and wrote; `programs` and `shapes`, what
+        the tensors the last launch of that kernel read (as they were before it ran: an output may
+        be written in an input's memory, Tensor.reuses) and wrote; `programs` and `shapes`, what
         each launch compiled for."""
         self.op, self.cu, self.scale, self.rounding = op, cu_seqlens, scale, rounding
         self.calls, self.programs, self.shapes, self.seen = [], [], [], {}
@@ -46,8 +47,10 @@ class KernelEmulator:
         def run(*args):
             assert len(args) == len(kernel.params)
             self.calls.append((kernel.name, shape.V))
+            read = {p.name: x.clone() for p, x in zip(kernel.params, args) if p.role == "in"}
             run_kernel(kernel, {p.name: x for p, x in zip(kernel.params, args)}, sizes, shape.scale_value)
-            self.seen[kernel.name] = {p.name: x.clone() for p, x in zip(kernel.params, args)}
+            self.seen[kernel.name] = {p.name: read[p.name] if p.role == "in" else x.clone()
+                                      for p, x in zip(kernel.params, args)}
         return run
 
 

@@ -150,6 +150,27 @@ def test_a_step_gives_the_gradients_of_one_that_allocates_every_output(spec, K, 
         assert not _shared(fresh_emu.ptrs[kernel], reuses), kernel
 
 
+@pytest.mark.parametrize("spec, K, V", [("kda", 16, 48), ("gdn", 64, 64)])
+def test_the_emulator_records_an_input_as_its_kernel_read_it(spec, K, V, monkeypatch):
+    """`KernelEmulator.seen` holds each input as its kernel read it, also where an output took the
+    input's memory: tests/test_gpu_kernels.py feeds each GPU kernel what the emulator's read. A
+    copy made after the launch handed KDA's scan its own d v_new as d v_new's intra-chunk part
+    (its d S 7–18 % off the emulator's on the H100, session 49), and GDN's out kernel its d v as
+    d v_new."""
+    op = qla_compiler.compile(spec, target="sm90")
+    args = random_inputs(op, T=278, H=1, HV=2, K=K, V=V, cu_seqlens=[0, 1, 201, 278], initial_state=True,
+                         dtype=torch.bfloat16)
+    _, emu = _step(op, args, monkeypatch)
+    kernels = op.program.backward_program.kernels.kernels
+    shared = [(k.name, p.name, p.reuses) for k in kernels for p in k.params
+              if p.reuses and _shared(emu.ptrs[k.name], {p.name: p.reuses})]
+    assert shared, "no output took an input's memory"
+    for kernel, out, taken in shared:
+        writer = next(k.name for k in kernels if any(p.name == taken and p.role == "out" for p in k.params))
+        assert torch.equal(emu.seen[kernel][taken], emu.seen[writer][taken]), (kernel, taken)
+        assert not torch.equal(emu.seen[kernel][taken], emu.seen[kernel][out]), (kernel, out)
+
+
 @pytest.mark.parametrize("spec", ["gdn", "kda"])
 def test_tensors_are_released_after_their_last_reader(spec, monkeypatch):
     """What the backward's scan alone reads (the prep's W and d v_new's intra-chunk part) is
