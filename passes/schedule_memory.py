@@ -41,14 +41,17 @@ ROOM_MARGIN = 8 * 1024
 # generated source differs: both variants cache side by side).
 LOAD_ROOM = os.environ.get("QLA_LOAD_ROOM", "1") == "1"
 # Blocks issued a few at a time in the order their readers need them, each as its wait for the
-# block LOAD_LOOKAHEAD earlier in that order begins (the first LOAD_LOOKAHEAD at the start),
-# instead of as early as the shared memory allows (_issued, _room). A CTA that issues all of its
-# blocks at once has them land together (the TMA unit serves the copies side by side: session 48
-# issued GDN's backward out kernel's in need order, all at the start, and it ran no faster), so its
-# first product waits for nearly all of them; a few in flight land the first block sooner and keep
-# the rest streaming in under the work. QLA_LOAD_LOOKAHEAD=L turns it on; 0 (the default) keeps
-# the early issues (the generated source differs: both variants cache side by side).
-LOAD_LOOKAHEAD = int(os.environ.get("QLA_LOAD_LOOKAHEAD", "0"))
+# block LOAD_LOOKAHEAD earlier in that order begins (the first LOAD_LOOKAHEAD where the default
+# puts them), instead of as early as the shared memory allows (_issued, _room): the first block
+# lands sooner where fewer copies share the SM's bandwidth, the rest stream in under the work.
+# H100 (NOTES session 49), GDN's backward out kernel at 16/64:8x4096: 4.56 ms by default, 4.92 at
+# L = 1 (each block lands just in time), 4.52 at 2, 4.41 at 3; the wait for the first block is
+# little of that kernel's time. QLA_LOAD_LOOKAHEAD=L turns it on; 0 (the default) keeps the early
+# issues (the generated source differs: both variants cache side by side).
+LOAD_LOOKAHEAD = os.environ.get("QLA_LOAD_LOOKAHEAD", "0")
+if not LOAD_LOOKAHEAD.isdigit():
+    raise ValueError(f"QLA_LOAD_LOOKAHEAD={LOAD_LOOKAHEAD!r}: expected a count of blocks (0 turns it off)")
+LOAD_LOOKAHEAD = int(LOAD_LOOKAHEAD)
 # packed_shared's alignment of every block: TileLang aligns a TMA-swizzled block to 1024 bytes
 PACK_ALIGN = 1024
 # registers a thread needs beside its live fragments under such a cap (the GDN solve-only prep: 32
