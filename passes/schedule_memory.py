@@ -161,8 +161,9 @@ def _looking_ahead(b: Builder, stmts: list, lookahead: int) -> list:
     for the block `lookahead` places before it in the order of their waits: no more than
     `lookahead` blocks in flight ahead of the one a reader waits for (LOAD_LOOKAHEAD). An issue only
     moves later, so no more is live at any statement than before. A moved issue has a barrier
-    first only where a shared block's life has ended before it (memory TileLang may give it):
-    otherwise nothing can be reading its memory, and a barrier would only hold every warp up."""
+    first only where a shared block's life has ended before it, the inverse's scratch included
+    (memory TileLang may give it): otherwise nothing can be reading its memory, and a barrier would
+    only hold every warp up."""
     order = [st.dst for st in stmts if st.op == "wait_load"]
     out = list(stmts)
     for i, name in enumerate(order[lookahead:], start=lookahead):
@@ -170,7 +171,8 @@ def _looking_ahead(b: Builder, stmts: list, lookahead: int) -> list:
         anchor = next(j for j, st in enumerate(out) if st.op == "wait_load" and st.dst == order[i - lookahead])
         if at < anchor:
             issue = out.pop(at)
-            ended = any(last < anchor - 1 for _, last in _lifetimes(b.buffers, out, "shared").values())
+            ended = any(last < anchor - 1 for _, last in _lifetimes(b.buffers, out, "shared").values()) \
+                or any(st.op == "inverse" for st in out[:anchor - 1])
             out.insert(anchor - 1, Stmt(issue.op, issue.dst, issue.srcs,
                                         tuple(x for x in issue.attrs if x[0] != "sync") + ((("sync", True),) if ended else ())))
     return out
