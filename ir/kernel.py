@@ -220,7 +220,8 @@ class Stmt:
     element for both: KDA's q ⋆ k beside k ⋆ k); with attribute slots "triangle" its threads take
     only the blocks' lower triangles (schedule_build.product_slots), else a thread a row. A VJP's
     product (eq ij,jk,ijk->ik or ij,ik,ijk->jk) with attribute slots "row_pairs" sums a thread a
-    pair of rows, staged in its scratch block."""
+    pair of rows, staged in its scratch block. A reduce with attribute batch (one count per reduction)
+    exchanges that many of a thread's outputs across threads in one round of barriers."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -462,6 +463,11 @@ class Kernel:
                     or st.attr.get("second") and not st.attr.get("second_scratch"):
                 raise ValueError(f"{self.name}: `{st}`: a second product takes a fourth source, a second result "
                                  "and a second scratch block")
+            if st.op == "reduce" and "batch" in st.attr and (
+                    len(st.attr["batch"]) != len(st.attr["dims"])
+                    or not all(isinstance(n, int) and n >= 1 for n in st.attr["batch"])):
+                raise ValueError(f"{self.name}: `{st}`: a reduce's batch is a positive count per reduction "
+                                 f"(its dims {st.attr['dims']})")
         for b in self.buffers:
             if b.warp_columns and (b.scope != "fragment" or len(b.shape) != 2
                                    or b.warp_columns not in WARP_COLUMN_COUNTS):

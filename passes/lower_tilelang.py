@@ -261,8 +261,9 @@ class _Render(ProductTemplates):
         if s.op == "reduce":  # srcs: the fragment, then one accumulator per reduction, in order
             src, *accs = s.srcs
             out, prev = [], src
-            for acc, dim in zip(accs, a["dims"]):
-                out.append(f"T.reduce_sum({prev}, {acc}, dim={dim})")
+            for acc, dim, batch in zip(accs, a["dims"], a.get("batch", (1,) * len(accs))):
+                # batch: the outputs a thread holds, exchanged in one round (schedule_reductions.py)
+                out.append(f"T.reduce_sum({prev}, {acc}, dim={dim}" + (f", batch={batch})" if batch > 1 else ")"))
                 prev = acc
             return out + [f"T.copy({prev}, {s.dst})"]
         if s.op == "inverse":

@@ -26,7 +26,8 @@ BV-wide blocks over CTAs (valid because no matmul contracts over V, which is che
 Here: the prep and scan kernels and their parameters, and the whole program; schedule_out.py the
 out kernels (grouped and split by their shared memory and occupancy), schedule_build.py builds a
 kernel's buffers and statements, schedule_memory.py budgets them and places the loads by liveness,
-schedule_fused.py the fused forward, schedule_vectors.py an experiment on the parallel kernels.
+schedule_fused.py the fused forward, schedule_vectors.py the parallel kernels' per-token vectors in
+registers, schedule_reductions.py their sums' exchanges batched (an experiment, off).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SME
                               dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups, packed_shared,
                               place_loads, reads, repeats_work, smem_bytes, threads_for, zero_pad)
 from .schedule_out import out_kernels
+from .schedule_reductions import BATCHED_REDUCTIONS, batched_reductions
 from .schedule_vectors import VECTOR_REGISTERS, vectors_in_registers
 
 # Split-phase TMA loads in the parallel kernels (place_loads): on the H200 (session 5) every kernel
@@ -105,6 +107,8 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
         if not k.loop and not k.warp_roles:  # the parallel kernels (a scan's rings are budgeted by its stages)
             if VECTOR_REGISTERS:
                 k = kir.kernels[i] = vectors_in_registers(k)
+            if BATCHED_REDUCTIONS:
+                k = kir.kernels[i] = batched_reductions(k, ir.chunk_size)
             buffers, at = {b.name: b for b in k.buffers}, dim_sizes(head_dims, k.key_block)
             k.shared_peak = max(live_shared(buffers, k.body, at), default=0)
             k.shared_packed = packed_shared(buffers, k.body, at)
