@@ -27,7 +27,7 @@ Here: the prep and scan kernels and their parameters, and the whole program; sch
 out kernels (grouped and split by their shared memory and occupancy), schedule_build.py builds a
 kernel's buffers and statements, schedule_memory.py budgets them and places the loads by liveness,
 schedule_fused.py the fused forward, schedule_vectors.py the parallel kernels' per-token vectors in
-registers, schedule_reductions.py their sums' exchanges batched (an experiment, off).
+registers, schedule_reductions.py their sums' exchanges batched.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Every generated kernel alone on the GPU — the forward's and the backward's — fed the inputs the
 float64 kernel emulator (qla_compiler/emulate.py) gave the same kernel, against the emulator's
 outputs: when the whole op disagrees with the reference, these say which kernel is wrong."""
+import contextlib
+
 import pytest
 import torch
 
@@ -29,7 +31,10 @@ def _emulated(op, H, HV, K, V, BV, direction):
     args = random_inputs(op, T=cu[-1], H=H, HV=HV, K=K, V=V, cu_seqlens=cu, initial_state=True,
                          dtype=torch.bfloat16)
     if direction != "forward":
-        step = emulated_step(op, args, block_v=BV)
+        # training: the unfused training forward, whose kernels it compares (a call of these heads
+        # runs the fused one by default, session 45; its kernels: test_gpu_fused_training.py)
+        with fwd.launch_policy(fused_training=False) if direction == "training" else contextlib.nullcontext():
+            step = emulated_step(op, args, block_v=BV)
         return step["emulator"].seen, step["scale"]
     inputs, dims, scale = op._prepare((), {n: args[n] for n in op.input_names}, None, args["initial_state"],
                                       args["cu_seqlens"], False)

@@ -1,6 +1,7 @@
-"""Sums across threads with their exchanges batched (passes/schedule_reductions.py,
-QLA_BATCHED_REDUCTIONS=1): which sums are marked, with how many outputs a thread holds, and that
-TileLang lowers the marks into one round of barriers per sum within a CTA's shared memory."""
+"""Sums across threads with their exchanges batched (passes/schedule_reductions.py; on by
+default, QLA_BATCHED_REDUCTIONS=0 turns it off): which sums are marked, with how many outputs a
+thread holds, and that TileLang lowers the marks into one round of barriers per sum within a CTA's
+shared memory."""
 import json
 import os
 import re
@@ -18,16 +19,28 @@ def _batches(kernel):
     return {s.dst: s.attr.get("batch") for s in kernel.body if s.op == "reduce"}
 
 
-def test_sums_of_accumulator_blocks_are_marked_with_the_outputs_a_thread_holds():
+def _unmarked_out_kernel(monkeypatch):
+    """GDN's backward out kernel as scheduled without the step."""
+    from qla_compiler.passes import schedule
+
+    monkeypatch.setattr(schedule, "BATCHED_REDUCTIONS", False)
+    return next(k for k in qla_compiler.compile_spec("gdn").backward_program.kernels.kernels
+                if k.name == "gdn_backward_out")
+
+
+def test_sums_of_accumulator_blocks_are_marked_with_the_outputs_a_thread_holds(monkeypatch):
     """GDN's backward out kernel (256 threads: two warpgroups, each half of every row's columns):
     its row sums of wgmma-laid C×K, C×V and C×C blocks hold 2 rows a thread; the column sum of
     the C×C gate-difference block 64 / (4 warps · 2 warpgroups) = 8 columns; the sum of d S_next ⊙
     S0, a block of two shared operands (TileLang's loop layout, not an accumulator's), and the
     sums of 1-D accumulators are left alone."""
-    out = next(k for k in qla_compiler.compile_spec("gdn").backward_program.kernels.kernels
-               if k.name == "gdn_backward_out")
+    out = _unmarked_out_kernel(monkeypatch)
     assert all(b is None for b in _batches(out).values())
     after = batched_reductions(out, 64)
+    monkeypatch.undo()
+    default = next(k for k in qla_compiler.compile_spec("gdn").backward_program.kernels.kernels
+                   if k.name == "gdn_backward_out")
+    assert _batches(default) == _batches(after)  # what the schedule does by default
     after.verify()
     marked = {d: b for d, b in _batches(after).items() if b}
     assert marked == {"d_decay_to_end_s": (2,), "d_Gamma_o_inter_s": (2,), "d_s_Gamma_s": (2,),
@@ -45,7 +58,7 @@ def _lowered(kernel):
     return "\n".join(lower_kernel(kernel, ShapeClass(H=2, HV=8, K=128, V=128)))
 
 
-def test_only_sums_that_cross_warps_over_a_known_layout_are_marked():
+def test_only_sums_that_cross_warps_over_a_known_layout_are_marked(monkeypatch):
     """A row sum in a one-warpgroup kernel is shuffles inside a warp (no barrier to share); a block
     a product reads as an operand is laid out as one, not as an accumulator; a kernel with a loop
     or roles is not the parallel kind this reasons about. None of them is marked."""
@@ -60,8 +73,7 @@ def test_only_sums_that_cross_warps_over_a_known_layout_are_marked():
                     assert b.scope == "fragment" and b.shape[0] == "C" and not b.warp_columns
             if kernel.threads == 128:
                 assert all(not st.attr.get("batch") or st.attr["dims"][0] == 0 for st in after.body)
-    out = next(k for k in qla_compiler.compile_spec("gdn").backward_program.kernels.kernels
-               if k.name == "gdn_backward_out")
+    out = _unmarked_out_kernel(monkeypatch)
     read = next(st for st in out.body if st.op == "reduce" and st.dst == "d_beta_bv_s").srcs[0]
     # the same kernel with the block d_beta_bv_full_f also read by a product: not an accumulator's layout
     mutant = out.__class__(**{**out.__dict__, "body": out.body + [Stmt("gemm", "d_bv", (read, "k_s"))]})
@@ -95,13 +107,13 @@ print(json.dumps({"batched": re.findall(r"AllReduce<tl::SumOp, (\\d+), (\\d+), 0
 
 
 def test_tilelang_lowers_the_batched_sums_into_one_exchange_each(tmp_path):
-    """With the switch on (a child process: it is read at import), GDN's backward out kernel lowered
+    """GDN's backward out kernel (a child process, so that no test's monkeypatch reaches it) lowered
     to CUDA for sm_90a on this CPU: TileLang accepts every batch (it refuses one that does not
     divide a thread's outputs), each marked sum is one batched AllReduce per level of its
     butterfly (the cross-warpgroup row sums 2 wide, the column sum 8), the cross-warp scalar
     exchanges left are the unmarked sums', and the larger workspaces still fit a CTA's 227 KB."""
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "QLA_BATCHED_REDUCTIONS": "1", "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     batched = [tuple(map(int, t)) for t in got["batched"]]
