@@ -26,7 +26,6 @@ the training step 9.66 → 9.32; the batched workspaces, 2 KB a row sum and 8 KB
 sum, fit the memory TileLang already gave the kernel); QLA_BATCHED_REDUCTIONS=0 turns it off (the
 generated source differs, so both variants cache side by side).
 
-    >>> import os
     >>> from qla_compiler.ir.kernel import Buffer, Kernel, Stmt
     >>> bufs = [Buffer("A", ("C", "K"), "float32", "fragment"), Buffer("x", ("C", "K"), "io", "shared"),
     ...         Buffer("P", ("C", "K"), "float32", "fragment"), Buffer("acc", ("C",), "float32", "fragment"),
