@@ -51,15 +51,20 @@ _WGMMA_ROWS = 64  # the rows of one wgmma (m64): a warpgroup's rows of an accumu
 def batched_reductions(kernel: Kernel, chunk_size: int) -> Kernel:
     """`kernel` with each reduce statement over a wgmma-laid C×X block marked with the outputs a
     thread holds (attribute batch, one entry per reduction of the statement; 1: unbatched), where
-    the sum crosses warps. Parallel kernels of one or two warpgroups only."""
+    the sum crosses warps. Parallel kernels of one or two warpgroups only. The marks are computed
+    from the kernel as it is: marks an earlier call made for other threads are dropped, so a pass
+    that changes a kernel's threads calls this again rather than keeping counts TileLang would
+    refuse."""
+    stripped = replace(kernel, **{part: [_unbatched(st) for st in getattr(kernel, part)]
+                                  for part in ("prologue", "body", "epilogue")})
     if (kernel.loop or kernel.warp_roles or not isinstance(kernel.threads, int)
             or kernel.threads not in (128, 256) or chunk_size != _WGMMA_ROWS):
-        return kernel
+        return stripped
     groups = kernel.threads // 128
-    laid = _accumulator_laid(kernel)
+    laid = _accumulator_laid(stripped)
     body = []
-    for st in kernel.body:
-        if st.op == "reduce" and st.srcs[0] in laid and "batch" not in st.attr:
+    for st in stripped.body:
+        if st.op == "reduce" and st.srcs[0] in laid:
             shape = kernel.buffer(st.srcs[0]).shape
             first = st.attr["dims"][0]
             if first == 1 and groups > 1:  # two rows a thread, its warpgroup's half of their columns
@@ -72,7 +77,13 @@ def batched_reductions(kernel: Kernel, chunk_size: int) -> Kernel:
                 batch = (n,) + (1,) * (len(st.attr["dims"]) - 1)
                 st = Stmt(st.op, st.dst, st.srcs, st.attrs + (("batch", batch),))
         body.append(st)
-    return replace(kernel, body=body)
+    return replace(stripped, body=body)
+
+
+def _unbatched(st: Stmt) -> Stmt:
+    if st.op != "reduce" or "batch" not in st.attr:
+        return st
+    return Stmt(st.op, st.dst, st.srcs, tuple((k, v) for k, v in st.attrs if k != "batch"))
 
 
 def _accumulator_laid(kernel: Kernel) -> set:

@@ -16,12 +16,12 @@ import pytest
 import qla_compiler
 from qla_compiler.cli import main, parse_shape
 from qla_compiler.errors import PassError
-from qla_compiler.ir.kernel import Stmt
 from qla_compiler.kernels.runtime import launch_shared_bytes, lower_to_cuda
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower, lower_kernel
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.schedule import schedule
 from qla_compiler.passes.schedule_memory import HEAD_DIMS, SMEM_BUDGET, reads
+from qla_compiler.passes.schedule_reductions import batched_reductions
 from qla_compiler.specs import WITH_KERNELS as NAMES
 
 SHAPE = "H=2,HV=8,K=128,V=128,BV=64,io=bfloat16,scan_warpgroups=2"  # as the runtime runs BV = 64
@@ -926,11 +926,10 @@ def test_kernels_short_of_warps_take_twice_their_warpgroups_when_asked():
 
     backward = qla_compiler.compile_spec("gdn").backward_program
     kernel = next(k for k in backward.kernels.kernels if k.kind == "out")
-    # (its sums' batches count a 256-thread CTA's outputs a thread: schedule_reductions runs after
-    # the threads are chosen, so a kernel given other threads here goes without them)
-    body = [Stmt(st.op, st.dst, st.srcs, tuple((k, v) for k, v in st.attrs if k != "batch")) for st in kernel.body]
-    wide = dataclasses.replace(kernel, body=body, threads=schedule_memory.more_warpgroups(
+    wide = dataclasses.replace(kernel, threads=schedule_memory.more_warpgroups(
         kernel.threads, kernel.shared_peak, kernel.fragment_peak * 4 * kernel.threads, on=True))
+    # (its sums' batches were counted for 256 threads: recounted for the kernel as it is now)
+    wide = batched_reductions(wide, 64)
     assert (kernel.threads, wide.threads) == (256, 512)
     program = types.SimpleNamespace(kernels=dataclasses.replace(backward.kernels, kernels=[wide]), path=backward.path)
     src = lower_to_cuda(program, ShapeClass(H=2, HV=4, K=64, V=64))[kernel.name]

@@ -78,7 +78,24 @@ def test_only_sums_that_cross_warps_over_a_known_layout_are_marked(monkeypatch):
     # the same kernel with the block d_beta_bv_full_f also read by a product: not an accumulator's layout
     mutant = out.__class__(**{**out.__dict__, "body": out.body + [Stmt("gemm", "d_bv", (read, "k_s"))]})
     assert _batches(batched_reductions(mutant, 64))["d_beta_bv_s"] is None
-    assert batched_reductions(out, 32) is out  # C = 32: not one wgmma's 64 rows
+    assert all(b is None for b in _batches(batched_reductions(out, 32)).values())  # C = 32: not one wgmma's 64 rows
+
+
+def test_the_marks_are_counted_for_the_kernel_as_it_is():
+    """The marks count a thread's outputs for the kernel's threads: a kernel given other threads
+    after the schedule marked it gets counts for those (one warpgroup: a row sum stays inside it,
+    the C×C column sum has 16 columns a thread) or none (512 threads, C = 32), never the stale
+    ones, which TileLang would refuse."""
+    import dataclasses
+
+    out = next(k for k in qla_compiler.compile_spec("gdn").backward_program.kernels.kernels
+               if k.name == "gdn_backward_out")
+    assert _batches(out)["d_beta_bv_s"] == (2,)
+    one_group = _batches(batched_reductions(dataclasses.replace(out, threads=128), 64))
+    assert {d: b for d, b in one_group.items() if b} == {"d_g_cum_log2_g_diff_cols_s": (16,)}
+    for other in (dataclasses.replace(out, threads=512), out):
+        assert all(b is None for b in _batches(batched_reductions(other, 32 if other is out else 64)).values())
+    assert _batches(batched_reductions(out, 64)) == _batches(out)
 
 
 def test_a_batch_that_is_not_a_count_per_reduction_is_refused():
