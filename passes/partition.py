@@ -60,6 +60,12 @@ SHARE_DECAYS = os.environ.get("QLA_SHARE_DECAYS", "1") == "1"
 # off (the generated source differs: both variants cache side by side).
 RECOMPUTE_ON_LOADED = os.environ.get("QLA_RECOMPUTE_ON_LOADED", "1") == "1"
 RECOMPUTE_PER_KEY = os.environ.get("QLA_RECOMPUTE_PER_KEY", "0") == "1"
+# The backward's whole-V scan on roles forms the products of the chunk's input blocks it reads
+# (GDN's d v_new intra-chunk term, (Q Kᵀ ⊙ R)ᵀ·d O) on its value role, ahead of the entering state's
+# hand-off, instead of loading them from the prep (partition's scan_products): the prep no longer
+# reads q and d o for them, nor writes a C×V block a chunk. QLA_SCAN_PRODUCTS=1 turns it on (the
+# generated source differs: both variants cache side by side).
+SCAN_PRODUCTS = os.environ.get("QLA_SCAN_PRODUCTS", "0") == "1"
 ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
 
@@ -98,20 +104,22 @@ class Partition:
         return "\n".join(lines)
 
 
-def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset()) -> bool:
+def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset(),
+              scan_products: bool = False) -> bool:
     """Computed by prep: inverses and prefix sums, and matmuls built on an inverse. For the scan,
     also every matmul whose result is per-token rows: loading it costs what loading an input block
     costs, and it leaves the sequential path (a K×V result stays in the scan: it would cost a
-    state's worth of memory per chunk). With RECOMPUTE_ON_LOADED (not for a per-key gate), "built
-    on" looks through the values this program computes only, not through the `provided` ones it
-    loads."""
+    state's worth of memory per chunk), unless `scan_products` and the product is made from the
+    chunk's input blocks alone (_from_inputs). With RECOMPUTE_ON_LOADED (not for a per-key gate),
+    "built on" looks through the values this program computes only, not through the `provided`
+    ones it loads."""
     n = ir.node(name)
     if n.op in PREPARED_OPS:
         return True
     if n.op != "matmul":
         return False
     if for_scan and n.shape[0] == "C":
-        return True
+        return not (scan_products and _from_inputs(ir, name, provided))
     if RECOMPUTE_ON_LOADED and (RECOMPUTE_PER_KEY or not _per_key_gate(ir)):
         return _built_on_inverse(ir, name, provided)
     return any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
@@ -134,6 +142,25 @@ def _built_on_inverse(ir: ChunkIR, name: str, provided: set) -> bool:
             seen.add(a)
             todo.append(a)
     return False
+
+
+def _from_inputs(ir: ChunkIR, name: str, provided: set) -> bool:
+    """Whether `name` is made from the chunk's input blocks, vectors and constants alone: no
+    inverse, prefix-summed block, provided block or K×V value behind it (GDN's backward d v_new's
+    intra-chunk term, (Q Kᵀ ⊙ R)ᵀ·d O, from q, k, d o and the gates' vector)."""
+    seen, todo = set(), [name]
+    while todo:
+        n = ir.node(todo.pop())
+        if n.op == "inv_unit_lower" or (n.op == "cumsum" and len(n.shape) == 2) or "K" in n.shape[:1] \
+                or (n.name in provided and len(n.shape) == 2):
+            return False
+        if n.name in provided or n.op == "input":
+            continue
+        for a in n.args:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return True
 
 
 def _combined(ir: ChunkIR, free, prepared: set) -> set:
@@ -199,13 +226,17 @@ def _sharing_exponentials(ir: ChunkIR, prep: set, out: set, dependent: set) -> s
             if x in free and any(shares_exponentials(ir, x, y) for y in prep)}
 
 
-def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECAYS) -> Partition:
+def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECAYS,
+              scan_products: bool = False) -> Partition:
     """`keep`: values to store per token although no later kernel reads them (the forward for
     training keeps its inverses for the backward): state-free ones cross memory from the prep;
     state-dependent ones must be carried (the entering state, v_new), and are `stored` even where
     a fused kernel hands them over on the SM. `provided`: state-free values
     already in memory (a backward's recomputed forward values that the forward stored): every
-    kernel loads them and none recomputes them. `share_decays`: _sharing_exponentials."""
+    kernel loads them and none recomputes them. `share_decays`: _sharing_exponentials.
+    `scan_products`: the scan forms the per-token products of the chunk's input blocks it reads
+    (_from_inputs) instead of loading them from the prep: for a scan whose roles do them off the
+    chain (the backward's whole-V scan on roles), where they would cross memory twice."""
     provided = set(provided)
     state_in, s_next = ir.state_in, ir.next_state
     results = list(ir.outputs.values())  # o (a backward: the gradients)
@@ -221,7 +252,8 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
     if provided - set(free):
         raise PassError("partition", f"provided values must be state-free: {sorted(provided - set(free))}")
     prepared = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, False, provided)})
-    prepared_scan = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, True, provided)})
+    prepared_scan = _combined(ir, free, {x for x in free if x in provided
+                                         or _prepared(ir, x, True, provided, scan_products)})
     for n in ir.order():
         if n.op in PREPARED_OPS and n.name in dependent:
             raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")

@@ -47,7 +47,7 @@ from .classify import classify
 from .frontend import load_spec
 from .key_blocks import key_blocks
 from .lowerable import unsupported
-from .partition import partition
+from .partition import SCAN_PRODUCTS, partition
 from .release_memory import release_memory
 from .reuse_memory import reuse_memory
 from .rewrite_decay_side import DECAY_VALUE_SIDE, DECAY_VALUE_SIDE_ON_CHAIN
@@ -347,8 +347,8 @@ class Program:
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
                         and (x in carried or self.chunk.node(x).op != "matmul")]
             try:
-                prog = self._scheduled(back, before, where, partial=self.partial,
-                                       provided=provided, scan_roles=scan_roles, wide=wide)
+                prog = self._scheduled(back, before, where, partial=self.partial, provided=provided,
+                                       scan_products=wide and SCAN_PRODUCTS, scan_roles=scan_roles, wide=wide)
             except NotFusable as e:  # kept: the runtime asks on every call (kernels/backward.backward_program_of)
                 self._derived[key] = e
                 raise

@@ -52,7 +52,7 @@ from qla_compiler.ir.kernel import Barrier, Kernel, Role, Stmt, Tensor, entry_re
 from .partition import Partition
 from .schedule_build import (CHUNK_OFFSETS, STATE, STATE_IO, build, crossing_tensor, global_name, head_params,
                              input_params, state_dtype)
-from .schedule_memory import THREADS, reads, smem_bytes, zero_pad
+from .schedule_memory import REGISTER_OVERHEAD, THREADS, reads, smem_bytes, zero_pad
 
 RING = 2  # copies of a hand-over between compute roles: the writer fills one while the readers read the other
 # copies of the load ring, the deepest that fits: the loads of chunk c + depth start when both
@@ -196,10 +196,18 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     owner, handoffs = _owners(bodies, {n: b for n, b in found.items() if n not in ring})
     owner.update(dict.fromkeys(ring, "loads"))
     # the output role and a state role of its own wait for what the others hand them as late as
-    # they can: their other work first (the output's Q Kᵀ; the state's products of loaded blocks)
-    for role in ("output", "state"):
+    # they can: their other work first (the output's Q Kᵀ; the state's products of loaded blocks;
+    # the value role's products of loaded blocks, where the partition gave it some: scan_products)
+    for role in ("output", "state", "value"):
         if role in bodies:
             bodies[role] = _independent_first(bodies[role], {x for x, rs in handoffs.items() if role in rs})
+    budgets = _budgets(list(bodies), dims)
+    for role in bodies:
+        bodies[role], parked = _parked(bodies[role], {x for x, rs in handoffs.items() if role in rs}, found,
+                                       budgets[role], {**dims, "BV": WIDE_BLOCK_V if wide else FUSED_BLOCK_VS[0]})
+        for fragment, block in parked.items():
+            found[block] = replace(found[fragment], name=block, dtype="io", scope="shared")
+            owner[block] = role
     shares = {}
     for role, body in bodies.items():
         own = {n: b for n, b in found.items() if owner.get(n) == role and n not in handoffs and b.scope == "shared"}
@@ -260,7 +268,7 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     loads_body = _loads_role(loads)
     roles, first = [], 0
     held = chain.place[ir.next_state]  # the state's fragment, which one role updates
-    for role, budget in _budgets(list(bodies), dims).items():
+    for role, budget in budgets.items():
         state = any(st.dst == held for st in bodies[role])  # that role loads and stores it
         roles.append(Role(role, first, THREADS, budget,
                           (Stmt("load_state", STATE, ("initial_state",)),) if state else (), tuple(bodies[role]),
@@ -431,6 +439,51 @@ def _owners(bodies: dict, buffers: dict) -> tuple:
                                             f"the {' and '.join(sorted(rs - ws))} role: registers stay in one role")
             handoffs[name] = rs - ws
     return owner, handoffs
+
+
+def _parked(body: list, handed: set, buffers: dict, budget: int, at: dict) -> tuple:
+    """(`body`, fragment -> the shared io block it waits in): a role's chunk-local fragments
+    written before its first wait for a hand-off and read after it, where its fragments would not
+    fit its register budget (less REGISTER_OVERHEAD) across that wait, copied to shared memory once
+    written and read from there, largest first until the rest fit. The wait's other side is where
+    the role's own work of the chunk piles up (`at`: the sizes, at the widest V-block): GDN's whole-V backward scan with scan_products forms
+    d v_new's intra-chunk term (C×V, 64 registers a thread) ahead of the entering state, whose
+    product K·S needs another 64, on a value role of 112. The io block rounds it as the prep's
+    store did when the term crossed memory."""
+    first = next((i for i, st in enumerate(body) if reads(st) & handed), None)
+    if first is None:
+        return body, {}
+
+    def regs(name):
+        return smem_bytes([replace(buffers[name], scope="shared")], at) // 4 // THREADS
+
+    frags = {n for n, b in buffers.items() if b.scope == "fragment" and b.dtype == "float32"}
+    touched_first = {}
+    for i, st in enumerate(body):
+        for n in (reads(st) | st.writes()) & frags:
+            touched_first.setdefault(n, (i, n in st.writes() and n not in reads(st)))
+    local = {n for n, (i, written) in touched_first.items() if written}  # chunk-local: written before read
+    across = sorted((n for n in local if touched_first[n][0] < first
+                     and any(n in reads(st) for st in body[first:])), key=lambda n: (-regs(n), n))
+    after = {n for st in body[first:] for n in st.writes() & frags} - set(across)
+    carried = {n for n in frags - local if any(n in reads(st) | st.writes() for st in body)}
+    need = sum(regs(n) for n in set(across) | after | carried)
+    room = budget - REGISTER_OVERHEAD
+    parked = {}
+    for n in across:
+        if need <= room:
+            break
+        block = f"{n}_s" if f"{n}_s" not in buffers else f"{n}_held_s"
+        parked[n] = block
+        need -= regs(n)
+    if not parked:
+        return body, {}
+    out = []
+    last_write = {n: max(i for i, st in enumerate(body[:first]) if n in st.writes()) for n in parked}
+    for i, st in enumerate(body):
+        out.append(st.renamed(parked) if i >= first else st)
+        out += [Stmt("copy", parked[n], (n,)) for n in sorted(parked) if last_write[n] == i]
+    return out, parked
 
 
 def _budgets(roles: list, dims: dict) -> dict:
