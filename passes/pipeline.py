@@ -315,7 +315,9 @@ class Program:
         fills the GPU at that width: its d S chain on a state role and a value role, so a CTA per
         (value head, sequence) loads each chunk's K-wide blocks once. GDN's d v_new is stored as
         the negation of the d WS block the chain hands on (schedule_fused._negation_held): its out
-        kernel is the plain program's.
+        kernel is the plain program's. Its value role forms the products of the chunk's input
+        blocks the chain reads (partition's scan_products: d v_new's intra-chunk term), so its
+        prep forms W alone.
 
             >>> import qla_compiler
             >>> wide = qla_compiler.compile_spec("gdn").backward_wide_roles_program.kernels

@@ -68,7 +68,7 @@ FUSED_BLOCK_VS = (64, 32)
 MIN_WIDE_STAGES = 3
 # Every buffer of the fused kernel lives for the whole kernel, so TileLang lays them out exactly
 # as smem_bytes sums them (the gdn kernel at BV = 16: 127488 bytes both ways; GDN's whole-V
-# backward scan: 230912); the parallel kernels' SMEM_BUDGET leaves room for an allocator that
+# backward scan: 230912 when it loaded d v_new's intra-chunk term, 223232 forming it); the parallel kernels' SMEM_BUDGET leaves room for an allocator that
 # packs reused memory less tightly. A Hopper CTA takes 227 KB of shared memory, and ptxas reports
 # 1 KB of static shared memory (the barriers) in every TileLang kernel of ours.
 FUSED_SMEM_BUDGET = 226 * 1024

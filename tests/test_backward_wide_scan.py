@@ -33,8 +33,9 @@ def _scan(program):
 
 
 def test_gdn_whole_v_scan_fits_a_cta_with_the_state_updating_on_its_own():
-    """At K = V = 128 the chain's rings and hand-offs take 225.5 KB, under the 226 KB a Hopper CTA
-    leaves beside its static barriers: the stores role stores d v_new as the negation of the d WS
+    """At K = V = 128 the chain's rings and hand-offs take 218 KB (225.5 before the value role
+    formed d v_new's intra-chunk term instead of loading it: tests/test_scan_products.py), under
+    the 226 KB a Hopper CTA leaves beside its static barriers: the stores role stores d v_new as the negation of the d WS
     block it is handed (no buffer of its own), and the state role forms d QS = diag(Γ)·d O and its
     low half itself, in one buffer, ahead of its wait for the value role."""
     program = qla_compiler.compile_spec("gdn")
@@ -43,7 +44,7 @@ def test_gdn_whole_v_scan_fits_a_cta_with_the_state_updating_on_its_own():
     assert [(r.name, r.registers) for r in k.warp_roles] == [("state", 168), ("value", 112), ("stores", 112),
                                                               ("loads", 112)]
     used = sum(smem_bytes([b], AT) * b.stages for b in k.buffers if b.scope == "shared" and not b.shares)
-    assert used == 230912 <= FUSED_SMEM_BUDGET
+    assert used == 223232 <= FUSED_SMEM_BUDGET
     assert [p.name for p in k.params if p.role == "out"] == ["d_S_next_chunks", "d_v_new_rows", "final_state"]
     stores = [s for s in k.warp_roles[2].body if s.op == "store"]
     assert [(s.dst, s.srcs, s.attr.get("negate")) for s in stores] == [("d_v_new_rows", ("d_WS_s",), True)]
@@ -58,10 +59,10 @@ def test_gdn_whole_v_scan_fits_a_cta_with_the_state_updating_on_its_own():
     assert hi < lo
 
 
-def test_its_prep_and_out_kernel_are_the_plain_programs():
-    """Only the scan differs from the plain backward's kernels: the prep and the out kernel a call
-    at 16/64 heads runs are the same TileLang either way (session 46's first cut carried d WS
-    instead, and its out kernel ran 0.55 ms slower on the H100)."""
+def test_its_out_kernel_is_the_plain_programs():
+    """The out kernel a call at 16/64 heads runs is the same TileLang either way (session 46's
+    first cut carried d WS instead, and its out kernel ran 0.55 ms slower on the H100); the prep
+    differs only in what the scan now forms itself (tests/test_scan_products.py)."""
     from qla_compiler.cli import parse_shape
     from qla_compiler.passes.lower_tilelang import lower
 
@@ -75,8 +76,8 @@ def test_its_prep_and_out_kernel_are_the_plain_programs():
         kir = program.kernels
         one = dataclasses.replace(kir, kernels=[k for k in kir.kernels if k.name == name])
         return lower(one, shape).split("@T.prim_func", 1)[1]
-    for name in ("gdn_backward_prep", "gdn_backward_out"):
-        assert source(plain, plain_shape, name) == source(wide, wide_shape, name), name
+    assert source(plain, plain_shape, "gdn_backward_out") == source(wide, wide_shape, "gdn_backward_out")
+    assert source(plain, plain_shape, "gdn_backward_prep") != source(wide, wide_shape, "gdn_backward_prep")
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,10 @@ def steps():
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_wide_scan_computes_what_the_plain_scan_does(steps, spec):
-    """Every chunk's d S entering it and d h0 are the plain scan's to float64 rounding, and every
-    gradient agrees with autograd through the reference."""
+    """Every chunk's d S entering it and d h0 are the plain scan's to the rounding of d v_new's
+    intra-chunk term (the plain scan loads it in bf16 as the prep stored it; the whole-V scan forms
+    it, and GDN's waits in a bf16 block scaled differently: up to 6e-4, float64 rounding where neither
+    scan has it), and every gradient agrees with autograd through the reference."""
     op, a, roles, plain = steps[spec]
     name = f"{spec}_backward_scan_roles"
     assert name in [n for n, _ in roles["emulator"].calls]
@@ -109,8 +112,9 @@ def test_the_wide_scan_computes_what_the_plain_scan_does(steps, spec):
     outs = [p.name for p in _scan(op.program).params if p.role == "out"]
     plain_kir = op.program.backward_program.kernels
     assert set(outs) == {p.name for p in plain_kir.kernels[plain_kir.scan].params if p.role == "out"}
+    term = "d_v_new.o_intra" in op.program.backward_program.stage("partition").crossing
     for out in outs:  # (d v_new stored as −d WS, where the chain forms d WS)
-        assert rel_err(mine[out], theirs[out]) <= 1e-12, out
+        assert rel_err(mine[out], theirs[out]) <= (2e-3 if term else 1e-12), (out, rel_err(mine[out], theirs[out]))
     ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
            for n, x in a.items()}
     o_ref, s_ref = op.reference(**ref)

@@ -1,10 +1,10 @@
 """The backward's whole-V scan forming the products of its input blocks itself (partition's
-scan_products; QLA_SCAN_PRODUCTS=1, off by default): GDN's d v_new intra-chunk term,
+scan_products; on by default, QLA_SCAN_PRODUCTS=0 turns it off): GDN's d v_new intra-chunk term,
 (Q Kᵀ ⊙ R)ᵀ·d O, on the scan's value role ahead of the entering state's hand-off, parked in
 shared memory over that wait (schedule_fused._parked), so the prep forms W alone. A child
-process, since the switch is read at import: what the partition and the schedule cut, a training
-step with every kernel emulated against autograd through the float64 reference, and what ptxas
-makes of the scan."""
+process with the switch on (it is read at import, and a caller's environment may turn it off):
+what the partition and the schedule cut, a training step with every kernel emulated against
+autograd through the float64 reference, and what ptxas makes of the scan."""
 import json
 import os
 import re
@@ -67,9 +67,11 @@ def child(tmp_path_factory):
     return json.loads(run.stdout.strip().splitlines()[-1]), cu
 
 
-def test_off_by_default_the_prep_hands_the_term_on():
+def test_without_it_the_prep_hands_the_term_on():
     part = qla_compiler.compile_spec("gdn").backward_wide_roles_program.stage("partition")
-    assert part.crossing == ("W", "d_v_new.o_intra")
+    assert partition(part.chunk, provided=part.provided).crossing == ("W", "d_v_new.o_intra")
+    # (the plain backward, whose scan is on the chain's path, loads it from the prep either way)
+    assert qla_compiler.compile_spec("gdn").backward_program.stage("partition").crossing == ("W", "d_v_new.o_intra")
 
 
 @pytest.mark.parametrize("spec", ["gdn", "delta_net"])
