@@ -68,9 +68,10 @@ FUSED_BLOCK_VS = (64, 32)
 MIN_WIDE_STAGES = 3
 # Every buffer of the fused kernel lives for the whole kernel, so TileLang lays them out exactly
 # as smem_bytes sums them (the gdn kernel at BV = 16: 127488 bytes both ways; GDN's whole-V
-# backward scan: 230912 when it loaded d v_new's intra-chunk term, 223232 forming it); the parallel kernels' SMEM_BUDGET leaves room for an allocator that
-# packs reused memory less tightly. A Hopper CTA takes 227 KB of shared memory, and ptxas reports
-# 1 KB of static shared memory (the barriers) in every TileLang kernel of ours.
+# backward scan: 230912 when it loaded d v_new's intra-chunk term, 223232 forming it); the
+# parallel kernels' SMEM_BUDGET leaves room for an allocator that packs reused memory less
+# tightly. A Hopper CTA takes 227 KB of shared memory, and ptxas reports 1 KB of static shared
+# memory (the barriers) in every TileLang kernel of ours.
 FUSED_SMEM_BUDGET = 226 * 1024
 LOADS_REGISTERS = 112  # addresses, and a masked load's (K = 100: 40, 56, 88 spilled; ptxas, sm_90a)
 WARP = 32
@@ -445,11 +446,11 @@ def _parked(body: list, handed: set, buffers: dict, budget: int, at: dict) -> tu
     """(`body`, fragment -> the shared io block it waits in): a role's chunk-local fragments
     written before its first wait for a hand-off and read after it, where its fragments would not
     fit its register budget (less REGISTER_OVERHEAD) across that wait, copied to shared memory once
-    written and read from there, largest first until the rest fit. The wait's other side is where
-    the role's own work of the chunk piles up (`at`: the sizes, at the widest V-block): GDN's whole-V backward scan with scan_products forms
-    d v_new's intra-chunk term (C×V, 64 registers a thread) ahead of the entering state, whose
-    product K·S needs another 64, on a value role of 112. The io block rounds it as the prep's
-    store did when the term crossed memory."""
+    written and read from there, largest first until the rest fit (`at`: the sizes, at the
+    widest V-block). GDN's whole-V backward scan with scan_products forms d v_new's intra-chunk
+    term (C×V, 64 registers a thread) ahead of the entering state, whose product K·S needs
+    another 64, on a value role of 112. The io block rounds it as the prep's store did when the
+    term crossed memory."""
     first = next((i for i, st in enumerate(body) if reads(st) & handed), None)
     if first is None:
         return body, {}

@@ -35,9 +35,10 @@ def _scan(program):
 def test_gdn_whole_v_scan_fits_a_cta_with_the_state_updating_on_its_own():
     """At K = V = 128 the chain's rings and hand-offs take 218 KB (225.5 before the value role
     formed d v_new's intra-chunk term instead of loading it: tests/test_scan_products.py), under
-    the 226 KB a Hopper CTA leaves beside its static barriers: the stores role stores d v_new as the negation of the d WS
-    block it is handed (no buffer of its own), and the state role forms d QS = diag(Γ)·d O and its
-    low half itself, in one buffer, ahead of its wait for the value role."""
+    the 226 KB a Hopper CTA leaves beside its static barriers: the stores role stores d v_new as
+    the negation of the d WS block it is handed (no buffer of its own), and the state role forms
+    d QS = diag(Γ)·d O and its low half itself, in one buffer, ahead of its wait for the value
+    role."""
     program = qla_compiler.compile_spec("gdn")
     k = _scan(program)
     assert program.backward_wide_roles_program.kernels.block_v_max == 128

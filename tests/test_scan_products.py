@@ -47,9 +47,9 @@ for spec in ("gdn", "delta_net"):
     torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
     errs = {n: rel_err(step["grads"][n], ref[n].grad) for n in op.input_names}
     errs["initial_state"] = rel_err(step["d_h0"], ref["initial_state"].grad)
-    out[spec] = dict(crossing=part.crossing, scan=part.scan, prep_inputs=[p.name for p in prep.params if p.role == "in"],
-                     body=body, shared=shared, budget=FUSED_SMEM_BUDGET, errs=errs,
-                     calls=[n for n, _ in step["emulator"].calls],
+    out[spec] = dict(crossing=part.crossing, scan=part.scan,
+                     prep_inputs=[p.name for p in prep.params if p.role == "in"], body=body, shared=shared,
+                     budget=FUSED_SMEM_BUDGET, errs=errs, calls=[n for n, _ in step["emulator"].calls],
                      buffers={b.name: [b.scope, b.dtype, b.owner] for b in scan.buffers})
 cuda = lower_to_cuda(qla_compiler.compile_spec("gdn").backward_wide_roles_program,
                      ShapeClass(H=2, HV=8, K=128, V=128, BV=128))["gdn_backward_scan_roles"]
