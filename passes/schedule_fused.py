@@ -377,7 +377,9 @@ def _through_fragments(body: list, scope: dict) -> list:
     barrier between every two elements (32 `bar.sync` a pass on the H200's ncu trace, session 15);
     a loop that writes registers and a copy that reads them need none. A copy of F that came after
     the write (the undecayed v_new the output role reads) moves before it, so F's value is taken
-    before it changes; a write whose F is read otherwise later stays as it is."""
+    before it changes; a write whose F is read otherwise later stays as it is. Where several
+    fragments qualify (GDN's d WS = −(diag(decay)·K S + s·its intra term), both C×V fragments of
+    the value role), F is the first f reads, so the kernel does not depend on a set's order."""
     out = list(body)
     i = 0
     while i < len(out):
@@ -386,7 +388,8 @@ def _through_fragments(body: list, scope: dict) -> list:
             i += 1
             continue
         idx = st.attr["index"]
-        frags = [r for r in reads(st) if scope.get(r) == "fragment" and _read_at(st.attr["expr"], r, idx)]
+        frags = [r for r in dict.fromkeys(_buffers_in(st.attr["expr"]))
+                 if scope.get(r) == "fragment" and _read_at(st.attr["expr"], r, idx)]
         later = out[i + 1:]
         for f in frags:
             touch = [f in reads(x) or f in x.writes() for x in later]
@@ -398,6 +401,14 @@ def _through_fragments(body: list, scope: dict) -> list:
                 break
         i += 1
     return out
+
+
+def _buffers_in(expr) -> list:
+    """The buffers `expr` reads, in the order it reads them (with repeats)."""
+    if not isinstance(expr, tuple):
+        return []
+    here = [expr[1]] if len(expr) >= 2 and expr[0] == "buf" else []
+    return here + [b for x in expr for b in _buffers_in(x)]
 
 
 def _read_at(expr, name: str, idx: tuple) -> bool:
