@@ -153,7 +153,7 @@ def _from_inputs(ir: ChunkIR, name: str, provided: set) -> bool:
     seen, todo = set(), [name]
     while todo:
         n = ir.node(todo.pop())
-        if n.op == "inv_unit_lower" or (n.op == "cumsum" and len(n.shape) == 2) or "K" in n.shape[:1] \
+        if n.op == "inv_unit_lower" or (n.op == "cumsum" and len(n.shape) == 2) or n.shape[:1] == ("K",) \
                 or (n.name in provided and len(n.shape) == 2):
             return False
         if n.name in provided or n.op == "input":

@@ -52,7 +52,7 @@ from qla_compiler.ir.kernel import Barrier, Kernel, Role, Stmt, Tensor, entry_re
 from .partition import Partition
 from .schedule_build import (CHUNK_OFFSETS, STATE, STATE_IO, build, crossing_tensor, global_name, head_params,
                              input_params, state_dtype)
-from .schedule_memory import REGISTER_OVERHEAD, THREADS, reads, smem_bytes, zero_pad
+from .schedule_memory import REGISTER_OVERHEAD, THREADS, buffer_bytes, reads, smem_bytes, zero_pad
 
 RING = 2  # copies of a hand-over between compute roles: the writer fills one while the readers read the other
 # copies of the load ring, the deepest that fits: the loads of chunk c + depth start when both
@@ -466,8 +466,8 @@ def _parked(body: list, handed: set, buffers: dict, budget: int, at: dict) -> tu
     if first is None:
         return body, {}
 
-    def regs(name):
-        return smem_bytes([replace(buffers[name], scope="shared")], at) // 4 // THREADS
+    def regs(name):  # a float32 fragment's registers a thread
+        return buffer_bytes(buffers[name], at) // 4 // THREADS
 
     frags = {n for n, b in buffers.items() if b.scope == "fragment" and b.dtype == "float32"}
     touched_first = {}
