@@ -221,10 +221,7 @@ class Stmt:
     only the blocks' lower triangles (schedule_build.product_slots), else a thread a row. A VJP's
     product (eq ij,jk,ijk->ik or ij,ik,ijk->jk) with attribute slots "row_pairs" sums a thread a
     pair of rows, staged in its scratch block. A reduce with attribute batch (one count per reduction)
-    exchanges that many of a thread's outputs across threads in one round of barriers. A prefetch
-    (no dst; srcs: an input the kernel loads blocks of) asks L2 for the block of it that the CTA
-    `ahead` SM-fulls later in launch order loads: a hint, it reads and writes no buffer
-    (passes/schedule_prefetch.py)."""
+    exchanges that many of a thread's outputs across threads in one round of barriers."""
     op: str
     dst: str | None
     srcs: tuple = ()
@@ -277,8 +274,6 @@ class Stmt:
             return f"arrive {self.dst}" + (f"   ({a['threads']} threads)" if a.get("threads") else "")
         if self.op == "fence_async":
             return "fence_async   (shared writes visible to wgmma and TMA)"
-        if self.op == "prefetch":
-            return f"prefetch {self.srcs[0]}   (into L2: its block the CTA {a['ahead']} SM-full later loads)"
         if self.op == "gemm":
             ta, tb = ("ᵀ" if a.get("ta") else ""), ("ᵀ" if a.get("tb") else "")
             acc = "+=" if a.get("accumulate") else "="
@@ -451,15 +446,6 @@ class Kernel:
                              f"{' with a loop over chunks' if self.loop or self.warp_roles else ''}: only a parallel "
                              "kernel over chunk slots of a fixed thread count asks, for 1–32 CTAs and at most 2048 "
                              "threads an SM")
-        prefetched = [st for st in self.body if st.op == "prefetch"]
-        if prefetched and (self.loop or self.warp_roles or tuple(self.grid) != (("chunk_slot", "CH"), ("value_head", "HV"))):
-            raise ValueError(f"{self.name}: prefetches the blocks of a later CTA, and only a parallel kernel over "
-                             "(chunk slot, value head) knows which CTA that is")
-        for st in prefetched:
-            if st.dst or len(st.srcs) != 1 or st.srcs[0] not in tensors or tensors[st.srcs[0]].role != "in" \
-                    or not (isinstance(st.attr.get("ahead"), int) and st.attr["ahead"] >= 1):
-                raise ValueError(f"{self.name}: `{st}`: a prefetch names one input of the kernel and how many "
-                                 "SM-fulls of CTAs ahead (≥ 1), and writes nothing")
         for p in self.params:
             if p.reuses and (why := self.cannot_reuse(p, tensors.get(p.reuses))):
                 raise ValueError(f"{self.name}: {p.name} takes {p.reuses}'s memory, but {why}")

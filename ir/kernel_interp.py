@@ -260,8 +260,6 @@ class _Run:
             b[s.dst] = self._state_slice(self.g[s.srcs[0]], self.at.i_n, self._state_cols(b[s.dst].shape[2]))
         elif s.op == "wait_load":
             pass  # the statements run in order: a block has landed by its next statement
-        elif s.op == "prefetch":
-            pass  # a hint to L2 for a later CTA: nothing this CTA computes depends on it
         elif s.op == "zero_pad":
             x = b[s.dst]
             b[s.dst] = torch.where(self._valid_rows().view(self.n, -1, *[1] * (x.dim() - 2)), x, self._pad(x, a))

@@ -210,8 +210,6 @@ class _Render(ProductTemplates):
             return sync + [f"T.tma_copy({src}, {s.dst}, barrier={s.dst}_bar[0], {ARRIVE})"]
         if s.op == "wait_load":
             return [f"T.mbarrier_wait_parity({s.dst}_bar[0], 0)"]
-        if s.op == "prefetch":
-            return self._prefetch(s)
         if s.op == "load_vec":
             x = s.srcs[0]
             # (an unused chunk slot has n_valid = 0 and t0 = 0: it reads token 0)
@@ -315,38 +313,6 @@ class _Render(ProductTemplates):
         if s.op == "store_state":
             return [f"T.copy({s.srcs[0]}, {s.dst}[i_n, i_hv, 0:K, v0:v0 + BV])"]
         raise PassError("lower", f"no template for statement {s.op}")
-
-    def _prefetch(self, s: Stmt) -> list[str]:
-        """A prefetch into L2 of the block the CTA `ahead` SM-fulls later loads from a tensor
-        (kernels/l2_prefetch.py), its lines dealt to all of the CTA's threads; before the first,
-        which CTA that is (the grid is (chunk slot, value head), the slot fastest)."""
-        ahead = s.attr["ahead"]
-        first = not getattr(self, "_next_cta", None)
-        if not first and self._next_cta != ahead:
-            raise PassError("lower", f"{self.k.name}: prefetches for CTAs {self._next_cta} and {ahead} SM-fulls ahead")
-        self._next_cta = ahead
-        out = [] if not first else [
-            "# the CTA that takes this SM's place when this one leaves: its blocks into L2 while this one works",
-            "T.import_source(L2_PREFETCH_SOURCE)",
-            "tx = T.get_thread_binding()",
-            f"i_next = i_slot + i_hv * CH + T.call_extern(\"int32\", \"qla_sm_count\") * {ahead}",
-            "slot_next = i_next % CH",
-            "hv_next = T.min(i_next // CH, HV - 1)",
-            "t0_next = chunk_map[slot_next, 0]",
-            "rows_next = T.if_then_else(i_next < CH * HV, chunk_map[slot_next, 1], 0)  # 0: no such CTA",
-        ]
-        p = self.params[s.srcs[0]]
-        dims = [_DIMS.get(d, self.tiles.get(d, d) if p.padded else d) for d in p.shape]
-        if len(p.shape) == 4 and p.shape[:2] == ("1", "T") and not p.zero_columns:  # a chunk's rows
-            head = "hv_next // G" if p.shape[2] == "H" else "hv_next"
-            at, stride, rows, width = f"{p.name}[0, t0_next, {head}, 0]", f"{dims[2]} * {dims[3]}", "rows_next", dims[3]
-        elif len(p.shape) == 4 and p.shape[:2] == ("CH", "HV"):  # a chunk state, whole
-            at, stride, rows = f"{p.name}[slot_next, hv_next, 0, 0]", "0", "T.if_then_else(i_next < CH * HV, 1, 0)"
-            width = f"{dims[2]} * {dims[3]}"
-        else:
-            raise PassError("lower", f"{self.k.name}: `{s}`: no prefetch of a tensor shaped {p.shape}")
-        return out + [f"T.call_extern(\"handle\", \"qla_prefetch_rows\", T.address_of({at}), {stride}, {rows}, "
-                      f"{width}, tx, {self.k.threads})"]
 
     def _vector_cumsum(self, s: Stmt, scan: bool) -> list[str]:
         """The C prefix sums of a vector (suffix sums with `reverse`) by a scan of warp shuffles:
@@ -716,8 +682,6 @@ def lower(kir: KernelIR, shape: ShapeClass, source: str = "") -> str:
         "from qla_compiler.kernels.tri_inverse import unit_lower_inverse",
         *(["from qla_compiler.kernels.warp_columns import warp_columns"]
           if any(b.warp_columns for k in kir.kernels for b in k.buffers) else []),
-        *(["from qla_compiler.kernels.l2_prefetch import L2_PREFETCH_SOURCE"]
-          if any(st.op == "prefetch" for k in kir.kernels for st in k.body) else []),
         "",
         f"H, HV, K, V, BV, C = {shape.H}, {shape.HV}, {shape.K}, {shape.V}, {shape.BV}, {kir.chunk_size}",
         *(f"{_key_block_constant(w)} = {min(w, shape.KP)}  # the keys of a block of the kernels on {w}-key blocks "

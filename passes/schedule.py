@@ -27,8 +27,7 @@ Here: the prep and scan kernels and their parameters, and the whole program; sch
 out kernels (grouped and split by their shared memory and occupancy), schedule_build.py builds a
 kernel's buffers and statements, schedule_memory.py budgets them and places the loads by liveness,
 schedule_fused.py the fused forward, schedule_vectors.py the parallel kernels' per-token vectors in
-registers, schedule_reductions.py their sums' exchanges batched, schedule_prefetch.py the blocks of
-the next CTA an SM runs fetched into L2 (QLA_L2_PREFETCH=1).
+registers, schedule_reductions.py their sums' exchanges batched.
 """
 from __future__ import annotations
 
@@ -49,7 +48,6 @@ from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SME
                               dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups, packed_shared,
                               place_loads, reads, repeats_work, smem_bytes, threads_for, zero_pad)
 from .schedule_out import out_kernels
-from .schedule_prefetch import L2_PREFETCH, l2_prefetched
 from .schedule_reductions import BATCHED_REDUCTIONS, batched_reductions
 from .schedule_vectors import VECTOR_REGISTERS, vectors_in_registers
 
@@ -111,8 +109,6 @@ def schedule(part: Partition, split_phase_loads: bool = SPLIT_PHASE_LOADS, head_
                 k = kir.kernels[i] = vectors_in_registers(k)
             if BATCHED_REDUCTIONS:
                 k = kir.kernels[i] = batched_reductions(k, ir.chunk_size)
-            if L2_PREFETCH:
-                k = kir.kernels[i] = l2_prefetched(k, kernel_occupancy(k, dims)[0] * 32 // k.threads)
             buffers, at = {b.name: b for b in k.buffers}, dim_sizes(head_dims, k.key_block)
             k.shared_peak = max(live_shared(buffers, k.body, at), default=0)
             k.shared_packed = packed_shared(buffers, k.body, at)
