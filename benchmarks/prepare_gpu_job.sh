@@ -3,7 +3,7 @@
 # device's minutes go to running (a fresh GPU node restores the tar: ../shared/gpu/README.md).
 #
 #   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
-#                                      [--fused-training] [--switches] [--lookahead]
+#                                      [--fused-training] [--switches] [--lookahead] [--heads-first]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -22,7 +22,8 @@
 # with (QLA_BACKWARD_SCAN_ROLES=0), and the whole-V scan tests' classes (~15 minutes here). Two
 # processes per step (this machine's cores); a fresh cache directory each run, so the tar holds
 # no stale kernels. --lookahead: the two backward bench rows under QLA_LOAD_LOOKAHEAD=3, 4 and 5,
-# and test_gpu_backward's GDN classes and test_gpu_per_key's under 3.
+# and test_gpu_backward's GDN classes and test_gpu_per_key's under 3. --heads-first: the two backward
+# bench rows and test_gpu_backward's classes with the value heads first (QLA_HEADS_FIRST=1).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .gpu/enter.sh ] || { echo "no .gpu/: run bash ../shared/gpu/make-bundle.sh first" >&2; exit 1; }
@@ -78,6 +79,9 @@ for a in "$@"; do
                  done
                  sharded lookahead_tests env QLA_LOAD_LOOKAHEAD=3 $PY benchmarks/precompile.py --backward-tests
                  sharded lookahead_per_key env QLA_LOAD_LOOKAHEAD=3 $PY benchmarks/precompile.py --per-key-tests ;;
+    --heads-first) sharded heads_first env QLA_HEADS_FIRST=1 $PY benchmarks/precompile.py --bench --backward \
+                       --rows 16/64:8x4096 4/16:8x4096
+                   sharded heads_first_tests env QLA_HEADS_FIRST=1 $PY benchmarks/precompile.py --backward-tests ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
                 $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1

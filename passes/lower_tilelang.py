@@ -410,10 +410,33 @@ def _signature(kernel: Kernel, r: _Render) -> list[str]:
 _GRID_INDEX = {"chunk_slot": "i_slot", "value_head": "i_hv", "v_block": "i_v", "sequence": "i_n", "key_block": "i_kb"}
 
 
-def _grid(kernel: Kernel, V: str, K: str = "K", BK: str = "BK") -> str:
-    """The kernel's launch, its grid's axes in the KernelIR's order (the first is blockIdx.x)."""
-    extents = ", ".join({"V/BV": f"{V} // BV", "K/BK": f"{K} // {BK}"}.get(e, e) for _, e in kernel.grid)
-    return f"    with T.Kernel({extents}, threads={kernel.threads}) as ({', '.join(_GRID_INDEX[a] for a, _ in kernel.grid)}):"
+# the grid extent known only at launch that can pass the 65535 CTAs CUDA takes on grid axes y and
+# z: the chunk slots. (The scans' and the token step's sequences are their grid's z: a call of
+# more than 65535 sequences fails its launch there; not handled, NOTES session 52.)
+_DYNAMIC_EXTENTS = ("CH",)
+
+
+def _grid(kernel: Kernel, V: str, K: str = "K", BK: str = "BK") -> list[str]:
+    """The kernel's launch, its grid's axes in the KernelIR's order (the first is blockIdx.x).
+    Where the chunk slots are not the first axis (the value heads first, schedule_build's
+    HEADS_FIRST), the grid is one axis of all its CTAs, each axis's index taken from it in that
+    order: a packed batch of 4M tokens has 65536 chunk slots, past what blockIdx.y counts."""
+    extents = [{"V/BV": f"{V} // BV", "K/BK": f"{K} // {BK}"}.get(e, e) for _, e in kernel.grid]
+    names = [_GRID_INDEX[a] for a, _ in kernel.grid]
+    # (kernels on key blocks launch their slots on y as before: at most 65535 of them, 4M tokens
+    # a call; their one-axis launch has not run on a GPU yet, NOTES session 52)
+    if kernel.key_block or not any(e in _DYNAMIC_EXTENTS for e in extents[1:]):
+        return [f"    with T.Kernel({', '.join(extents)}, threads={kernel.threads}) as ({', '.join(names)}):"]
+    out = [f"    with T.Kernel({' * '.join(f'({e})' if '/' in e else e for e in extents)}, "
+           f"threads={kernel.threads}) as i_cta:",
+           f"        # one launch axis: {kernel.grid[0][0]} fastest, then "
+           + ", then ".join(a for a, _ in kernel.grid[1:])]
+    below = []
+    for i, (name, e) in enumerate(zip(names, extents)):
+        at = f"i_cta // ({' * '.join(below)})" if below else "i_cta"
+        out.append(f"        {name} = {at}" if i == len(names) - 1 else f"        {name} = {at} % ({e})")
+        below.append(f"({e})" if "/" in e else e)
+    return out
 
 
 def _per_sequence_grid(kernel: Kernel, V: str) -> list[str]:
@@ -422,7 +445,7 @@ def _per_sequence_grid(kernel: Kernel, V: str) -> list[str]:
             if kernel.walk_skip else [])
     words = len(next(p for p in kernel.params if p.name == "cu_seqlens").shape) == 2  # [N+1, W]: column 0
     at = (lambda n: f"cu_seqlens[{n}, 0]") if words else (lambda n: f"cu_seqlens[{n}]")
-    return [_grid(kernel, V),
+    return [*_grid(kernel, V),
             "        i_h = i_hv // G  # the query/key head this value head reads",
             "        v0 = i_v * BV",
             f"        bos = {at('i_n')}",
@@ -553,7 +576,7 @@ def lower_kernel(kernel: Kernel, shape: ShapeClass) -> list[str]:
     if scan:
         out += _per_sequence_grid(kernel, r.tiles.get("V", "V"))
     else:
-        out += [_grid(kernel, r.tiles.get("V", "V"), r.tiles.get("K", "K"), r.tiles.get("BK", "BK")),
+        out += [*_grid(kernel, r.tiles.get("V", "V"), r.tiles.get("K", "K"), r.tiles.get("BK", "BK")),
                 "        i_h = i_hv // G",
                 "        t0 = chunk_map[i_slot, 0]",
                 "        n_valid = chunk_map[i_slot, 1]  # 0 for unused slots: nothing is stored"]

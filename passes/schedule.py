@@ -41,8 +41,8 @@ from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, KernelIR, Stmt, Ten
 from .key_blocks import key_cut
 from .partition import Partition
 from .schedule_build import (CHUNK_MAP, CHUNK_OFFSETS, STATE, STATE_IO, Builder, build, check_v_columns,
-                             crossing_tensor, global_name, head_params, ident, input_params, log_space, product_slots,
-                             state_dtype, store_rows)
+                             crossing_tensor, global_name, head_params, ident, input_params, log_space, parallel_grid,
+                             product_slots, state_dtype, store_rows)
 from .schedule_fused import fused_kernel, scan_with_roles
 from .schedule_memory import (CTA_SHARED_MAX, FRAGMENT_REGISTERS, HEAD_DIMS, SMEM_BUDGET, THREADS, ctas_per_sm,
                               dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups, packed_shared,
@@ -248,7 +248,7 @@ def _prep_kernel(part: Partition, split_phase: bool, dims: dict, key_block: int 
     # chose registers for 5; 2 % faster, NOTES session 23); so does one on key blocks (_key_block)
     ctas = ctas_per_sm(peak, fragments, threads) if inverses or key_block else 0
     ctas = ctas if ctas > 1 else 0  # (one is what ptxas assumes unasked)
-    grid = ((("key_block", "K/BK"),) if key_block else ()) + (("chunk_slot", "CH"), ("value_head", "HV"))
+    grid = parallel_grid(bool(key_block))
     keys = f", on blocks of {key_block} keys" if key_block else ""
     return Kernel(f"{ir.name}_prep{suffix}", grid, threads, params,
                   list(b.buffers.values()), [], product_slots(body, threads), [],

@@ -27,7 +27,7 @@ STATE, STATE_IO = "state", "state_s"
 # names the generated module already uses (TileLang's `T`, the size constants, loop variables)
 RESERVED = {"T", "C", "K", "V", "H", "HV", "BV", "BK", "G", "IO", "SCALE", "STAGES", "SCAN_THREADS", "TOKEN_THREADS",
             "N", "NP1", "CH", "Tok", "i", "j", "i_k", "t0", "n_valid", "bos", "seq_len", "v0", "i_h", "i_hv", "i_n", "i_v",
-            "i_c", "i_slot", "i_kb", "k0"}
+            "i_c", "i_slot", "i_kb", "k0", "i_cta"}
 
 
 def _dims(shape, tiled: bool, key_blocked: bool = False) -> tuple:
@@ -640,6 +640,23 @@ def global_name(ir: ChunkIR, name: str) -> str:
     if n.op == "input":
         return name
     return ident(name) if n.shape == ("C",) else f"{ident(name)}_rows"
+
+
+# The parallel kernels' grid, its first axis the fastest in launch order. With the value heads
+# first (QLA_HEADS_FIRST=1), the G value heads of a chunk run as neighbouring CTAs and read its
+# q and k blocks from L2 after the first: H100, 16/64:8x4096, GDN's backward out kernel 4.293 ->
+# 4.145 ms, the backward prep 0.467 -> 0.443, the forward's prep 0.579 -> 0.569, the training
+# step 8.353 -> 8.165 (benchmarks/grid_order.py, session 52; its launch was 2-D there, the
+# lowering's is one axis: NOTES). Kernels on key blocks keep theirs (the key blocks of a chunk
+# side by side already share its K-free blocks through L2).
+HEADS_FIRST = os.environ.get("QLA_HEADS_FIRST", "0") != "0"
+
+
+def parallel_grid(key_block: bool = False) -> tuple:
+    """The grid of a kernel parallel over chunk slots, as (axis, extent) pairs, fastest first."""
+    if key_block:
+        return ("key_block", "K/BK"), ("chunk_slot", "CH"), ("value_head", "HV")
+    return (("value_head", "HV"), ("chunk_slot", "CH")) if HEADS_FIRST else (("chunk_slot", "CH"), ("value_head", "HV"))
 
 
 CHUNK_MAP = Tensor("chunk_map", ("CH", "2"), "int32", "in", "(first token, tokens) of every chunk slot")

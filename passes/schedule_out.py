@@ -15,8 +15,8 @@ from qla_compiler.ir.kernel import KEY_BLOCK_WIDTHS, Kernel, Stmt, Tensor
 
 from .key_blocks import key_cut
 from .partition import Partition
-from .schedule_build import (CHUNK_MAP, build, crossing_tensor, head_params, input_params, product_slots,
-                             store_rows)
+from .schedule_build import (CHUNK_MAP, build, crossing_tensor, head_params, input_params, parallel_grid,
+                             product_slots, store_rows)
 from .schedule_memory import (FRAGMENT_REGISTERS, MORE_WARPGROUPS, MORE_WARPGROUPS_GRADIENTS, SMEM_BUDGET, THREADS,
                               ctas_per_sm, dim_sizes, kernel_occupancy, live_fragments, live_shared, more_warpgroups,
                               place_loads, repeats_work, threads_for)
@@ -254,7 +254,7 @@ def _out_built(part: Partition, roles: tuple, suffix: str, split_phase: bool, di
     ctas = ctas if ctas > 1 else 0
     held = {x for x, buf in b.place.items() if b.buffers[buf].dtype == "float32" and x not in loaded}
     # (the key blocks of a chunk adjacent: they load the same K-free blocks, from L2 after the first)
-    grid = ((("key_block", "K/BK"),) if key_block else ()) + (("chunk_slot", "CH"), ("value_head", "HV"))
+    grid = parallel_grid(bool(key_block))
     keys = f", on blocks of {key_block} keys" if key_block else ""
     return Kernel(f"{ir.name}_out{suffix}", grid, threads, params,
                   list(b.buffers.values()), [], product_slots(placed, threads), [],

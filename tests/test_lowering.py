@@ -803,7 +803,8 @@ def test_the_launch_follows_the_kernels_grid():
     assert "with T.Kernel(CH, HV, threads=128) as (i_slot, i_hv):" in "\n".join(lower_kernel(prep, shape))
     heads_first = dataclasses.replace(prep, grid=prep.grid[::-1])
     heads_first.verify()
-    assert "with T.Kernel(HV, CH, threads=128) as (i_hv, i_slot):" in "\n".join(lower_kernel(heads_first, shape))
+    # (chunk slots past the first axis: one launch axis, since blockIdx.y stops at 65535)
+    assert "with T.Kernel(HV * CH, threads=128) as i_cta:" in "\n".join(lower_kernel(heads_first, shape))
     scan = next(k for k in prog.kernels.kernels if k.loop)
     seq_first = dataclasses.replace(scan, grid=(scan.grid[2], scan.grid[0], scan.grid[1]))
     assert "with T.Kernel(N, V // BV, HV, threads=SCAN_THREADS) as (i_n, i_v, i_hv):" in \
