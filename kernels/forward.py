@@ -17,7 +17,7 @@ import torch
 
 from qla_compiler.context_parallel import chain_starts, contraction_logs, run_segments, segment_layout, window_skips
 from qla_compiler.layout import TensorMemo, chunk_offsets, packed_cu_seqlens
-from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, tile_width
+from qla_compiler.passes.lower_tilelang import ShapeClass, check_head_dim, one_launch_axis, tile_width
 from qla_compiler.passes.walk_skip import widened
 
 from . import segment_chain, window_search
@@ -411,6 +411,36 @@ def check_call(dims, keep: bool, context_parallel) -> None:
                          f"(got K = {dims.K}, V = {dims.V}); leave it None")
 
 
+GRID_YZ_MAX = 65535  # CTAs CUDA launches along grid y and z (x: 2^31 − 1)
+
+
+def check_grid(kernel, sizes: dict, n_seqs: int) -> None:
+    """A launch that would put more CTAs on grid y or z than CUDA takes is refused with a
+    ValueError saying what to split, not left to fail in the driver: the sequences of a scan or
+    token step (grid z), the chunk slots of a kernel on key blocks (grid y; elsewhere the lowering
+    launches them on x or as one axis, lower_tilelang.one_launch_axis).
+
+        >>> from qla_compiler.ir.kernel import Kernel
+        >>> scan = Kernel("scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 128, [], [], [], [], [])
+        >>> check_grid(scan, {"CH": 70000, "T": 70000}, n_seqs=70000)
+        Traceback (most recent call last):
+        ...
+        ValueError: cu_seqlens: 70000 sequences, but scan launches a CTA per sequence on grid axis z, which CUDA caps at 65535: split the call into calls of at most 65535 sequences
+    """
+    if one_launch_axis(kernel):
+        return
+    for i, (axis, extent) in enumerate(kernel.grid[1:]):
+        n = {"CH": sizes["CH"], "N": n_seqs}.get(extent)
+        if n is None or n <= GRID_YZ_MAX:
+            continue
+        where = f"grid axis {'yz'[i]}, which CUDA caps at {GRID_YZ_MAX}"
+        if axis == "sequence":
+            raise ValueError(f"cu_seqlens: {n} sequences, but {kernel.name} launches a CTA per sequence on {where}: "
+                             f"split the call into calls of at most {GRID_YZ_MAX} sequences")
+        raise ValueError(f"q, k, v: the call's {sizes['T']} tokens make {n} chunks, but {kernel.name} launches a CTA "
+                         f"per chunk on {where}: split the call into calls of fewer tokens")
+
+
 def packed_inputs(inputs: dict, kinds: dict, dims, head_logs: dict, exact: bool = False, cache: bool = True) -> dict:
     """The inputs packed [1, B·T, ...] by parameter name (gates and scalars in float32, as the
     kernels read them; `exact`: as they are, for a stand-in), and each head constant's logs
@@ -608,6 +638,7 @@ def _launch_plan(program, kernel, dims, scale, io, device, sizes: dict, width: i
     loader = POLICY.kernels or load_kernels
 
     def make():
+        check_grid(kernel, sizes, n_seqs)
         shape = shape_class(dims, width, n_seqs, scale, io, device, program.kernels.block_v_max)
         outs = []
         for p in kernel.params:

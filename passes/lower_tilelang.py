@@ -412,8 +412,15 @@ _GRID_INDEX = {"chunk_slot": "i_slot", "value_head": "i_hv", "v_block": "i_v", "
 
 # the grid extent known only at launch that can pass the 65535 CTAs CUDA takes on grid axes y and
 # z: the chunk slots. (The scans' and the token step's sequences are their grid's z: a call of
-# more than 65535 sequences fails its launch there; not handled, NOTES session 52.)
+# more than 65535 sequences is refused, kernels/forward.check_grid.)
 _DYNAMIC_EXTENTS = ("CH",)
+
+
+def one_launch_axis(kernel: Kernel) -> bool:
+    """Whether `kernel` launches as one axis of all its CTAs (_grid): where its chunk slots are
+    not its grid's first axis. (Kernels on key blocks launch theirs on y as before, at most 65535
+    of them: their one-axis launch has not run on a GPU yet, NOTES session 52.)"""
+    return not kernel.key_block and any(e in _DYNAMIC_EXTENTS for _, e in kernel.grid[1:])
 
 
 def _grid(kernel: Kernel, V: str, K: str = "K", BK: str = "BK") -> list[str]:
@@ -423,9 +430,7 @@ def _grid(kernel: Kernel, V: str, K: str = "K", BK: str = "BK") -> list[str]:
     order: a packed batch of 4M tokens has 65536 chunk slots, past what blockIdx.y counts."""
     extents = [{"V/BV": f"{V} // BV", "K/BK": f"{K} // {BK}"}.get(e, e) for _, e in kernel.grid]
     names = [_GRID_INDEX[a] for a, _ in kernel.grid]
-    # (kernels on key blocks launch their slots on y as before: at most 65535 of them, 4M tokens
-    # a call; their one-axis launch has not run on a GPU yet, NOTES session 52)
-    if kernel.key_block or not any(e in _DYNAMIC_EXTENTS for e in extents[1:]):
+    if not one_launch_axis(kernel):
         return [f"    with T.Kernel({', '.join(extents)}, threads={kernel.threads}) as ({', '.join(names)}):"]
     out = [f"    with T.Kernel({' * '.join(f'({e})' if '/' in e else e for e in extents)}, "
            f"threads={kernel.threads}) as i_cta:",

@@ -154,3 +154,39 @@ def test_a_call_like_one_that_passed_still_reads_its_values(ops):
         with pytest.raises(ValueError, match=pattern):
             op(**{**args, **bad})
     op(**args)  # (and the signature that passed still passes)
+
+
+def test_a_launch_past_cudas_grid_limits_is_refused():
+    """CUDA launches at most 65535 CTAs along grid y and z: a scan's sequences (z) and the chunk
+    slots of a kernel on key blocks (y) past that are refused, naming what to split; chunk slots
+    on x, or in the one-axis launch of the value heads first, are not limited so."""
+    import dataclasses
+
+    from qla_compiler.kernels.forward import GRID_YZ_MAX, check_grid
+    from qla_compiler.passes.lower_tilelang import one_launch_axis
+
+    gdn = qla_compiler.compile_spec("gdn")
+    scan = next(k for k in gdn.kernels.kernels if k.loop)
+    check_grid(scan, {"CH": 10 ** 6, "T": 64 * 10 ** 6}, n_seqs=GRID_YZ_MAX)
+    with pytest.raises(ValueError, match=r"cu_seqlens: 65536 sequences, but gdn_scan launches a CTA per sequence "
+                                         r"on grid axis z, which CUDA caps at 65535: split the call"):
+        check_grid(scan, {"CH": 65536, "T": 65536}, n_seqs=GRID_YZ_MAX + 1)
+    out = next(k for k in gdn.backward_program.kernels.kernels if k.name == "gdn_backward_out")
+    check_grid(out, {"CH": 10 ** 6, "T": 64 * 10 ** 6}, n_seqs=1)  # (slots on x)
+    heads_first = dataclasses.replace(out, grid=out.grid[::-1])
+    assert one_launch_axis(heads_first)
+    check_grid(heads_first, {"CH": 10 ** 6, "T": 64 * 10 ** 6}, n_seqs=1)
+    keyed = next(k for k in qla_compiler.compile_spec("gla").backward_program.kernels.kernels if k.key_block)
+    assert keyed.grid[1][0] == "chunk_slot" and not one_launch_axis(keyed)
+    with pytest.raises(ValueError, match=r"q, k, v: the call's 4194368 tokens make 65537 chunks, but .* grid axis y"):
+        check_grid(keyed, {"CH": 65537, "T": 4194368}, n_seqs=1)
+
+
+def test_decoding_more_sequences_than_one_launch_holds_is_refused(ops):
+    """The token step's grid has a CTA column per sequence on z: 65536 one-token sequences are
+    refused before any kernel runs, not left to the driver."""
+    op = ops["gdn"]
+    n = 65536
+    args = random_inputs(op, T=n, H=1, HV=1, K=16, V=8, cu_seqlens=list(range(n + 1)), initial_state=True, seed=0)
+    with pytest.raises(ValueError, match="cu_seqlens: 65536 sequences, but .* on grid axis z"):
+        op.recurrent(**args)
