@@ -23,7 +23,8 @@
 # processes per step (this machine's cores); a fresh cache directory each run, so the tar holds
 # no stale kernels. --lookahead: the two backward bench rows under QLA_LOAD_LOOKAHEAD=3, 4 and 5,
 # and test_gpu_backward's GDN classes and test_gpu_per_key's under 3. --heads-first: the two backward
-# bench rows and test_gpu_backward's classes with the value heads first (QLA_HEADS_FIRST=1).
+# bench rows and test_gpu_backward's classes with the value heads first (QLA_HEADS_FIRST=1), and the
+# two rows with QLA_LOAD_LOOKAHEAD=3 besides.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .gpu/enter.sh ] || { echo "no .gpu/: run bash ../shared/gpu/make-bundle.sh first" >&2; exit 1; }
@@ -81,6 +82,8 @@ for a in "$@"; do
                  sharded lookahead_per_key env QLA_LOAD_LOOKAHEAD=3 $PY benchmarks/precompile.py --per-key-tests ;;
     --heads-first) sharded heads_first env QLA_HEADS_FIRST=1 $PY benchmarks/precompile.py --bench --backward \
                        --rows 16/64:8x4096 4/16:8x4096
+                   sharded heads_first_l3 env QLA_HEADS_FIRST=1 QLA_LOAD_LOOKAHEAD=3 $PY benchmarks/precompile.py \
+                       --bench --backward --rows 16/64:8x4096 4/16:8x4096
                    sharded heads_first_tests env QLA_HEADS_FIRST=1 $PY benchmarks/precompile.py --backward-tests ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
