@@ -11,7 +11,9 @@
 #   bash benchmarks/ncu_kernel.sh dqdkdg d_q_d_k_d_g qla 16/16:8x4096 kda backward   (a training step's kernel)
 #
 # The calls are plain (no torch.profiler beside ncu). Writes $OUT/ncu/NAME.ncu-rep,
-# NAME.details.txt and NAME.sass.csv. The fourth launch of a matching kernel is the one profiled:
+# NAME.details.txt and NAME.sass.csv (in a step of gpu_detached.sh, OUT=/tmp/qla-job brings the two
+# text files back in job.tgz; a report over 12 MB stays on the node). Session 52: ~30 s for our
+# backward out kernel, ~160 s for FlashQLA's fused backward (its TileLang compiles first). The fourth launch of a matching kernel is the one profiled:
 # the first ones compile and warm up. --clock-control none: the device's notes (METHOD.md) ask
 # that the clocks be left alone.
 set -eu
