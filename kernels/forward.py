@@ -418,11 +418,12 @@ def check_grid(kernel, sizes: dict, n_seqs: int) -> None:
     """A launch that would put more CTAs on grid y or z than CUDA takes is refused with a
     ValueError saying what to split, not left to fail in the driver: the sequences of a scan or
     token step (grid z), the chunk slots of a kernel on key blocks (grid y; elsewhere the lowering
-    launches them on x or as one axis, lower_tilelang.one_launch_axis).
+    launches them on x or as one axis, lower_tilelang.one_launch_axis). `sizes`: the call's
+    (tensor_sizes), of which a grid over chunk slots reads CH and T.
 
         >>> from qla_compiler.ir.kernel import Kernel
         >>> scan = Kernel("scan", (("v_block", "V/BV"), ("value_head", "HV"), ("sequence", "N")), 128, [], [], [], [], [])
-        >>> check_grid(scan, {"CH": 70000, "T": 70000}, n_seqs=70000)
+        >>> check_grid(scan, {}, n_seqs=70000)
         Traceback (most recent call last):
         ...
         ValueError: cu_seqlens: 70000 sequences, but scan launches a CTA per sequence on grid axis z, which CUDA caps at 65535: split the call into calls of at most 65535 sequences
@@ -430,7 +431,7 @@ def check_grid(kernel, sizes: dict, n_seqs: int) -> None:
     if one_launch_axis(kernel):
         return
     for i, (axis, extent) in enumerate(kernel.grid[1:]):
-        n = {"CH": sizes["CH"], "N": n_seqs}.get(extent)
+        n = {"CH": sizes.get("CH"), "N": n_seqs}.get(extent)
         if n is None or n <= GRID_YZ_MAX:
             continue
         where = f"grid axis {'yz'[i]}, which CUDA caps at {GRID_YZ_MAX}"

@@ -63,10 +63,11 @@ RECOMPUTE_PER_KEY = os.environ.get("QLA_RECOMPUTE_PER_KEY", "0") == "1"
 # The backward's whole-V scan on roles forms the products of the chunk's input blocks it reads
 # (GDN's d v_new intra-chunk term, (Q Kᵀ ⊙ R)ᵀ·d O) on its value role, ahead of the entering state's
 # hand-off, instead of loading them from the prep (partition's scan_products): the prep no longer
-# reads q and d o for them, nor writes a C×V block a chunk. On the H100 (NOTES session 51,
-# 16/64:8x4096) the backward prep went 1.277 → 0.467 ms, the scan 1.263 → 1.444, the training step
-# 9.33 → 8.74 (4/16:8x4096: 2.36 → 2.22). QLA_SCAN_PRODUCTS=0 turns it off (the generated source
-# differs: both variants cache side by side).
+# reads q and d o for them, nor writes a C×V block a chunk. On the H100 (NOTES sessions 51–52,
+# 16/64:8x4096) the backward prep went 1.277 → 0.467 ms, the scan 1.263 → 1.084, the training step
+# 9.33 → 8.34 (4/16:8x4096: 2.36 → 2.12; session 51's 1.444 ms scan was timed on a source that
+# depended on the hash seed). QLA_SCAN_PRODUCTS=0 turns it off (the generated source differs: both
+# variants cache side by side).
 SCAN_PRODUCTS = os.environ.get("QLA_SCAN_PRODUCTS", "1") == "1"
 ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
