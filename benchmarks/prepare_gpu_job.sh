@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
 #                                      [--fused-training] [--switches] [--lookahead] [--heads-first]
+#                                      [--inverse-products]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -24,7 +25,8 @@
 # no stale kernels. --lookahead: the two backward bench rows under QLA_LOAD_LOOKAHEAD=3, 4 and 5,
 # and test_gpu_backward's GDN classes and test_gpu_per_key's under 3. --heads-first: the two backward
 # bench rows and test_gpu_backward's classes with the value heads first (QLA_HEADS_FIRST=1), and the
-# two rows with QLA_LOAD_LOOKAHEAD=3 besides.
+# two rows with QLA_LOAD_LOOKAHEAD=3 besides. --inverse-products: the two backward bench rows and
+# test_gpu_backward's classes with the whole-V scan forming W (QLA_SCAN_PRODUCTS_ON_INVERSE=1).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .gpu/enter.sh ] || { echo "no .gpu/: run bash ../shared/gpu/make-bundle.sh first" >&2; exit 1; }
@@ -85,6 +87,10 @@ for a in "$@"; do
                    sharded heads_first_l3 env QLA_HEADS_FIRST=1 QLA_LOAD_LOOKAHEAD=3 $PY benchmarks/precompile.py \
                        --bench --backward --rows 16/64:8x4096 4/16:8x4096
                    sharded heads_first_tests env QLA_HEADS_FIRST=1 $PY benchmarks/precompile.py --backward-tests ;;
+    --inverse-products) sharded inverse_products env QLA_SCAN_PRODUCTS_ON_INVERSE=1 $PY benchmarks/precompile.py \
+                            --bench --backward --rows 16/64:8x4096 4/16:8x4096
+                        sharded inverse_products_tests env QLA_SCAN_PRODUCTS_ON_INVERSE=1 $PY benchmarks/precompile.py \
+                            --backward-tests ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
                 $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1

@@ -69,6 +69,13 @@ RECOMPUTE_PER_KEY = os.environ.get("QLA_RECOMPUTE_PER_KEY", "0") == "1"
 # depended on the hash seed). QLA_SCAN_PRODUCTS=0 turns it off (the generated source differs: both
 # variants cache side by side).
 SCAN_PRODUCTS = os.environ.get("QLA_SCAN_PRODUCTS", "1") == "1"
+# With it, the products built on the inverse the forward kept too (partition's kept_inverse: GDN's
+# W = (T_r ⊙ R)·diag(βΓ)K, its scaling on T's columns by scale_on_left_columns): the scan loads T_r
+# (C×C) where it loaded W (C×K), and the backward's prep kernel, which formed W alone, goes away
+# (0.47 ms of the 8.34 ms training step at 16/64:8x4096 on the H100, session 52). Off until a GPU
+# run times it: QLA_SCAN_PRODUCTS_ON_INVERSE=1 turns it on (the generated source differs: both
+# variants cache side by side).
+SCAN_PRODUCTS_ON_INVERSE = os.environ.get("QLA_SCAN_PRODUCTS_ON_INVERSE", "0") == "1"
 ELEMENTWISE = ("add", "sub", "mul", "neg", "scale_rows", "scale_cols")
 
 
@@ -108,12 +115,13 @@ class Partition:
 
 
 def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset(),
-              scan_products: bool = False) -> bool:
+              scan_products: bool = False, kept_inverse: bool = False) -> bool:
     """Computed by prep: inverses and prefix sums, and matmuls built on an inverse. For the scan,
     also every matmul whose result is per-token rows: loading it costs what loading an input block
     costs, and it leaves the sequential path (a K×V result stays in the scan: it would cost a
     state's worth of memory per chunk), unless `scan_products` and the product is made from the
-    chunk's input blocks alone (_from_inputs). With RECOMPUTE_ON_LOADED (not for a per-key gate),
+    chunk's input blocks alone (_from_inputs; with `kept_inverse`, a provided inverse counts as
+    one). With RECOMPUTE_ON_LOADED (not for a per-key gate),
     "built on" looks through the values this program computes only, not through the `provided`
     ones it loads."""
     n = ir.node(name)
@@ -122,7 +130,7 @@ def _prepared(ir: ChunkIR, name: str, for_scan: bool, provided: set = frozenset(
     if n.op != "matmul":
         return False
     if for_scan and n.shape[0] == "C":
-        return not (scan_products and _from_inputs(ir, name, provided))
+        return not (scan_products and _from_inputs(ir, name, provided, kept_inverse))
     if RECOMPUTE_ON_LOADED and (RECOMPUTE_PER_KEY or not _per_key_gate(ir)):
         return _built_on_inverse(ir, name, provided)
     return any(ir.node(a).op == "inv_unit_lower" for a in nx.ancestors(ir.graph, name))
@@ -147,13 +155,17 @@ def _built_on_inverse(ir: ChunkIR, name: str, provided: set) -> bool:
     return False
 
 
-def _from_inputs(ir: ChunkIR, name: str, provided: set) -> bool:
+def _from_inputs(ir: ChunkIR, name: str, provided: set, kept_inverse: bool = False) -> bool:
     """Whether `name` is made from the chunk's input blocks, vectors and constants alone: no
     inverse, prefix-summed block, provided block or K×V value behind it (GDN's backward d v_new's
-    intra-chunk term, (Q Kᵀ ⊙ R)ᵀ·d O, from q, k, d o and the gates' vector)."""
+    intra-chunk term, (Q Kᵀ ⊙ R)ᵀ·d O, from q, k, d o and the gates' vector). With `kept_inverse`
+    an inverse the forward kept (provided) is loaded like an input block: C×C, half a C×K
+    product's bytes (GDN's backward W)."""
     seen, todo = set(), [name]
     while todo:
         n = ir.node(todo.pop())
+        if kept_inverse and n.name in provided and n.op == "inv_unit_lower":
+            continue
         if n.op == "inv_unit_lower" or (n.op == "cumsum" and len(n.shape) == 2) or n.shape[:1] == ("K",) \
                 or (n.name in provided and len(n.shape) == 2):
             return False
@@ -230,7 +242,7 @@ def _sharing_exponentials(ir: ChunkIR, prep: set, out: set, dependent: set) -> s
 
 
 def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECAYS,
-              scan_products: bool = False) -> Partition:
+              scan_products: bool = False, kept_inverse: bool = False) -> Partition:
     """`keep`: values to store per token although no later kernel reads them (the forward for
     training keeps its inverses for the backward): state-free ones cross memory from the prep;
     state-dependent ones must be carried (the entering state, v_new), and are `stored` even where
@@ -239,7 +251,8 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
     kernel loads them and none recomputes them. `share_decays`: _sharing_exponentials.
     `scan_products`: the scan forms the per-token products of the chunk's input blocks it reads
     (_from_inputs) instead of loading them from the prep: for a scan whose roles do them off the
-    chain (the backward's whole-V scan on roles), where they would cross memory twice."""
+    chain (the backward's whole-V scan on roles), where they would cross memory twice;
+    `kept_inverse`: also those built on a provided inverse (_from_inputs)."""
     provided = set(provided)
     state_in, s_next = ir.state_in, ir.next_state
     results = list(ir.outputs.values())  # o (a backward: the gradients)
@@ -256,7 +269,7 @@ def partition(ir: ChunkIR, keep=(), provided=(), share_decays: bool = SHARE_DECA
         raise PassError("partition", f"provided values must be state-free: {sorted(provided - set(free))}")
     prepared = _combined(ir, free, {x for x in free if x in provided or _prepared(ir, x, False, provided)})
     prepared_scan = _combined(ir, free, {x for x in free if x in provided
-                                         or _prepared(ir, x, True, provided, scan_products)})
+                                         or _prepared(ir, x, True, provided, scan_products, kept_inverse)})
     for n in ir.order():
         if n.op in PREPARED_OPS and n.name in dependent:
             raise PassError("partition", f"{n.name} ({n.op}) depends on the state; it cannot run ahead of the scan")

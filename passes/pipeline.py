@@ -47,11 +47,12 @@ from .classify import classify
 from .frontend import load_spec
 from .key_blocks import key_blocks
 from .lowerable import unsupported
-from .partition import SCAN_PRODUCTS, partition
+from .partition import SCAN_PRODUCTS, SCAN_PRODUCTS_ON_INVERSE, partition
 from .release_memory import release_memory
 from .reuse_memory import reuse_memory
 from .rewrite_decay_side import DECAY_VALUE_SIDE, DECAY_VALUE_SIDE_ON_CHAIN
 from .rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
+from .rewrite_scale_on_left import SCALE_ON_LEFT_COLUMNS
 from .rewrite_wy import FOLD_WY
 from .rewrites import CHUNK_PASSES
 from .schedule import HEAD_DIMS, schedule
@@ -337,20 +338,30 @@ class Program:
             back = self.backward
             before = [("autodiff", back)]
             # wide: the chain's decay on the value side (a C×V pass in registers, where the keys'
-            # would be a C×K block in shared memory the budget has no room for)
-            for rewrite in (DECAY_VALUE_SIDE_ON_CHAIN,) if wide else ():
-                after = _run_pass(rewrite, back, where)
-                if set(after.graph.nodes) != set(back.graph.nodes):
-                    before.append((rewrite.name, after))
-                    back = after
+            # would be a C×K block in shared memory the budget has no room for); with the scan
+            # forming W on the kept inverse, W's scaling on T's columns (no scaled C×K copy)
+            inverse_products = wide and SCAN_PRODUCTS and SCAN_PRODUCTS_ON_INVERSE
+
+            def shaped(back, rewrites):
+                for rewrite in rewrites:
+                    after = _run_pass(rewrite, back, where)
+                    if set(after.graph.nodes) != set(back.graph.nodes):
+                        before.append((rewrite.name, after))
+                        back = after
+                return back
+
+            back = shaped(back, (DECAY_VALUE_SIDE_ON_CHAIN,) if wide else ())
             carried = self.training_program.stage("partition").carried
             # a state-free product (W = T·diag(βΓ)K) the backward recomputes from what it loads
-            # anyway, one matmul per chunk, rather than have every training step keep it
+            # anyway, one matmul per chunk, rather than have every training step keep it (found
+            # before a rewrite changes the form of a stored value, v_new = U − W·S₀, not its value)
             provided = [x for x in self.stored() if _same_value(self.chunk, back, x)
                         and (x in carried or self.chunk.node(x).op != "matmul")]
+            back = shaped(back, (SCALE_ON_LEFT_COLUMNS,) if inverse_products else ())
             try:
                 prog = self._scheduled(back, before, where, partial=self.partial, provided=provided,
-                                       scan_products=wide and SCAN_PRODUCTS, scan_roles=scan_roles, wide=wide)
+                                       scan_products=wide and SCAN_PRODUCTS, kept_inverse=inverse_products,
+                                       scan_roles=scan_roles, wide=wide)
             except NotFusable as e:  # kept: the runtime asks on every call (kernels/backward.backward_program_of)
                 self._derived[key] = e
                 raise

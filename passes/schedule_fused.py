@@ -178,10 +178,10 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     # chain's products would not fit one warpgroup's registers: the state role, every statement
     # that touches the state fragment (its decay, its update, its copy for the products), and the
     # value role, the rest of the chain (the products from the entering state to the new values)
-    bodies = _split_chain(chain_body) if wide else {"chain": chain_body}
-    bodies["output" if output else "stores"] = out_body
     kinds = {b.name: b.scope for b in (*chain.buffers.values(), *out.buffers.values())}
     kinds.update({rename_out.get(n, n): b.scope for n, b in out.buffers.items()})
+    bodies = _split_chain(chain_body, kinds) if wide else {"chain": chain_body}
+    bodies["output" if output else "stores"] = out_body
     bodies = {role: _through_fragments(body, kinds) for role, body in bodies.items()}
 
     # -- buffers, their owners (the role that writes each) and the hand-offs between roles
@@ -202,6 +202,8 @@ def fused_kernel(part: Partition, dims: dict, wide: bool = False, output: bool =
     for role in ("output", "state", "value"):
         if role in bodies:
             bodies[role] = _independent_first(bodies[role], {x for x, rs in handoffs.items() if role in rs})
+    bodies = {role: _products_when_read(_handed_on_when_made(body, set(handoffs), kinds), kinds)
+              for role, body in bodies.items()}
     budgets = _budgets(list(bodies), dims)
     for role in bodies:
         bodies[role], parked = _parked(bodies[role], {x for x, rs in handoffs.items() if role in rs}, found,
@@ -336,14 +338,16 @@ def _negation_held(ir, chain, x: str) -> str | None:
     return None
 
 
-def _split_chain(body: list) -> dict:
+def _split_chain(body: list, scope: dict) -> dict:
     """The chain's statements as two roles: `state`, those that read or write the state fragment
     (the loop-carried accumulator), and `value`, the rest (what the state's update needs from the
     entering state); a chain with no such rest (linear attention) is the state role alone. Where
     the value role works on the entering state, the state role also takes the statements of loaded
     values that only it reads (the backward's d QS = diag(Γ)·d O): it forms them while it waits
-    for the value role, and no buffer between the roles holds them. What one role hands the other
-    goes through shared memory (_owners)."""
+    for the value role, and no buffer between the roles holds them. Not those that touch another
+    fragment (`scope`: each buffer's): the state leaves its role STATE_EXTRA_REGISTERS beside it,
+    no room for a block (the backward's W = T·K, C×K float32, is formed by the value role and
+    handed over). What one role hands the other goes through shared memory (_owners)."""
     touches = [bool({STATE} & (reads(st) | st.writes())) for st in body]
     if not any(touches):
         raise NotFusable("schedule", "the chain cannot be cut into a state role and a value role: "
@@ -356,7 +360,9 @@ def _split_chain(body: list) -> dict:
     # the loaded-value statements whose results only the state (and others of them) read, where
     # the value role works on the entering state: the state role forms them while it waits for
     # that (else, the gate-only chains' V' = diag(d)V, the value role forms them ahead of it)
-    moved = {i for i, (t, e) in enumerate(zip(touches, entering)) if not t and not e} if any(entering) else set()
+    blocks = [any(scope.get(b) == "fragment" for b in (reads(st) | st.writes()) - {STATE}) for st in body]
+    moved = {i for i, (t, e, f) in enumerate(zip(touches, entering, blocks)) if not (t or e or f)} \
+        if any(entering) else set()
     while True:
         keep = {i for i in moved if all(touches[j] or j in moved for j, other in enumerate(body)
                                         if j != i and body[i].writes() & reads(other))}
@@ -635,6 +641,39 @@ def _independent_first(body: list, handed: set) -> list:
         else:
             ahead.append(st)
     return ahead + behind
+
+
+def _handed_on_when_made(body: list, handed: set, scope: dict) -> list:
+    """`body` with each copy of a fragment into a hand-off block moved up to right after the
+    fragment's last write, past statements that touch neither: the fragment's registers are free
+    for what comes between (the backward scan's W = T·K, 64 registers a thread on a value role of
+    112, would otherwise stay live across that role's C×V product with d O, another 64)."""
+    out = list(body)
+    for st in list(out):
+        if st.op != "copy" or st.dst not in handed or scope.get(st.srcs[0]) != "fragment":
+            continue
+        i = out.index(st)
+        made = max((j for j in range(i) if st.srcs[0] in out[j].writes()), default=None)
+        if made is None or any(st.dst in reads(x) | x.writes() for x in out[made + 1:i]):
+            continue
+        out[made + 1:i + 1] = [st, *out[made + 1:i]]
+    return out
+
+
+def _products_when_read(body: list, scope: dict) -> list:
+    """`body` with each product into a fragment moved down to right before the first statement
+    that reads it, past statements that touch neither its result nor what its operands hold: a
+    product is synchronous (T.gemm waits for its wgmma), so issuing it early gains nothing, and its
+    result would hold registers across what comes between (the backward scan's Q Kᵀ, 32
+    registers a thread, across the value role's W = T·K, another 64, on a role of 112)."""
+    out = list(body)
+    for st in [x for x in out if x.op == "gemm" and scope.get(x.dst) == "fragment" and not x.attr.get("accumulate")]:
+        i = out.index(st)
+        first = next((j for j in range(i + 1, len(out)) if st.dst in reads(out[j]) | out[j].writes()), None)
+        if first is None or any(reads(st) & x.writes() for x in out[i + 1:first]):
+            continue
+        out[i:first] = [*out[i + 1:first], st]
+    return out
 
 
 def _synced(body: list, bufs: set, barrier: str | None, reader: bool) -> list:

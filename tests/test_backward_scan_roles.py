@@ -179,14 +179,14 @@ def test_the_kernel_prints_its_roles_and_walks_last_to_first(capsys):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_the_cuda_has_three_register_budgets_a_reverse_loop_and_no_spills(tmp_path):
-    from test_lowering import _ptxas_report
+    from test_lowering import _ptxas_report, _role_registers
 
     from qla_compiler.kernels.runtime import lower_to_cuda
 
     program = qla_compiler.compile_spec("gdn").backward_roles_program
     assert program.kernels.block_v_max == 32  # (at 64 the load ring is two deep: too shallow)
     cuda = lower_to_cuda(program, ShapeClass(H=2, HV=8, K=128, V=128, BV=32))["gdn_backward_scan_roles"]
-    budgets = [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda)]
+    budgets = _role_registers(cuda)
     assert len(budgets) == 3 and "warpgroup_reg_dealloc<112>" in cuda
     assert "for (int i_r = 0; i_r < ((seq_len + 63) >> 6); ++i_r)" in cuda and "tma_load(" in cuda
     report = _ptxas_report(cuda, tmp_path)

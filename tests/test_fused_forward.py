@@ -261,13 +261,13 @@ def test_wide_fused_budgets_are_setmaxnreg_budgets_at_small_k(spec):
 def test_fused_cuda_has_setmaxnreg_and_mbarriers_and_no_spills(tmp_path):
     """And the roles' budgets fit the pool the CTA is launched with, as ptxas allocates it: an
     increase beyond it waits forever (200 + 200 + 112 hung the H200 at 168 per thread)."""
-    from test_lowering import _ptxas_report
+    from test_lowering import _ptxas_report, _role_registers
 
     from qla_compiler.kernels.runtime import lower_to_cuda
 
     program = qla_compiler.compile_spec("gdn").fused_program
     cuda = lower_to_cuda(program, ShapeClass(H=2, HV=8, K=128, V=128, BV=64))["gdn_fused"]  # (the widest)
-    budgets = [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda)]
+    budgets = _role_registers(cuda)
     assert len(budgets) == 3 and "warpgroup_reg_dealloc<112>" in cuda
     assert "state_s_full[(i_c & 1)].arrive()" in cuda and ".wait(" in cuda and "tma_load(" in cuda
     report = _ptxas_report(cuda, tmp_path)
@@ -556,13 +556,13 @@ def test_the_runtime_takes_the_wide_kernel_where_its_grid_fills_the_gpu():
 def test_wide_fused_cuda_has_four_register_budgets_and_no_spills(tmp_path):
     """setmaxnreg 168 for the state role, 112 for the others, within the pool of 512 threads at
     ptxas's 128 registers each; no spills."""
-    from test_lowering import _ptxas_report
+    from test_lowering import _ptxas_report, _role_registers
 
     from qla_compiler.kernels.runtime import lower_to_cuda
 
     program = qla_compiler.compile_spec("gdn").fused_wide_program
     cuda = lower_to_cuda(program, ShapeClass(H=16, HV=64, K=128, V=128, BV=128))["gdn_fused"]
-    budgets = [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda)]
+    budgets = _role_registers(cuda)
     assert sorted(budgets) == [112, 112, 112, 168]
     report = _ptxas_report(cuda, tmp_path)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)

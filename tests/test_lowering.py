@@ -197,6 +197,12 @@ def test_split_phase_loads_arrive_on_their_barriers():
                     assert "__syncthreads()" in before[last:], kernel[m.start() - 300:m.start()]
 
 
+def _role_registers(cuda: str) -> list:
+    """The register budget each role of a warp-specialised kernel sets (setmaxnreg), in the order
+    of the roles in its CUDA."""
+    return [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda)]
+
+
 def _ptxas_spills(source: str, tmp_path) -> list:
     """(spill stores, spill loads) of every kernel in a CUDA source, compiled for sm_90a."""
     return re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", _ptxas_report(source, tmp_path))

@@ -26,6 +26,7 @@ from qla_compiler.passes.pipeline import Program, pass_names
 from qla_compiler.passes.rewrite import Rewrite, lower_tri, strict_lower
 from qla_compiler.passes.rewrite_exp2 import EXP2
 from qla_compiler.passes.rewrite_scale_after_product import SCALE_AFTER_PRODUCT_ON_CHAIN
+from qla_compiler.passes.rewrite_scale_on_left import SCALE_ON_LEFT_COLUMNS
 from qla_compiler.passes.rewrites import CHUNK_PASSES, REWRITES
 from qla_compiler.passes.verify_exponents import verify_exponents
 from qla_compiler.testing import random_inputs, rel_err
@@ -62,7 +63,7 @@ def to_float64(args: dict) -> dict:
 
 # ---- the proofs ---------------------------------------------------------------------------------
 
-PROVED = [r for r in REWRITES + [SCALE_AFTER_PRODUCT_ON_CHAIN] if r.proof is not None]
+PROVED = [r for r in REWRITES + [SCALE_AFTER_PRODUCT_ON_CHAIN, SCALE_ON_LEFT_COLUMNS] if r.proof is not None]
 
 
 def test_the_rewrites_with_proofs_are_the_algebraic_ones():
