@@ -166,3 +166,41 @@ def test_the_rewrite_moves_only_a_scaling_of_an_input_onto_a_block():
     assert (shaped.node("T_s_Gamma").op, shaped.node("T_s_Gamma").args) == ("scale_cols", ("T", "s_Gamma"))
     assert partition(shaped, provided=back.provided, scan_products=True, kept_inverse=True).crossing == ()
     assert partition(shaped, provided=back.provided, scan_products=True).crossing == ("W",)
+
+
+def _stmt(op, dst, *srcs, **attrs):
+    from qla_compiler.ir.kernel import Stmt
+
+    return Stmt(op, dst, srcs, tuple(attrs.items()))
+
+
+def test_a_hand_off_is_copied_out_as_soon_as_its_fragment_is_made():
+    """schedule_fused._handed_on_when_made: the copy of W into its hand-off block moves up to right
+    after W's product, past work that touches neither; a copy whose block something in between
+    reads stays where it is."""
+    from qla_compiler.passes.schedule_fused import _handed_on_when_made
+
+    scope = {"W": "fragment", "A": "fragment", "W_s": "shared", "x_s": "shared", "k_s": "shared"}
+    body = [_stmt("gemm", "W", "x_s", "k_s"), _stmt("gemm", "A", "x_s", "k_s"), _stmt("copy", "x_s", "A"),
+            _stmt("copy", "W_s", "W")]
+    moved = _handed_on_when_made(body, {"W_s"}, scope)
+    assert [s.dst for s in moved] == ["W", "W_s", "A", "x_s"]
+    blocked = body[:2] + [_stmt("copy", "x_s", "W_s")] + body[3:]
+    assert _handed_on_when_made(blocked, {"W_s"}, scope) == blocked
+    assert _handed_on_when_made(body, set(), scope) == body  # (not a hand-off: left alone)
+
+
+def test_a_product_is_issued_right_before_its_first_reader():
+    """schedule_fused._products_when_read: Q Kᵀ moves down past W's product and copy to its mask;
+    not past a statement that writes one of its operands, and an accumulation stays put."""
+    from qla_compiler.passes.schedule_fused import _products_when_read
+
+    scope = {"QKt": "fragment", "W": "fragment", "W_s": "shared", "q_s": "shared", "k_s": "shared",
+             "T_s": "shared", "P_s": "shared"}
+    body = [_stmt("gemm", "QKt", "q_s", "k_s"), _stmt("gemm", "W", "T_s", "k_s"), _stmt("copy", "W_s", "W"),
+            _stmt("copy", "P_s", "QKt")]
+    assert [s.dst for s in _products_when_read(body, scope)] == ["W", "W_s", "QKt", "P_s"]
+    overwrites = [body[0], _stmt("copy", "q_s", "W")] + body[1:]
+    assert _products_when_read(overwrites, scope)[0] == body[0]
+    summed = [_stmt("gemm", "QKt", "q_s", "k_s", accumulate=True)] + body[1:]
+    assert _products_when_read(summed, scope) == summed
