@@ -203,6 +203,13 @@ def _role_registers(cuda: str) -> list:
     return [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", cuda)]
 
 
+def _roles_compile_without_spills(cuda: str, tmp_path, budgets: list) -> None:
+    """A warp-specialised kernel's CUDA sets these setmaxnreg budgets and compiles with no spills."""
+    assert _role_registers(cuda) == budgets
+    spills = _ptxas_spills(cuda, tmp_path)
+    assert spills and all(s == ("0", "0") for s in spills), spills
+
+
 def _ptxas_spills(source: str, tmp_path) -> list:
     """(spill stores, spill loads) of every kernel in a CUDA source, compiled for sm_90a."""
     return re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", _ptxas_report(source, tmp_path))
