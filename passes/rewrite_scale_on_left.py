@@ -23,13 +23,13 @@ from .rewrite import Rewrite, arg, is_op
 def _apply(ir: ChunkIR) -> None:
     for mm in ir.of_op("matmul"):
         if mm.attr.get("ta") or mm.attr.get("tb"):
-            continue  # (a transposed operand's rows are not the product's contracted index)
+            continue  # (transposed, the scaling would fall on the other index of the stored block)
         left, right = arg(ir, mm, 0), arg(ir, mm, 1)
         if left.shape != ("C", "C") or not is_op(right, "scale_rows"):
             continue
         d, x = right.args
         if ir.node(x).op != "input" or ir.node(x).shape[1:] == ("C",):
-            continue  # a computed operand is rounded to io anyway; a C×C one gains nothing
+            continue  # a computed operand is formed in shared memory anyway; a C×C one saves nothing
         scaled = ir.add(f"{left.name}_{d}", "scale_cols", left.name, d)
         product = ir.add(f"{mm.name}'", "matmul", scaled, x, **mm.attr)
         ir.replace_uses(mm.name, product)
