@@ -9,9 +9,6 @@ same step on them."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from qla_compiler.emulate import emulated_step
 from qla_compiler.ir.kernel import Kernel
 from qla_compiler.passes.key_blocks import key_cut
 from qla_compiler.testing import random_inputs, rel_err
+from child_process import run_child
 
 CU = [0, 1, 41, 141, 200]  # a 1-token sequence, partial chunks
 SHAPES = {"K = 64 (two blocks)": dict(K=64, V=32),
@@ -51,9 +49,7 @@ def whole(tmp_path_factory):
     """What the child process with QLA_KEY_BLOCKS=0 computed: each spec's and shape's gradients,
     and each spec's backward kernels."""
     path = tmp_path_factory.mktemp("key_blocks") / "out.pt"
-    env = {**os.environ, "QLA_KEY_BLOCKS": "0"}
-    subprocess.run([sys.executable, "-c", CHILD.format(specs=SPECS, shapes=SHAPES, cu=CU), str(path)], check=True,
-                   env=env, timeout=900)
+    run_child(CHILD.format(specs=SPECS, shapes=SHAPES, cu=CU), path, env={"QLA_KEY_BLOCKS": "0"})
     return torch.load(path, weights_only=False)
 
 
@@ -191,9 +187,7 @@ def test_with_twice_the_warpgroups_too_the_blocks_are_the_ones_that_do_not_spill
     code = ("import qla_compiler; "
             "p = qla_compiler.compile_spec('kda').backward_program; "
             "print({k.name: (k.threads, k.key_block) for k in p.kernels.kernels if k.kind != 'scan'})")
-    env = {**os.environ, "QLA_MORE_WARPGROUPS": "1"}
-    outs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env=env).stdout
+    outs = run_child(code, env={"QLA_MORE_WARPGROUPS": "1"})
     assert eval(outs) == {"kda_backward_prep": (256, 0), "kda_backward_out_d_v_d_beta": (256, 0),  # noqa: S307
                           "kda_backward_out_d_q_d_k_d_g": (512, 64)}
 

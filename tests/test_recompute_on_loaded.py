@@ -6,14 +6,11 @@ switch is read at import: a child process runs with it off, and its emulated tra
 checked against autograd through the float64 reference (the default's are, by the rest of the
 suite). QLA_RECOMPUTE_PER_KEY=1 applies it to per-key gates too, to time it there: another child.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from qla_compiler.testing import rel_err
+from child_process import run_child
 
 SPECS = ["gdn", "delta_net", "kda"]
 CHILD = """
@@ -39,8 +36,7 @@ PER_KEY = ["kda"]  # (GLA has no backward prep: nothing crosses memory to recomp
 
 def _child(tmp_path_factory, specs: list, **env) -> dict:
     path = tmp_path_factory.mktemp("recompute") / "out.pt"
-    subprocess.run([sys.executable, "-c", CHILD.format(specs=specs), str(path)], check=True,
-                   env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, timeout=900)
+    run_child(CHILD.format(specs=specs), path, env=env)
     return torch.load(path, weights_only=False)
 
 

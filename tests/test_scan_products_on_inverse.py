@@ -6,17 +6,15 @@ ahead of the entering state and hands it to the state role, whose registers hold
 A child process with the switch on (it is read at import): what the partition and the schedule
 cut, a training step with every kernel emulated against autograd through the float64 reference,
 and what ptxas makes of the scan."""
-import json
-import os
 import re
-import subprocess
-import sys
+import shutil
 
 import pytest
 
 import qla_compiler
 from qla_compiler.passes.partition import partition
 from qla_compiler.passes.rewrite_scale_on_left import SCALE_ON_LEFT_COLUMNS
+from child_process import last_json, run_child
 
 CHILD = r"""
 import json, sys, torch
@@ -78,11 +76,8 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def child(tmp_path_factory):
     cu = tmp_path_factory.mktemp("inverse_products") / "scan.cu"
-    run = subprocess.run([sys.executable, "-c", CHILD, str(cu)], capture_output=True, text=True, timeout=1500,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "QLA_SCAN_PRODUCTS": "1",
-                              "QLA_SCAN_PRODUCTS_ON_INVERSE": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1]), cu
+    out = run_child(CHILD, cu, env={"QLA_SCAN_PRODUCTS": "1", "QLA_SCAN_PRODUCTS_ON_INVERSE": "1"}, timeout=1500)
+    return last_json(out), cu
 
 
 def test_off_by_default_the_prep_forms_w():
@@ -141,7 +136,7 @@ def test_the_gradients_meet_the_reference(child, spec):
     assert all(errs[n] <= 1.1 * before[n] + 1e-6 for n in errs), (errs, before)
 
 
-@pytest.mark.skipif(subprocess.run(["which", "nvcc"], capture_output=True).returncode != 0,
+@pytest.mark.skipif(shutil.which("nvcc") is None,
                     reason="needs nvcc (CI has it)")
 def test_the_scan_compiles_without_spills(child, tmp_path):
     from test_lowering import _roles_compile_without_spills

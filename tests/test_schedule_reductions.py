@@ -2,17 +2,12 @@
 default, QLA_BATCHED_REDUCTIONS=0 turns it off): which sums are marked, with how many outputs a
 thread holds, and that TileLang lowers the marks into one round of barriers per sum within a CTA's
 shared memory."""
-import json
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 
 import qla_compiler
 from qla_compiler.ir.kernel import Stmt
 from qla_compiler.passes.schedule_reductions import batched_reductions
+from child_process import last_json, run_child
 
 
 def _batches(kernel):
@@ -129,10 +124,7 @@ def test_tilelang_lowers_the_batched_sums_into_one_exchange_each(tmp_path):
     divide a thread's outputs), each marked sum is one batched AllReduce per level of its
     butterfly (the cross-warpgroup row sums 2 wide, the column sum 8), the cross-warp scalar
     exchanges left are the unmarked sums', and the larger workspaces still fit a CTA's 227 KB."""
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = last_json(run_child(CHILD))
     batched = [tuple(map(int, t)) for t in got["batched"]]
     assert batched.count((256, 128, 2)) == 6 and batched.count((4, 1, 2)) == 6  # six row sums, two levels each
     assert batched.count((128, 32, 8)) == 1 and batched.count((32, 4, 8)) == 1  # the column sum

@@ -1,12 +1,9 @@
 """Per-token vectors in registers (passes/schedule_vectors.py, QLA_VECTOR_REGISTERS=1): the 2-D
 passes read their vectors from fragments copied right before, and the kernels so scheduled compute
 what the spec's float64 reference does (the emulator runs the copies and the rewritten passes)."""
-import os
-import subprocess
-import sys
-
 import qla_compiler
 from qla_compiler.passes.schedule_vectors import vectors_in_registers
+from child_process import run_child
 
 
 def _vector_reads(kernel):
@@ -78,9 +75,7 @@ def test_kernels_with_vectors_in_registers_compute_what_they_did(tmp_path):
     runs = {}
     for on in ("0", "1"):
         path = tmp_path / f"run{on}.pt"
-        out = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=900,
-                             env={**os.environ, "QLA_VECTOR_REGISTERS": on})
-        assert out.returncode == 0, out.stderr[-3000:]
+        run_child(CHILD, path, env={"QLA_VECTOR_REGISTERS": on})
         runs[on] = torch.load(path)
     for spec, on in runs["1"].items():
         off = runs["0"][spec]
