@@ -57,6 +57,11 @@ def for_gpu_tests():
     out += [Compile("gla", "backward", ShapeClass(H=2, HV=2, K=128, V=128, BV=bv), None) for bv in (16, 32, 64)]
     for s in (2, 8):  # the context-parallel cases of test_gpu_forward and test_gpu_backward (3 sequences)
         out += classes("gdn", 2, 8, 128, 3, cp=s, training=True)
+    with forward.launch_policy(cut_wide=True):  # test_gpu_forward's cut on the wide kernel
+        out += classes("gdn", 2, 8, 128, 3, cp=8)
+    for s, wide in ((2, False), (8, True)):  # test_gpu_backward's cuts on the fused training forward
+        with forward.launch_policy(cut_fused_training=True, cut_wide=wide):
+            out += classes("gdn", 2, 8, 128, 3, cp=s, training=True)
     # (test_gpu_unwritten_memory's CASES are chosen among the classes here; its fused forward of
     # 2/8 heads, 3 sequences, forced fused, compiles on the node)
     return out + for_per_key_tests()

@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
 #                                      [--fused-training] [--switches] [--lookahead] [--heads-first]
-#                                      [--inverse-products]
+#                                      [--inverse-products] [--cut-fused]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -27,6 +27,9 @@
 # bench rows and test_gpu_backward's classes with the value heads first (QLA_HEADS_FIRST=1), and the
 # two rows with QLA_LOAD_LOOKAHEAD=3 besides. --inverse-products: the two backward bench rows and
 # test_gpu_backward's classes with the whole-V scan forming W (QLA_SCAN_PRODUCTS_ON_INVERSE=1).
+# --cut-fused: the bench rows as qla-bench --cut-fused runs them (QLA_CUT_WIDE=1 and
+# QLA_CUT_FUSED_TRAINING=1), forward and training, and cp_sweep.py's rows cut in 2, 4, 8 and 16
+# both ways (its --cut-wide sweep and a plain one to fit beside it).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .gpu/enter.sh ] || { echo "no .gpu/: run bash ../shared/gpu/make-bundle.sh first" >&2; exit 1; }
@@ -34,6 +37,7 @@ PY=${PY:-.venv/bin/python}
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$(mktemp -d /tmp/tlc-job.XXXX)} OMP_NUM_THREADS=1
 LOGS=$(mktemp -d /tmp/precompile-logs.XXXX)
 ROWS="2/8:1x32768 2/8:1x8192 2/8:8x4096 4/16:1x32768 4/16:8x4096 8/32:1x32768 16/64:1x32768 16/64:1x2048 16/64:8x4096"
+SWEEP="2/8:1x32768 2/8:1x8192 4/16:1x32768 8/32:1x32768 16/64:1x32768 2/8:8x4096 4/16:8x4096 16/64:1x2048"  # cp_sweep.ROWS
 WIDE="16/64:8x4096:256 2/8:1x8192:256 16/64:8x4096:100"  # issue 15's rows beside FLA
 FUSED="delta_net:2/2:128:bfloat16:16 simple_gla:2/2:128:bfloat16:16 retnet:2/2:128:bfloat16:16 linear_attn:2/2:128:bfloat16:16"
 FUSED="$FUSED gdn:2/2:128:bfloat16:16 gdn:1/2:64:bfloat16:16 gdn:2/8:128:bfloat16:32 gdn:2/8:128:bfloat16:16"
@@ -91,6 +95,12 @@ for a in "$@"; do
                             --bench --backward --rows 16/64:8x4096 4/16:8x4096
                         sharded inverse_products_tests env QLA_SCAN_PRODUCTS_ON_INVERSE=1 $PY benchmarks/precompile.py \
                             --backward-tests ;;
+    --cut-fused) sharded cut_fused env QLA_CUT_WIDE=1 QLA_CUT_FUSED_TRAINING=1 $PY benchmarks/precompile.py --bench \
+                     --backward --rows $ROWS
+                 for S in 2 4 8 16; do
+                   sharded cut_wide_$S env QLA_CUT_WIDE=1 $PY benchmarks/precompile.py --bench --cp $S --rows $SWEEP
+                   sharded cut_plain_$S $PY benchmarks/precompile.py --bench --cp $S --rows $SWEEP
+                 done ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
                 $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1

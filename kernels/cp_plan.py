@@ -30,6 +30,16 @@ no longer than a window (16/64 × 2048 at 16 segments: 0.14 ms). On every row of
 plan is the fastest count measured; session 22's constants (fitted to the torch search and chain)
 kept 2/8 × 8192 whole at 0.215 ms, against 0.116 at 4 segments.
 
+An inference call may walk its segments on the wide fused kernel (V-block 128, a CTA per value
+head and segment: forward.runs_wide, where forward.cut_wide() says so): with `wide`, the model's
+launches run there where forward.wide_fused's rule holds for the N·S sequences, and their chunks
+cost `wide_chunk` instead of `chunk`. Its value is not fitted (the sweep had no cut on the wide
+kernel): it is `chunk` × 1.41, the ratio of a chunk-wave's time at V-block 128 to one at 64 in
+session 16's measurement of the fused kernels on the H200 (`fused_variants.py`: 4/16 × 8 × 4096,
+0.203 ms over one wave of 64 chunks against 0.285 over two; 16/64 × 8 × 4096, 0.801 over four
+against 1.140 over eight: 3.1–3.2 µs against 2.2). `cp_sweep.py --cut-wide` measures the cuts to
+fit it.
+
     >>> plan_segments(N=1, H=2, HV=8, K=128, V=128, tokens=32768, sms=132)
     8
     >>> plan_segments(N=8, H=16, HV=64, K=128, V=128, tokens=8 * 4096, sms=132)
@@ -50,9 +60,10 @@ class Costs:
     glue: float  # a cut call's fixed cost besides its launches (the torch glue, when there was some)
     segment: float  # each segment (the start states' chain)
     token: float  # each token × key head (the windows' λ)
+    wide_chunk: float  # one chunk of a walk on the wide fused kernel, per wave
 
 
-H200 = Costs(chunk=0.001345, wave=0.01462, glue=0.0, segment=0.002, token=5.1e-9)
+H200 = Costs(chunk=0.001345, wave=0.01462, glue=0.0, segment=0.002, token=5.1e-9, wide_chunk=0.001345 * 1.41)
 WINDOW = 2  # chunks a segment's window walks where the gates decay
 SEGMENTS = (1, 2, 4, 8, 16, 32)
 GAIN = 0.9  # cut only where the model says at least 10 % faster: its error is about that
@@ -74,62 +85,85 @@ CALL_GPU = {"inference": dict(walk=1.049, token_head=3.74e-7), "training": dict(
 
 
 def cost_terms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
-               chunk_size: int = 64) -> dict:
-    """The counts the model's constants multiply (Costs' fields) for a call cut into `segments`."""
+               chunk_size: int = 64, wide: bool = False) -> dict:
+    """The counts the model's constants multiply (Costs' fields) for a call cut into `segments`
+    (`wide`: its walks on the wide fused kernel where that kernel's rule holds, see launch_waves)."""
     chunks = math.ceil(tokens / max(N, 1) / chunk_size)
     walk = math.ceil(chunks / segments)
     cut = segments > 1
-    walks, windows = launch_waves(segments, N, HV, K, V, sms)
+    walks, windows, on_wide = launch_waves(segments, N, HV, K, V, sms, wide)
     launches = [(walks, walk)] + [(windows, min(WINDOW, walk))] * cut
-    return dict(chunk=sum(w * n for w, n in launches), wave=sum(w for w, _ in launches), glue=float(cut),
-                segment=segments * cut, token=tokens * H * cut)
+    walked = sum(w * n for w, n in launches)
+    return dict(chunk=0 if on_wide else walked, wave=sum(w for w, _ in launches), glue=float(cut),
+                segment=segments * cut, token=tokens * H * cut, wide_chunk=walked if on_wide else 0)
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_waves(segments: int, N: int, HV: int, K: int, V: int, sms: int) -> tuple:
-    """(waves of the walks, waves of the windows' walks) of a call cut into `segments`: the
-    launch rule's V-block, one CTA an SM."""
-    from .forward import block_v, widest_v_block
+def launch_waves(segments: int, N: int, HV: int, K: int, V: int, sms: int, wide: bool = False) -> tuple:
+    """(waves of the walks, waves of the windows' walks, whether both run the wide fused kernel)
+    of a call cut into `segments`: the launch rule's V-block, one CTA an SM. With `wide`, the wide
+    kernel where forward.wide_fused's rule holds for the N·segments sequences (as forward.runs_wide
+    launches an inference call under forward.cut_wide()), at V-blocks up to 128."""
+    from .forward import block_v, wide_fused, widest_v_block
 
-    def waves(width, runs):
-        bv = min(block_v(width, HV, runs, sms, K), widest_v_block(K))
+    runs = N * segments
+    on_wide = wide and wide_fused(K, V, HV, runs, sms)
+    widest = 128 if on_wide else widest_v_block(K)
+
+    def waves(width):
+        bv = min(block_v(width, HV, runs, sms, K, widest=widest), widest)
         return math.ceil(math.ceil(width / bv) * HV * runs / sms)
 
-    return waves(V, N * segments), waves(K + V, N * segments)
+    return waves(V), waves(K + V), on_wide
 
 
-def may_choose(segments: int, N: int, HV: int, K: int, V: int, sms: int) -> bool:
+def walk_cost(segments: int, N: int, HV: int, K: int, V: int, sms: int, wide: bool = False,
+              costs: Costs | None = None) -> float:
+    """The model's time of one chunk-step of a call's walks cut into `segments` (ms): their waves
+    times a chunk's cost on the kernel they run on."""
+    costs = costs or H200
+    walks, _, on_wide = launch_waves(segments, N, HV, K, V, sms, wide)
+    return walks * (costs.wide_chunk if on_wide else costs.chunk)
+
+
+def may_choose(segments: int, N: int, HV: int, K: int, V: int, sms: int, wide: bool = False) -> bool:
     """Whether plan_segments can choose `segments` for calls of N sequences of some length: what a
-    warm-up that is not told the length compiles. A cut's walks take at least walks(S) · ⌈NC/S⌉ ≥
-    walks(S) · NC / S chunk-times and walks(S) ≥ walks(1) waves, the whole walk walks(1) · NC and
-    walks(1), so where walks(S) / S ≥ GAIN · walks(1) no length makes the cut GAIN faster (where
-    walks(S) < walks(1), which the V-block's rule might give, the count is kept)."""
+    warm-up that is not told the length compiles. A cut's walks take at least c(S) · ⌈NC/S⌉ ≥
+    c(S) · NC / S, c the walk_cost of a chunk-step, and the whole walk c(1) · NC, so where c(S) / S
+    ≥ GAIN · c(1) no length makes the cut GAIN faster (where c(S) < c(1), which the V-block's rule
+    might give, the count is kept)."""
     if segments == 1:
         return True
-    walks, _ = launch_waves(segments, N, HV, K, V, sms)
-    whole, _ = launch_waves(1, N, HV, K, V, sms)
-    return walks < whole or walks / segments < GAIN * whole
+    cut, whole = walk_cost(segments, N, HV, K, V, sms, wide), walk_cost(1, N, HV, K, V, sms, wide)
+    return cut < whole or cut / segments < GAIN * whole
 
 
 def predicted_ms(segments: int, N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int,
-                 chunk_size: int = 64, costs: Costs = H200) -> float:
-    """The model's GPU time (ms) of the scan of a call cut into `segments`."""
-    terms = cost_terms(segments, N, H, HV, K, V, tokens, sms, chunk_size)
+                 chunk_size: int = 64, costs: Costs = H200, wide: bool = False) -> float:
+    """The model's GPU time (ms) of the scan of a call cut into `segments` (`wide`: cost_terms')."""
+    terms = cost_terms(segments, N, H, HV, K, V, tokens, sms, chunk_size, wide)
     return sum(n * getattr(costs, f) for f, n in terms.items())
 
 
 def plan_segments(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int, chunk_size: int = 64,
-                  eager: str | None = None) -> int:
+                  eager: str | None = None, wide: bool = False) -> int:
     """The segment count the model finds fastest (1: no cut), among SEGMENTS, cutting only where it
     predicts at least 1 − GAIN less time than the whole walk. `eager`: "inference" or "training"
     for a call its host paces (see HOST_CUT_MS), None for one captured or compiled (GPU time alone).
+    `wide`: the call walks on the wide fused kernel where its rule holds (an inference call under
+    forward.cut_wide(): cost_terms).
 
         >>> plan_segments(1, 2, 8, 128, 128, 8192, 132), plan_segments(1, 2, 8, 128, 128, 8192, 132, eager="inference")
         (4, 1)
+        >>> plan_segments(1, 8, 32, 128, 128, 32768, 132), plan_segments(1, 8, 32, 128, 128, 32768, 132, wide=True)
+        (2, 4)
     """
-    whole = predicted_ms(1, N, H, HV, K, V, tokens, sms, chunk_size)
-    best = min(SEGMENTS, key=lambda s: predicted_ms(s, N, H, HV, K, V, tokens, sms, chunk_size))
-    if predicted_ms(best, N, H, HV, K, V, tokens, sms, chunk_size) >= GAIN * whole:
+    def ms(s):
+        return predicted_ms(s, N, H, HV, K, V, tokens, sms, chunk_size, wide=wide)
+
+    whole = ms(1)
+    best = min(SEGMENTS, key=ms)
+    if ms(best) >= GAIN * whole:
         return 1
     return 1 if eager and call_ms(whole, tokens, HV, eager) < HOST_CUT_MS[eager] else best
 
@@ -140,23 +174,34 @@ def call_ms(whole_walk: float, tokens: int, HV: int, eager: str) -> float:
     return c["walk"] * whole_walk + c["token_head"] * tokens * HV
 
 
-def planned_segments(dims, device, eager: str | None = None) -> int | None:
+def walks_wide(training: bool) -> bool:
+    """Whether a call's plan weighs the wide fused kernel's walks (plan_segments' `wide`): an
+    inference call's, where the launch policy lets a cut run it (forward.cut_wide) and inference
+    runs the fused kernels (its `fused` not False); a training call's forward and backward walk
+    the plain scans under a cut."""
+    from .forward import POLICY, cut_wide
+
+    return not training and cut_wide() and POLICY.fused is not False
+
+
+def planned_segments(dims, device, eager: str | None = None, training: bool = False) -> int | None:
     """What `context_parallel="auto"` runs for a call of these Dims on `device`: None (no cut) or
-    plan_segments' count (`eager`: as plan_segments'). None where the kernels cannot cut
-    (forward.cuts)."""
+    plan_segments' count (`eager`: as plan_segments'; `training`: the call keeps what a backward
+    needs, walks_wide). None where the kernels cannot cut (forward.cuts)."""
     from .forward import sm_count
 
     # (ints: under torch.compile's dynamic shapes the plan specialises the graph, as the V-block does)
     return planned(*(int(x) for x in (dims.N, dims.H, dims.HV, dims.K, dims.V, dims.B * dims.T)), sm_count(device),
-                   eager)
+                   eager, walks_wide(training or eager == "training"))
 
 
 @functools.lru_cache(maxsize=256)
-def planned(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int, eager: str | None = None) -> int | None:
+def planned(N: int, H: int, HV: int, K: int, V: int, tokens: int, sms: int, eager: str | None = None,
+            wide: bool = False) -> int | None:
     """planned_segments from the call's sizes (what precompile.shape_classes asks for cp=auto)."""
     from .forward import cuts
 
     if not cuts(K, V):
         return None
-    s = plan_segments(N, H, HV, K, V, tokens, sms, eager=eager)
+    s = plan_segments(N, H, HV, K, V, tokens, sms, eager=eager, wide=wide)
     return None if s == 1 else s

@@ -54,7 +54,11 @@ class LaunchPolicy:
     (Program.backward_roles_program, or backward_wide_roles_program where runs_wide says); "wide",
     only the wide one, where runs_wide says (a CTA per value head and sequence), the plain scan
     kernel elsewhere; False, the plain scan kernel everywhere; None, BACKWARD_SCAN_ROLES's choice.
-    QLA_BACKWARD_SCAN_ROLES=1, wide or 0 sets it for the process."""
+    QLA_BACKWARD_SCAN_ROLES=1, wide or 0 sets it for the process. `cut_wide` whether a
+    context-parallel inference call may walk its segments on the wide fused kernel (runs_wide;
+    None: CUT_WIDE's choice; QLA_CUT_WIDE=1 or 0 sets it for the process). `cut_fused_training`
+    whether a context-parallel training call runs the fused training forward where a call of its
+    N·segments sequences would (None: CUT_FUSED_TRAINING's choice; QLA_CUT_FUSED_TRAINING=1 or 0)."""
     sms: int | None = None
     block_v: int | None = None
     token_block_v: int | None = None
@@ -67,18 +71,34 @@ class LaunchPolicy:
     poison: float | None = None
     fused_training: bool | None = None
     backward_scan_roles: bool | str | None = None
+    cut_wide: bool | None = None
+    cut_fused_training: bool | None = None
 
 
 _SWITCH = {"1": True, "0": False}
 POLICY = LaunchPolicy(fused=_SWITCH.get(os.environ.get("QLA_FUSED_FORWARD", "")),
                       fused_training=_SWITCH.get(os.environ.get("QLA_FUSED_TRAINING", "")),
-                      backward_scan_roles={**_SWITCH, "wide": "wide"}.get(os.environ.get("QLA_BACKWARD_SCAN_ROLES", "")))
+                      backward_scan_roles={**_SWITCH, "wide": "wide"}.get(os.environ.get("QLA_BACKWARD_SCAN_ROLES", "")),
+                      cut_wide=_SWITCH.get(os.environ.get("QLA_CUT_WIDE", "")),
+                      cut_fused_training=_SWITCH.get(os.environ.get("QLA_CUT_FUSED_TRAINING", "")))
 # A backward's scan where the policy leaves it None: the whole-V one on roles where runs_wide says,
 # else the plain kernel. On the H100 (NOTES session 47) the GDN training step 11.09 → 10.37 ms at
 # 16/64:8x4096 (the scan 2.00 → 1.29, the out kernel the plain one) and 2.81 → 2.62 at
 # 4/16:8x4096, the peak unchanged. The narrow scan on roles is no faster at V-block 32 and 0.5 GiB
 # heavier (session 45): not by default.
 BACKWARD_SCAN_ROLES = "wide"
+# Whether a context-parallel inference call walks its N·segments sequences on the wide fused
+# kernel where wide_fused's rule holds for them (the policy's cut_wide left None). FlashQLA's fused
+# kernel at 8/32:1x32768 (0.391 ms, H200) fits 4 segments walked at V-block 128; ours cuts in 2 at
+# 64 (0.55 ms). The planner weighs the wide walk too (kernels/cp_plan.py, Costs.wide_chunk).
+# Off until timed on the GPU (NOTES session 54).
+CUT_WIDE = False
+# Whether a context-parallel training call's forward is the fused training forward where an
+# uncut call of its N·segments sequences runs it (the policy's cut_fused_training left None): its
+# windows and walks store what the backward reads as the uncut one does, and the separate out
+# kernel goes (12 % off an uncut GDN step at 16/64:8x4096 on the H100, session 44). The cut's
+# backward walks the plain scan either way. Off until timed on the GPU (NOTES session 54).
+CUT_FUSED_TRAINING = False
 
 
 @contextlib.contextmanager
@@ -205,16 +225,37 @@ def backward_scan_roles() -> bool | str:
     return BACKWARD_SCAN_ROLES if on is None else on
 
 
+def cut_wide() -> bool:
+    """The launch policy's cut_wide, its None read as CUT_WIDE."""
+    on = POLICY.cut_wide
+    return CUT_WIDE if on is None else on
+
+
+def cut_fused_training() -> bool:
+    """The launch policy's cut_fused_training, its None read as CUT_FUSED_TRAINING."""
+    on = POLICY.cut_fused_training
+    return CUT_FUSED_TRAINING if on is None else on
+
+
 def runs_wide(K: int, V: int, HV: int, N: int, sms: int, context_parallel) -> bool:
     """Whether a fused inference call runs the wide fused kernel (and a backward on roles the wide
     scan: kernels/backward.py): the launch policy's choice (its `wide`, or a V-block of 128), else
-    wide_fused's rule. A context-parallel call runs the narrow one as its scan, on N·segments
-    sequences: the wide kernel's rule is for whole sequences."""
-    if context_parallel:
+    wide_fused's rule. A context-parallel call walks N·segments sequences: on the wide kernel where
+    the rule holds for them and cut_wide() says so, else on the narrow one (its backward and a
+    training forward run the plain scan under a cut whatever this says).
+
+        >>> runs_wide(128, 128, 32, 1, 132, None), runs_wide(128, 128, 32, 1, 132, 4)
+        (False, False)
+        >>> with launch_policy(cut_wide=True):
+        ...     runs_wide(128, 128, 32, 1, 132, 2), runs_wide(128, 128, 32, 1, 132, 4)
+        (False, True)
+    """
+    if context_parallel and not cut_wide():
         return False
     if POLICY.wide is not None:
         return POLICY.wide
-    return POLICY.block_v == 128 if POLICY.block_v else wide_fused(K, V, HV, N, sms)
+    runs = N * (context_parallel or 1)
+    return POLICY.block_v == 128 if POLICY.block_v else wide_fused(K, V, HV, runs, sms)
 
 
 def scan_warpgroups(K: int, V: int, BV: int, HV: int, N: int, sms: int) -> int:
@@ -361,7 +402,7 @@ def _call_program(program, dims, io, device, keep: bool, context_parallel, fused
         wide = runs_wide(dims.K, dims.V, dims.HV, dims.N, sms, context_parallel)
         if keep:
             variant.backward_blocks()  # a backward the kernels cannot run fails here, before the forward
-            if fuses and POLICY.fused_training is not False and not context_parallel:
+            if fuses and POLICY.fused_training is not False and (not context_parallel or cut_fused_training()):
                 return fused_or_not(variant, wide, training=True)
             return variant.training_program
         return inference_program(variant, fuses, wide)

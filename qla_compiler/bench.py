@@ -5,6 +5,7 @@
     qla-bench --backward             # forward + backward per call (training)
     qla-bench --rows 16/64:8x4096:100   # head dims K = V = 100 (K×V: e.g. 128x64)
     qla-bench --fused                # also the fused, warp-specialised forward (qla-fused)
+    qla-bench --cut-fused            # also qla with cuts on the fused kernels as whole calls run them (qla-cut-fused)
     qla-bench --decode               # the token step (op.recurrent) beside FLA's fused_recurrent, one token
                                      # per sequence; each row also prints the time to move the states once
     qla-bench --decode --beta-dtype bfloat16   # β in bf16 beside g in float32, as vLLM passes them
@@ -191,7 +192,7 @@ def decode_libraries(only=None):
     return {k: v for k, v in libs.items() if not only or k in only}
 
 
-def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
+def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn", cut_fused=False):
     import functools
     import importlib
 
@@ -212,6 +213,11 @@ def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
         libs["qla-fused"] = with_policy(True)
     if cp:
         libs[f"qla-cp{cp}"] = functools.partial(ours, context_parallel=cp)
+    if cut_fused:
+        def cut_on_fused(**a):  # (an inference call's plan then weighs the wide walk: cp_plan.walks_wide)
+            with forward.launch_policy(cut_wide=True, cut_fused_training=True):
+                return ours(**a)
+        libs["qla-cut-fused"] = cut_on_fused
 
     def wanted(lib):  # a peer left out is not imported either: its import alone makes our host time
         # ~1.4x (benchmarks/launch_overhead.py --peers, session 29)
@@ -236,10 +242,10 @@ def libraries(cp=None, only=None, backward=False, fused=False, spec="gdn"):
 
 
 def run(rows, plot=None, cp=None, only=None, backward=False, decode=False, fused=False, spec="gdn",
-        beta_dtype="float32"):
+        beta_dtype="float32", cut_fused=False):
     import torch
 
-    libs = decode_libraries(only) if decode else libraries(cp, only, backward, fused, spec)
+    libs = decode_libraries(only) if decode else libraries(cp, only, backward, fused, spec, cut_fused)
     results = []
     what = "token step (decode)" if decode else "forward + backward" if backward else "forward"
     print(f"# {spec.upper()} {what}, {torch.cuda.get_device_name()}, bf16, packed varlen, β in {beta_dtype}, "
@@ -327,13 +333,18 @@ def main(argv=None) -> int:
                          "(qla-cpS; qla itself runs the op's default, \"auto\": as many as the planner, "
                          "kernels/cp_plan.py, finds fastest; --cp 1 times the uncut call)")
     ap.add_argument("--only", nargs="*", metavar="LIB",
-                    help="time only these (qla, qla-cpS, FLA, FlashQLA; a peer left out is not imported); default: all")
+                    help="time only these (qla, qla-cpS, qla-cut-fused, FLA, FlashQLA; a peer left out is not "
+                         "imported); default: all")
     ap.add_argument("--scan-stages", type=int, metavar="N",
                     help="pipeline stages of the scan kernel's loads (default: kernels/forward.py's scan_stages)")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
     ap.add_argument("--fused", action="store_true",
                     help="also time the fused, warp-specialised forward (qla-fused; with --backward, training "
                          "steps whose forward is the fused training forward)")
+    ap.add_argument("--cut-fused", action="store_true",
+                    help="also time qla with context parallelism's segments on the fused kernels as a whole call of "
+                         "them would run: inference on the wide kernel where it fills the GPU, planned so; training "
+                         "on the fused training forward (qla-cut-fused; kernels/forward.cut_wide, cut_fused_training)")
     ap.add_argument("--decode", action="store_true",
                     help="time the token step (op.recurrent) beside FLA's fused_recurrent_gated_delta_rule; "
                          "rows default to batches of 1, 32 and 256 one-token sequences")
@@ -350,7 +361,8 @@ def main(argv=None) -> int:
 
     rows = args.rows or (DECODE_ROWS if args.decode else ROWS)
     with forward.launch_policy(scan_stages=args.scan_stages, block_v=args.block_v):
-        run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused, args.spec, args.beta_dtype)
+        run(rows, args.plot, args.cp, args.only, args.backward, args.decode, args.fused, args.spec, args.beta_dtype,
+            args.cut_fused)
     return 0
 
 

@@ -272,11 +272,18 @@ def print_cp_plan(deployment: str) -> int:
     for N in d.get("n_seqs", [1]):
         print(f"context_parallel=\"auto\" for H={H} HV={HV} K={K} V={V}, {N} sequence(s), {T} tokens, {sms} SMs "
               f"(kernels/cp_plan.py; the scan's modelled GPU time):")
+        wide = cp_plan.walks_wide(False)
+        print("  segments  plain walks  on the wide kernel where it fills the GPU"
+              + ("" if wide else " (not taken: forward.cut_wide() is off)"))
         for s in cp_plan.SEGMENTS:
-            print(f"  {s:>3} segments  {cp_plan.predicted_ms(s, N, H, HV, K, V, T, sms):7.3f} ms")
-        for eager, who in ((None, "a captured or compiled call"), ("inference", "an eager call"),
-                           ("training", "an eager training step")):
-            print(f"  chosen for {who}: {cp_plan.planned(N, H, HV, K, V, T, sms, eager) or 'none (the whole walk)'}")
+            print(f"  {s:>8}  {cp_plan.predicted_ms(s, N, H, HV, K, V, T, sms):8.3f} ms"
+                  f"  {cp_plan.predicted_ms(s, N, H, HV, K, V, T, sms, wide=True):8.3f} ms")
+        for eager, training, who in ((None, False, "a captured or compiled inference call"),
+                                     (None, True, "a captured or compiled training step"),
+                                     ("inference", False, "an eager inference call"),
+                                     ("training", True, "an eager training step")):
+            s = cp_plan.planned(N, H, HV, K, V, T, sms, eager, cp_plan.walks_wide(training))
+            print(f"  chosen for {who}: {s or 'none (the whole walk)'}")
     return 0
 
 

@@ -151,9 +151,10 @@ class CompiledOp:
         context_parallel = None if context_parallel == 1 else context_parallel  # one segment: no cut
         if self.program.target == "sm90" and v.is_cuda and v.dtype in (torch.bfloat16, torch.float16):
             if context_parallel == "auto":  # (an eager call's plan counts its host time: kernels/cp_plan.py)
+                training = _wants_grad(initial_state, *inputs.values())
                 eager = None if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() else \
-                    "training" if _wants_grad(initial_state, *inputs.values()) else "inference"
-                context_parallel = planned_segments(dims, v.device, eager)
+                    "training" if training else "inference"
+                context_parallel = planned_segments(dims, v.device, eager, training)
             if self._decodes(inputs, dims, initial_state, context_parallel):
                 return self.recurrent(**inputs, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                       output_final_state=output_final_state)

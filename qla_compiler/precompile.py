@@ -85,7 +85,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     from .context_parallel import check_segments
     from .kernels import forward
     from .kernels.backward import column_blocks
-    from .kernels.cp_plan import SEGMENTS, may_choose, planned
+    from .kernels.cp_plan import SEGMENTS, may_choose, planned, walks_wide
 
     V = V or K
     plan = plan or (K, V)
@@ -116,15 +116,19 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         shape = forward.scan_class(H, HV, keys, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
+    # (an inference call's plan may weigh the wide kernel's walks, a training step's not: cp_plan.walks_wide)
+    kinds = [(None, walks_wide(False)), ("inference", walks_wide(False))]
+    kinds += [(None, False), ("training", False)] if training else []
+
     def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
         # compiled call's plan, an eager one's, an eager training step's)
         if context_parallel not in (None, "auto"):
             return [None if context_parallel == 1 else context_parallel]
         if not tokens:  # every count it may choose for some length: its choice is not monotone in
             # the length (4/16 heads: 2 segments between 2816 and 3968 tokens, 1 at 2048, 4 at 4096)
-            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(pk, pv) and may_choose(s, n, HV, pk, pv, sms))]
-        return list(dict.fromkeys(planned(n, H, HV, pk, pv, tokens, sms, eager) for eager in
-                                  (None, "inference", *(("training",) if training else ()))))
+            return [None, *(s for s in SEGMENTS if s > 1 and forward.cuts(pk, pv) and
+                            any(may_choose(s, n, HV, pk, pv, sms, wide) for _, wide in kinds))]
+        return list(dict.fromkeys(planned(n, H, HV, pk, pv, tokens, sms, eager, wide) for eager, wide in kinds))
 
     classes, seqs = [], []  # as the separate kernels run them (a training step too); seqs: each
     # class's (sequences of the call, sequences its launches run: N·segments for a segment scan,
@@ -149,7 +153,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     out = []
     for c, (n, launched, cp) in zip(classes, seqs):  # an inference call: at the V-blocks its program takes
         # (kernels/forward._call_program: context parallelism decides on N·segments sequences,
-        # and runs the narrow fused kernel as its scan)
+        # and runs the fused kernel as its scan, the wide one where runs_wide says)
         if forward.runs_fused(K, V, HV, n * (cp or 1), sms):
             c = fused(c, n, cp)
         out.append(capped(c, launched, _program(c).kernels.block_v_max if c.kernels == "all" or c.fused
@@ -160,9 +164,11 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         for c, (n, launched, cp) in zip(classes, seqs):
             c = dataclasses.replace(c, part="training")
             # (kernels/forward._call_program: where the launch policy fuses training and an
-            # inference call of this class runs fused, the fused training forward, at its V-blocks)
-            if forward.POLICY.fused_training is not False and not cp and c.kernels == "all" and forward.runs_fused(K, V, HV, n, sms):
-                c = fused(c, n, None)
+            # inference call of this class runs fused, the fused training forward, at its V-blocks;
+            # under a cut only where cut_fused_training says so, decided on N·segments sequences)
+            if forward.POLICY.fused_training is not False and (not cp or forward.cut_fused_training()) \
+                    and forward.runs_fused(K, V, HV, n * (cp or 1), sms):
+                c = fused(c, n, cp)
                 c = capped(c, launched, _program(c).kernels.block_v_max)
             out.append(c)
         for c, (n, launched, _) in zip(classes, seqs):

@@ -128,3 +128,22 @@ def test_a_peer_left_out_is_not_imported(monkeypatch):
     assert tried == []
     bench.libraries(only=["qla", "FLA"])
     assert tried == [bench.FLA_OPS["gdn"][0]]
+
+
+def test_cut_fused_times_the_op_under_both_switches_beside_the_default(monkeypatch):
+    """--cut-fused adds qla-cut-fused: the same op called under launch_policy(cut_wide=True,
+    cut_fused_training=True), so a cut inference call's plan weighs the wide walk
+    (kernels/cp_plan.walks_wide) and a cut training call runs the fused training forward; qla
+    itself runs as the defaults say."""
+    from qla_compiler.kernels import forward
+
+    def switches():
+        return forward.cut_wide(), forward.cut_fused_training()
+
+    seen, before = [], switches()
+    monkeypatch.setattr(qla_ops, "chunk_gated_delta_rule", lambda **a: seen.append(switches()))
+    libs = bench.libraries(only=["qla", "qla-cut-fused"], cut_fused=True)
+    assert set(libs) == {"qla", "qla-cut-fused"}
+    libs["qla"]()
+    libs["qla-cut-fused"]()
+    assert seen == [before, (True, True)] and switches() == before

@@ -1,4 +1,5 @@
 """qla-compile prints what the compiler derived."""
+import re
 import subprocess
 import sys
 
@@ -99,15 +100,29 @@ def test_windows_flag_shows_the_scan_that_walks_from_a_given_chunk(capsys):
 
 
 def test_cp_plan_prints_the_planners_choice(capsys):
+    from qla_compiler.kernels import forward
+
     assert main(["gdn", "--cp-plan", "H=2,HV=8,K=128,T=32768,sms=132"]) == 0
     out = capsys.readouterr().out
-    assert "1 sequence(s), 32768 tokens, 132 SMs" in out and "chosen for an eager call: 8" in out
-    assert "chosen for a captured or compiled call: 8" in out and "32 segments" in out
+    assert "1 sequence(s), 32768 tokens, 132 SMs" in out and "chosen for an eager inference call: 8" in out
+    assert "chosen for a captured or compiled inference call: 8" in out and re.search(r"\n +32 +[0-9.]+ ms", out)
+    assert "chosen for an eager training step: none (the whole walk)" in out
     assert main(["gdn", "--cp-plan", "H=16,HV=64,K=128,N=8,T=32768,sms=132"]) == 0
-    assert "chosen for a captured or compiled call: none (the whole walk)" in capsys.readouterr().out
+    assert "chosen for a captured or compiled inference call: none (the whole walk)" in capsys.readouterr().out
     # 8192 tokens: cut where the GPU sets the pace, whole where the host does (kernels/cp_plan.py)
     assert main(["gdn", "--cp-plan", "H=2,HV=8,K=128,T=8192,sms=132"]) == 0
     out = capsys.readouterr().out
-    assert "chosen for a captured or compiled call: 4" in out and "chosen for an eager call: none" in out
+    assert "chosen for a captured or compiled inference call: 4" in out and "chosen for an eager inference call: none" in out
+    # the wide kernel's column, and its plan where cut_wide lets an inference call take it
+    with forward.launch_policy(cut_wide=False):
+        assert main(["gdn", "--cp-plan", "H=8,HV=32,K=128,T=32768,sms=132"]) == 0
+    out = capsys.readouterr().out
+    assert "(not taken: forward.cut_wide() is off)" in out and "chosen for a captured or compiled inference call: 2" in out
+    assert re.search(r"\n +4 +0\.452 ms +0\.304 ms", out)
+    with forward.launch_policy(cut_wide=True):
+        assert main(["gdn", "--cp-plan", "H=8,HV=32,K=128,T=32768,sms=132"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen for a captured or compiled inference call: 4" in out
+    assert "chosen for a captured or compiled training step: 2" in out
     assert main(["gdn", "--cp-plan", "H=2,HV=8,K=128"]) == 1
     assert "--cp-plan: give H, HV, K, T" in capsys.readouterr().err

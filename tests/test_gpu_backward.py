@@ -97,6 +97,21 @@ def test_gdn_gradients_with_context_parallel(segments):
     _check(op, make_inputs(op, H=2, HV=8, K=128, V=128, lens=[1, 700, 300]), context_parallel=segments)
 
 
+@pytest.mark.parametrize("segments, wide", [(2, False), (8, True)])
+def test_gdn_gradients_with_context_parallel_on_the_fused_training_forward(segments, wide):
+    """Under cut_fused_training the cut forward is the fused training forward (at 8 segments under
+    cut_wide the wide one: 3 sequences × 8 segments × 8 value heads fill the SMs at V-block 128),
+    the backward as always: the same gradients."""
+    from qla_compiler.kernels import forward as fwd
+
+    op = qla_compiler.compile("gdn", target="sm90")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert fwd.runs_fused(128, 128, 8, 3 * segments, sms)
+    with fwd.launch_policy(cut_fused_training=True, cut_wide=wide):
+        assert fwd.runs_wide(128, 128, 8, 3, sms, segments) == wide
+        _check(op, make_inputs(op, H=2, HV=8, K=128, V=128, lens=[1, 700, 300]), context_parallel=segments)
+
+
 @pytest.mark.parametrize("spec", ["delta_net", "simple_gla", "retnet", "linear_attn"])
 def test_other_specs_gradients(spec):
     """The same compiler's backward for the other specs (1-token, partial and multi-chunk sequences)."""
