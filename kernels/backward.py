@@ -124,11 +124,13 @@ def backward_program_of(program, segments=None, wide: bool = False):
     its scan warp-specialised where the launch policy says so (forward.backward_scan_roles) and
     the schedule can (not where the entering states are kept in float32: GLA's), at V-block 128
     where `wide` (forward.runs_wide, the fused forward's rule: Program.backward_wide_roles_program)
-    and else at the narrow one's V-block unless the policy says "wide" (the wide one alone), except
-    under context parallelism, whose window walks run the plain scan's kernels."""
+    and else at the narrow one's V-block unless the policy says "wide" (the wide one alone). Under
+    context parallelism (`segments`) the wide one alone, where runs_wide says so for the N·segments
+    sequences (forward.cut_wide), its windows program walking the windows; else the plain scan's
+    kernels."""
     on = forward.backward_scan_roles()
-    if on and not segments:
-        narrow = ("backward_roles_program",) if on is True else ()
+    if on and (wide or not segments):
+        narrow = ("backward_roles_program",) if on is True and not segments else ()
         for variant in ("backward_wide_roles_program",) * wide + narrow:
             try:
                 return getattr(program, variant)

@@ -175,13 +175,15 @@ def call_ms(whole_walk: float, tokens: int, HV: int, eager: str) -> float:
 
 
 def walks_wide(training: bool) -> bool:
-    """Whether a call's plan weighs the wide fused kernel's walks (plan_segments' `wide`): an
-    inference call's, where the launch policy lets a cut run it (forward.cut_wide) and inference
-    runs the fused kernels (its `fused` not False); a training call's forward and backward walk
-    the plain scans under a cut."""
-    from .forward import POLICY, cut_wide
+    """Whether a call's plan weighs the wide kernels' walks (plan_segments' `wide`): where the
+    launch policy lets a cut run them (forward.cut_wide) and the call runs the fused kernels (its
+    `fused` not False); a training call's only where both its walks do, the forward's on the fused
+    training forward (forward.cut_fused_training) and the backward's on the whole-V scan on roles
+    (forward.backward_scan_roles)."""
+    from .forward import POLICY, backward_scan_roles, cut_fused_training, cut_wide
 
-    return not training and cut_wide() and POLICY.fused is not False
+    both = cut_fused_training() and POLICY.fused_training is not False and bool(backward_scan_roles())
+    return cut_wide() and POLICY.fused is not False and (not training or both)
 
 
 def planned_segments(dims, device, eager: str | None = None, training: bool = False) -> int | None:

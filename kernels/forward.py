@@ -90,14 +90,15 @@ BACKWARD_SCAN_ROLES = "wide"
 # Whether a context-parallel inference call walks its N·segments sequences on the wide fused
 # kernel where wide_fused's rule holds for them (the policy's cut_wide left None). FlashQLA's fused
 # kernel at 8/32:1x32768 (0.391 ms, H200) fits 4 segments walked at V-block 128; ours cuts in 2 at
-# 64 (0.55 ms). The planner weighs the wide walk too (kernels/cp_plan.py, Costs.wide_chunk).
-# Off until timed on the GPU (NOTES session 54).
+# 64 (0.55 ms). The planner weighs the wide walk too (kernels/cp_plan.py, Costs.wide_chunk). A
+# cut training call's backward then walks the whole-V scan on roles there too (its windows
+# program), as an uncut call's does. Off until timed on the GPU (NOTES session 54).
 CUT_WIDE = False
 # Whether a context-parallel training call's forward is the fused training forward where an
 # uncut call of its N·segments sequences runs it (the policy's cut_fused_training left None): its
 # windows and walks store what the backward reads as the uncut one does, and the separate out
-# kernel goes (12 % off an uncut GDN step at 16/64:8x4096 on the H100, session 44). The cut's
-# backward walks the plain scan either way. Off until timed on the GPU (NOTES session 54).
+# kernel goes (12 % off an uncut GDN step at 16/64:8x4096 on the H100, session 44). Off until
+# timed on the GPU (NOTES session 54).
 CUT_FUSED_TRAINING = False
 
 
@@ -241,8 +242,9 @@ def runs_wide(K: int, V: int, HV: int, N: int, sms: int, context_parallel) -> bo
     """Whether a fused inference call runs the wide fused kernel (and a backward on roles the wide
     scan: kernels/backward.py): the launch policy's choice (its `wide`, or a V-block of 128), else
     wide_fused's rule. A context-parallel call walks N·segments sequences: on the wide kernel where
-    the rule holds for them and cut_wide() says so, else on the narrow one (its backward and a
-    training forward run the plain scan under a cut whatever this says).
+    the rule holds for them and cut_wide() says so (its backward on the whole-V scan on roles, its
+    training forward on the wide fused training forward where cut_fused_training() says so), else
+    on the narrow one.
 
         >>> runs_wide(128, 128, 32, 1, 132, None), runs_wide(128, 128, 32, 1, 132, 4)
         (False, False)

@@ -116,9 +116,10 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
         shape = forward.scan_class(H, HV, keys, width, n, io, sms, scale, BV=BV, block_v_max=block_v_max)
         return dataclasses.replace(shape, stages=stages) if stages else shape
 
-    # (an inference call's plan may weigh the wide kernel's walks, a training step's not: cp_plan.walks_wide)
+    # (the plans of a captured or compiled call, an eager one, a captured and an eager training
+    # step; each weighs the wide kernels' walks where cp_plan.walks_wide says so)
     kinds = [(None, walks_wide(False)), ("inference", walks_wide(False))]
-    kinds += [(None, False), ("training", False)] if training else []
+    kinds += [(None, walks_wide(True)), ("training", walks_wide(True))] if training else []
 
     def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
         # compiled call's plan, an eager one's, an eager training step's)
@@ -171,15 +172,15 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
                 c = fused(c, n, cp)
                 c = capped(c, launched, _program(c).kernels.block_v_max)
             out.append(c)
-        for c, (n, launched, _) in zip(classes, seqs):
+        for c, (n, launched, cp) in zip(classes, seqs):
             keys, width, _ = _variant(c).backward_blocks()
 
             def on_roles(k, v):  # (kernels/backward._backward: where the launch policy puts the scan
-                # on roles, at V-block 128 where runs_wide says)
-                if not forward.backward_scan_roles() or c.kernels != "all":
+                # on roles, at V-block 128 where runs_wide says; under a cut, for N·segments sequences)
+                if not forward.backward_scan_roles():
                     return ""
                 with forward.launch_policy(block_v=block_v):
-                    return "wide" if forward.runs_wide(k, v, HV, n, sms, None) else ""
+                    return "wide" if forward.runs_wide(k, v, HV, n, sms, cp) else ""
             if keys >= K and width >= V:
                 back = dataclasses.replace(c, part="backward", fused=on_roles(K, V))
                 out.append(capped(back, launched, _program(back).kernels.block_v_max))

@@ -76,8 +76,8 @@ def test_a_cut_inference_call_walks_its_segments_on_the_wide_kernel(call):
 
 
 def test_a_training_forward_under_a_cut_runs_the_plain_scan_either_way(call):
-    """A training forward cut in 4 keeps the training program's kernels, whatever cut_wide says
-    (its backward walks the plain scan's windows: kernels/backward.backward_program_of)."""
+    """Without cut_fused_training a training forward cut in 4 keeps the training program's kernels,
+    whatever cut_wide says."""
     runs = {on: _run(call, 4, on, keep=True)[2] for on in (False, True)}
     assert runs[True].calls == runs[False].calls and [s.BV for s in runs[True].shapes] == \
         [s.BV for s in runs[False].shapes]
@@ -111,6 +111,55 @@ def test_a_cut_training_step_runs_the_fused_training_forward_under_the_switch():
     assert rel_err(cut["d_h0"], whole["d_h0"]) <= 1e-6
     for name in op.input_names:
         assert rel_err(cut["grads"][name], whole["grads"][name]) <= 1e-3, name
+
+
+def test_under_both_switches_a_cut_training_step_walks_the_wide_kernels_both_ways():
+    """With cut_wide and cut_fused_training, 3 sequences × 4 segments × 8 value heads (96 CTAs at
+    V-block 128, past 70 % of an H200's SMs) walk the wide fused training forward and the whole-V
+    backward scan on roles, each its windows first (width K + V); o, the final state and every
+    gradient are those of the uncut step on the same wide kernels (the policy's `wide`), to
+    float32's rounding of the segment maps. Its plan weighs the wide walk (cp_plan.walks_wide)."""
+    from qla_compiler.emulate import emulated_step
+
+    op = qla_compiler.compile("gdn", target="sm90")
+    args = random_inputs(op, T=700, H=2, HV=8, K=128, V=128, cu_seqlens=[0, 1, 520, 700], initial_state=True,
+                         dtype=torch.bfloat16, seed=11)
+    args["g"][..., 0], args["g"][..., 1] = -1.5, 0.0  # windows of a chunk; whole segments
+    with fwd.launch_policy(wide=True):
+        whole = emulated_step(op, args, block_v=None)
+    with fwd.launch_policy(cut_wide=True, cut_fused_training=True):
+        cut = emulated_step(op, args, segments=4, block_v=None)
+        assert cp_plan.walks_wide(True) and cp_plan.walks_wide(False)
+    assert [n for n, _ in whole["emulator"].calls] == ["gdn_prep", "gdn_fused", "gdn_backward_prep",
+                                                      "gdn_backward_scan_roles", "gdn_backward_out"]
+    assert cut["emulator"].calls == [("gdn_prep", 128), ("gdn_fused_windows", 256), ("gdn_fused", 128),
+                                     ("gdn_backward_prep", 128), ("gdn_backward_scan_roles_windows", 256),
+                                     ("gdn_backward_scan_roles", 128), ("gdn_backward_out", 128)]
+    walks = [s.BV for (name, _), s in zip(cut["emulator"].calls, cut["emulator"].shapes) if "prep" not in name
+             and "out" not in name]
+    assert walks == [128, 128, 128, 128]
+    # (o in bf16: a float32 difference of the maps flips a few roundings)
+    assert rel_err(cut["final"], whole["final"]) <= 1e-6 and rel_err(cut["o"].double(), whole["o"].double()) <= 1e-4
+    assert rel_err(cut["d_h0"], whole["d_h0"]) <= 1e-6
+    errs = {name: rel_err(cut["grads"][name], whole["grads"][name]) for name in op.input_names}
+    assert all(e <= 1e-3 for e in errs.values()), errs  # (as the plain kernels' cut: test_cp_windows)
+
+
+def test_under_a_cut_the_backward_takes_the_whole_v_scan_on_roles_alone():
+    """backward_program_of with segments: the whole-V scan on roles where `wide` (runs_wide for the
+    N·segments sequences), never the narrow one on roles (its windows are not built), the plain
+    scan elsewhere and where the wide one does not fit (KDA)."""
+    from qla_compiler.kernels import backward as bwd
+
+    gdn, kda = (qla_compiler.compile_spec(s) for s in ("gdn", "kda"))
+    assert bwd.backward_program_of(gdn, segments=4, wide=True) is gdn.backward_wide_roles_program
+    assert bwd.backward_program_of(gdn, segments=4) is gdn.backward_program
+    assert bwd.backward_program_of(kda, segments=4, wide=True) is kda.backward_program
+    with fwd.launch_policy(backward_scan_roles=True):
+        assert bwd.backward_program_of(gdn, segments=4) is gdn.backward_program
+        assert bwd.backward_program_of(kda, segments=4, wide=True) is kda.backward_program
+    with fwd.launch_policy(backward_scan_roles=False):
+        assert bwd.backward_program_of(gdn, segments=4, wide=True) is gdn.backward_program
 
 
 def test_the_custom_ops_fake_shapes_hold_for_the_fused_training_forward_under_a_cut():
@@ -161,7 +210,8 @@ def test_the_wide_plan_cuts_where_the_wide_walk_fills_the_gpu():
 
 def test_only_an_inference_call_under_cut_wide_plans_the_wide_walk():
     """planned_segments (what "auto" runs): an inference call weighs the wide walk where the launch
-    policy's cut_wide is on, a training step never (its scans under a cut are the plain ones)."""
+    policy's cut_wide is on, a training step only where cut_fused_training is on too (then its
+    forward and its backward walk the wide kernels)."""
     dims = Dims(1, 32768, 8, 32, 128, 128, 1)
     with fwd.launch_policy(sms=fwd.H200_SMS, cut_wide=False):
         off = [cp_plan.planned_segments(dims, "cuda", eager, training) for eager, training in
@@ -171,14 +221,17 @@ def test_only_an_inference_call_under_cut_wide_plans_the_wide_walk():
               ((None, False), (None, True), ("inference", False), ("training", True))]
         with fwd.launch_policy(fused=False):  # (inference on the separate kernels: no wide walk)
             assert cp_plan.planned_segments(dims, "cuda", None, False) == 2
+        with fwd.launch_policy(cut_fused_training=True):  # (a training step's walks wide both ways)
+            assert [cp_plan.planned_segments(dims, "cuda", e, True) for e in (None, "training")] == [4, 4]
     assert off == [2, 2, 2, 2] and on == [4, 2, 4, 2]
 
 
 def test_a_warmup_compiles_what_a_wide_plan_runs():
     """Under cut_wide, a deployment's warm-up (precompile.shape_classes, cp=auto at the call's
     tokens) compiles the wide kernel's windows and walks at the inference plan's 4 segments, and
-    the plain scan's at the training plan's 2 (with cut_fused_training, the fused training
-    forward's); without the length, may_choose keeps every count either plan picks at any length."""
+    the plain scan's at the training plan's 2 (with cut_fused_training too, the training step's
+    plan is 4 and its forward and backward walk the wide kernels there); without the length,
+    may_choose keeps every count either plan picks at any length."""
     from qla_compiler.precompile import shape_classes
 
     with fwd.launch_policy(cut_wide=True):
@@ -187,11 +240,14 @@ def test_a_warmup_compiles_what_a_wide_plan_runs():
     assert wide == {("windows", 256, 128), ("scan", 128, 128), ("parallel", 128, 32)}  # (the prep: uncut)
     assert {(c.kernels, c.shape.V, c.shape.BV) for c in got if c.part == "training" and c.kernels != "all"} == \
         {("windows", 256, 64), ("scan", 128, 64), ("parallel", 128, 32)}
-    with fwd.launch_policy(cut_wide=True, cut_fused_training=True):  # (the training forward fused too)
-        fused = shape_classes("gdn", H=8, HV=32, K=128, n_seqs=1, tokens=32768, sms=132, training=True)
-    # (the classes of either plan's counts for both parts: the inference plan's 4 on the wide kernel too)
-    assert {(c.kernels, c.shape.V, c.shape.BV, c.fused) for c in fused if c.part == "training" and c.kernels != "all"} \
-        >= {("windows", 256, 64, "narrow"), ("scan", 128, 64, "narrow"), ("parallel", 128, 32, "narrow")}
+    # (the backward's at either plan's count: at the inference plan's 4 on the wide scan on roles)
+    assert {(c.kernels, c.shape.V, c.shape.BV) for c in got if c.part == "backward" and c.fused == "wide"} == \
+        {("windows", 256, 128), ("scan", 128, 128), ("parallel", 128, 32)}
+    with fwd.launch_policy(cut_wide=True, cut_fused_training=True):  # (a training step's plan: 4, wide both ways)
+        both = shape_classes("gdn", H=8, HV=32, K=128, n_seqs=1, tokens=32768, sms=132, training=True)
+    assert {(c.part, c.kernels, c.shape.V, c.shape.BV, c.fused) for c in both if c.kernels != "all"} == {
+        (part, kernels, width, bv, "wide") for part in ("forward", "training", "backward")
+        for kernels, width, bv in (("windows", 256, 128), ("scan", 128, 128), ("parallel", 128, 32))}
     for H, HV, N in ((2, 8, 1), (4, 16, 1), (8, 32, 1), (16, 64, 1), (2, 8, 3), (16, 64, 8)):
         chosen = {cp_plan.plan_segments(N, H, HV, 128, 128, N * 64 * c, fwd.H200_SMS, eager=e, wide=True)
                   for c in range(1, 4097, 5) for e in (None, "inference")}
@@ -213,6 +269,21 @@ def test_the_wide_windows_kernel_compiles_with_its_budgets_and_no_spills(tmp_pat
     cuda = lower_to_cuda(program, ShapeClass(H=8, HV=32, K=128, V=256, BV=128))["gdn_fused_windows"]
     assert cuda.count("skip_chunks[") == 1 and "i_w < (((seq_len + 63) >> 6) - skip)" in cuda
     assert re.search(r"tma_load\(v_desc, [^;]*\(\(\(int\)blockIdx\.x\) \* 128\) - 128\)", cuda)
+    _roles_compile_without_spills(cuda, tmp_path, [168, 112, 112, 112])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_the_whole_v_backward_scans_windows_kernel_compiles_with_its_budgets_and_no_spills(tmp_path):
+    """The whole-V backward scan on roles walking windows (width K + V at V-block 128, a cut
+    training call's under cut_wide) for sm_90a: four setmaxnreg budgets, no spills."""
+    from test_lowering import _roles_compile_without_spills
+
+    from qla_compiler.kernels.runtime import lower_to_cuda
+    from qla_compiler.passes.lower_tilelang import ShapeClass
+
+    program = qla_compiler.compile_spec("gdn").backward_wide_roles_program.windows_program
+    cuda = lower_to_cuda(program, ShapeClass(H=8, HV=32, K=128, V=256, BV=128))["gdn_backward_scan_roles_windows"]
+    assert "skip_chunks[" in cuda
     _roles_compile_without_spills(cuda, tmp_path, [168, 112, 112, 112])
 
 

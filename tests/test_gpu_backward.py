@@ -99,9 +99,10 @@ def test_gdn_gradients_with_context_parallel(segments):
 
 @pytest.mark.parametrize("segments, wide", [(2, False), (8, True)])
 def test_gdn_gradients_with_context_parallel_on_the_fused_training_forward(segments, wide):
-    """Under cut_fused_training the cut forward is the fused training forward (at 8 segments under
-    cut_wide the wide one: 3 sequences × 8 segments × 8 value heads fill the SMs at V-block 128),
-    the backward as always: the same gradients."""
+    """Under cut_fused_training the cut forward is the fused training forward; at 8 segments under
+    cut_wide the wide one and the backward on the whole-V scan on roles (3 sequences × 8 segments
+    × 8 value heads fill the SMs at V-block 128), each walking its windows first: the same
+    gradients."""
     from qla_compiler.kernels import forward as fwd
 
     op = qla_compiler.compile("gdn", target="sm90")
