@@ -359,9 +359,11 @@ def forward(program, inputs: dict, kinds: dict, dims, scale: float, initial_stat
     every global tensor by name (what kernels/backward.py needs: the packed inputs, the chunk map,
     the state entering every chunk, the prep's results), from the kernels of the training program
     (which also store the triangular inverses for the backward). `cache`: see call_tensors.
-    `fused`: run an inference call's scan and output as one warp-specialised kernel (None: the
-    launch policy's choice); where it cannot (training, context parallelism, a program whose fused
-    kernel does not fit), the separate kernels run."""
+    `fused`: run the scan and the output as one warp-specialised kernel (None: the launch
+    policy's choice, runs_fused; a context-parallel call decides on its N·segments sequences); a
+    training call runs the fused training forward so where the policy's fused_training allows it
+    (under a cut, where cut_fused_training does too). Where a program's fused kernel does not
+    fit, the separate kernels run."""
     check_call(dims, keep, context_parallel)
     v_name = next(n for n, k in kinds.items() if k == "value")
     io = inputs[v_name].dtype

@@ -1,7 +1,8 @@
 """Context parallelism on the fused kernels, as a whole call of its N·segments sequences would run
 them (kernels/forward.py): under cut_wide a cut inference call walks on the wide fused kernel
-where that kernel's rule holds for them, and the planner (kernels/cp_plan.py) weighs those walks;
-under cut_fused_training a cut training call's forward is the fused training forward. The host
+where that kernel's rule holds for them (a training call's backward on the whole-V scan on
+roles), and the planner (kernels/cp_plan.py) weighs those walks; under cut_fused_training a cut
+training call's forward is the fused training forward. The host
 code with the kernels emulated against the float64 reference, the uncut call and the separate
 kernels; the plans; the warm-up's classes; the windows kernel's CUDA; the sweep's fit of the wide
 walk's constant."""
