@@ -14,8 +14,9 @@ prep's time cancelling in the difference; printed as the Costs the model would t
 measurement exercises (`wide_chunk` without a --cut-wide sweep) stays at the model's value.
 --cut-wide: the calls under forward.launch_policy(cut_wide=True), so a cut walks on the wide fused
 kernel where its rule holds (forward.runs_wide); each record says so (`wide`), and the fit counts
-those walks' chunks as `wide_chunk`'s. Fit a wide sweep together with a plain one (--fit A B). `benchmarks/cp_sweep_h200.json` is session 22's sweep
-(the constants in kernels/cp_plan.py come from it).
+those walks' chunks as `wide_chunk`'s. Fit a wide sweep together with a plain one (--fit A B).
+`benchmarks/cp_sweep_h200.json` is session 22's sweep (the constants in kernels/cp_plan.py come
+from it).
 """
 import argparse
 import dataclasses

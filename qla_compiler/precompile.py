@@ -121,8 +121,7 @@ def shape_classes(spec, H: int, HV: int, K: int, V: int | None = None, io: str =
     kinds = [(None, walks_wide(False)), ("inference", walks_wide(False))]
     kinds += [(None, walks_wide(True)), ("training", walks_wide(True))] if training else []
 
-    def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments; a captured or
-        # compiled call's plan, an eager one's, an eager training step's)
+    def segments(n):  # (as the op resolves "auto": kernels/cp_plan.planned_segments, for each of `kinds`)
         if context_parallel not in (None, "auto"):
             return [None if context_parallel == 1 else context_parallel]
         if not tokens:  # every count it may choose for some length: its choice is not monotone in
