@@ -76,6 +76,28 @@ def test_a_cut_inference_call_walks_its_segments_on_the_wide_kernel(call):
     assert rel_err(s_wide, s_whole) <= 1e-5
 
 
+@pytest.mark.parametrize("spec", ["delta_net", "simple_gla", "retnet", "linear_attn"])
+def test_every_specs_cut_walks_on_its_wide_kernel(spec):
+    """The other specs' wide kernels walk a cut's windows and segments too (linear attention's
+    chain is the state's update alone: three roles), to the float64 reference."""
+    op = qla_compiler.compile(spec, target="sm90")
+    a = random_inputs(op, T=900, H=1, HV=2, K=128, V=128, cu_seqlens=LENS, initial_state=True,
+                      dtype=torch.bfloat16, seed=7)
+    inputs, dims, scale = op._prepare((), {n: a[n] for n in op.input_names}, None, a["initial_state"],
+                                      a["cu_seqlens"], False)
+    with emulated_kernels(op, a["cu_seqlens"].to(torch.int32), scale, block_v=None) as emu, \
+            fwd.launch_policy(cut_wide=True, sms=SMS, fused=True):
+        o, final = fwd.forward(op.program, inputs, op.kinds, dims, scale, a["initial_state"], a["cu_seqlens"],
+                               op._head_logs(dims.HV), 4)
+    assert [name for name, _ in emu.calls][-2:] == [f"{spec}_fused_windows", f"{spec}_fused"]
+    assert [s.BV for s in emu.shapes][-2:] == [128, 128]
+    assert _scan_roles(emu) == {("state", "output", "loads") if spec == "linear_attn" else
+                                ("state", "value", "output", "loads")}
+    ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in a.items()}
+    o_ref, s_ref = op.reference(**ref)
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(final, s_ref) <= 1e-3
+
+
 def test_a_training_forward_under_a_cut_runs_the_plain_scan_either_way(call):
     """Without cut_fused_training a training forward cut in 4 keeps the training program's kernels,
     whatever cut_wide says."""
