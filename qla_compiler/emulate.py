@@ -96,6 +96,20 @@ def emulated_step(op, args: dict, seed: int = 1, block_v: int = 32, segments=Non
     return dict(o=o, final=final, d_o=d_o, d_final=d_final, grads=grads, d_h0=d_h0, emulator=emu, scale=scale)
 
 
+def reference_step(op, args: dict, step: dict) -> dict:
+    """What an emulated_step on `args` is measured against: o, the final state, every input's
+    gradient and d h0 through the spec's float64 reference, for the step's own cotangents (its
+    d_o and d_final). Keys as emulated_step's: o, final, grads (by input), d_h0 (None without an
+    initial state)."""
+    ref = {n: (x.detach().double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
+           for n, x in args.items()}
+    o, final = op.reference(**ref)
+    torch.autograd.backward([o, final], [step["d_o"].double(), step["d_final"].double()])
+    h0 = ref.get("initial_state")
+    return dict(o=o.detach(), final=final.detach(), grads={n: ref[n].grad for n in op.input_names},
+                d_h0=h0.grad if torch.is_tensor(h0) else None)
+
+
 def emulated_kernel_step(op, args: dict, seed: int = 2, rounding: torch.dtype | None = None) -> dict:
     """The GPU path as autograd runs it, every kernel emulated (`rounding`: KernelEmulator's): the
     custom op qla::run_kernels on

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from qla_compiler.emulate import emulated_kernel_step, emulated_kernels, emulated_step
+from qla_compiler.emulate import emulated_kernel_step, emulated_kernels, emulated_step, reference_step
 from qla_compiler.errors import PassError
 from qla_compiler.passes.lower_tilelang import tile_width
 from qla_compiler.testing import OpLog, random_inputs, rel_err
@@ -26,10 +26,7 @@ def test_backward_wiring_matches_autograd_of_the_reference(ops, spec, cp):
     step = emulated_step(op, args, segments=cp)
     grads = step["grads"]
 
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
+    ref = reference_step(op, args, step)
     # each backward kernel once, in order; with cp the reverse scan twice (on the widened values
     # first, walking the segments' windows)
     names = [n for k in op.program.backward_program.kernels.kernels
@@ -41,8 +38,8 @@ def test_backward_wiring_matches_autograd_of_the_reference(ops, spec, cp):
     # mistake is O(1)
     for name in op.input_names:
         assert grads[name].shape == args[name].shape, name
-        assert rel_err(grads[name], ref[name].grad) <= 1e-2, name
-    assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
+        assert rel_err(grads[name], ref["grads"][name]) <= 1e-2, name
+    assert rel_err(step["d_h0"], ref["d_h0"]) <= 1e-2
 
 
 def test_kernel_step_carries_gradients_through_autograd(ops):
@@ -125,16 +122,13 @@ def test_head_dims_between_tiles_run_padded_and_match_autograd(ops, K, V):
     args = random_inputs(op, T=300, H=2, HV=4, K=K, V=V, cu_seqlens=[0, 1, 200, 300], initial_state=True,
                          dtype=torch.bfloat16)
     step = emulated_step(op, args, block_v=16)
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
-    assert step["o"].shape == o_ref.shape and step["final"].shape == s_ref.shape
-    assert rel_err(step["o"], o_ref) <= 1e-2 and rel_err(step["final"], s_ref) <= 1e-2
+    ref = reference_step(op, args, step)
+    assert step["o"].shape == ref["o"].shape and step["final"].shape == ref["final"].shape
+    assert rel_err(step["o"], ref["o"]) <= 1e-2 and rel_err(step["final"], ref["final"]) <= 1e-2
     for name in op.input_names:
         assert step["grads"][name].shape == args[name].shape, name
-        assert rel_err(step["grads"][name], ref[name].grad) <= 1e-2, name
-    assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
+        assert rel_err(step["grads"][name], ref["grads"][name]) <= 1e-2, name
+    assert rel_err(step["d_h0"], ref["d_h0"]) <= 1e-2
     seen = step["emulator"].seen
     tiles = (tile_width(K), tile_width(V))
     kernels = op.program.kernels.kernels
@@ -157,17 +151,14 @@ def test_backward_on_column_blocks_of_v_matches_autograd(ops, K, V, blocks):
     args = random_inputs(op, T=130, H=1, HV=2, K=K, V=V, cu_seqlens=[0, 1, 66, 130], initial_state=True,
                          dtype=torch.bfloat16)
     step = emulated_step(op, args)
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
+    ref = reference_step(op, args, step)
     for name in op.input_names:
         assert step["grads"][name].shape == args[name].shape, name
-        assert rel_err(step["grads"][name], ref[name].grad) <= 1e-2, name
+        assert rel_err(step["grads"][name], ref["grads"][name]) <= 1e-2, name
         # a key's gradient leaves in the io dtype, summed over the blocks' float32 partials
         assert step["grads"][name].dtype == args[name].dtype, name
     assert step["d_h0"].shape == args["initial_state"].shape
-    assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
+    assert rel_err(step["d_h0"], ref["d_h0"]) <= 1e-2
     calls = step["emulator"].calls
     assert [w for n, w in calls if n.endswith("backward_scan")] == blocks
     walks = {k.name for k in step["emulator"].programs[0].kernels.kernels if k.walks_chunks}
@@ -239,14 +230,11 @@ def test_backward_on_blocks_of_k_matches_autograd(ops, on_blocks_of_k, K, V, key
     wrong columns, or a sum missing a block, is O(1) off. Also with both scans context-parallel."""
     op, got = ops["gla"], on_blocks_of_k[K, V, segments]
     args = got["args"]
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [got["d_o"].double(), got["d_final"].double()])
+    ref = reference_step(op, args, got)
     for name in op.input_names:
         assert got["grads"][name].shape == args[name].shape and got["grads"][name].dtype == args[name].dtype, name
-        assert rel_err(got["grads"][name], ref[name].grad) <= 1e-2, name
-    assert rel_err(got["d_h0"], ref["initial_state"].grad) <= 1e-2
+        assert rel_err(got["grads"][name], ref["grads"][name]) <= 1e-2, name
+    assert rel_err(got["d_h0"], ref["d_h0"]) <= 1e-2
     # each block of keys runs the block program's out kernels once on each of V's column blocks
     blocks = len(keys) * -(-V // got["values"])
     assert got["outs"] and all(got["calls"].count(n) == blocks for n in got["outs"]), (got["outs"], got["calls"])
@@ -267,13 +255,10 @@ def test_with_key_blocks_glas_backward_takes_k_whole(ops):
     args = random_inputs(op, T=130, H=1, HV=2, K=256, V=256, cu_seqlens=[0, 1, 66, 130], initial_state=True,
                          dtype=torch.bfloat16)
     step = emulated_step(op, args)
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
+    ref = reference_step(op, args, step)
     for name in op.input_names:
-        assert rel_err(step["grads"][name], ref[name].grad) <= 1e-2, name
-    assert rel_err(step["d_h0"], ref["initial_state"].grad) <= 1e-2
+        assert rel_err(step["grads"][name], ref["grads"][name]) <= 1e-2, name
+    assert rel_err(step["d_h0"], ref["d_h0"]) <= 1e-2
     assert [w for n, w in step["emulator"].calls if n == "gla_backward_out_d_v"] == [128, 128]
 
 
@@ -296,12 +281,9 @@ def test_glas_saved_states_cross_memory_in_float32_for_its_gates_gradient(ops):
                          dtype=torch.bfloat16, seed=4)
     args["g"] = torch.cat([torch.full_like(args["g"][..., :32], -5.0), torch.zeros_like(args["g"][..., 32:])], -1)
     step = emulated_step(op, args, rounding=torch.bfloat16)
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
+    ref = reference_step(op, args, step)
     assert step["emulator"].seen["gla_backward_out_d_q_d_k_d_g"]["S0_chunks"].dtype == torch.float32
-    assert rel_err(step["grads"]["g"], ref["g"].grad) <= 5e-4
+    assert rel_err(step["grads"]["g"], ref["grads"]["g"]) <= 5e-4
 
 
 @pytest.mark.parametrize("spec, K, V", [("gla", 256, 512), ("gdn", 64, 320)])

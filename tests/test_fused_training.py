@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qla_compiler
-from qla_compiler.emulate import emulated_step
+from qla_compiler.emulate import emulated_step, reference_step
 from qla_compiler.errors import PassError
 from qla_compiler.kernels import forward as fwd
 from qla_compiler.passes.lower_tilelang import ShapeClass, lower
@@ -23,14 +23,6 @@ DELTA = ("gdn", "delta_net")  # (fold_wy: their chains form v_new from T, the se
 def _step(op, args, fused_training: bool, block_v: int = 32):
     with fwd.launch_policy(fused=True, fused_training=fused_training):
         return emulated_step(op, args, block_v=block_v)
-
-
-def _reference(op, args, step):
-    ref = {n: (x.double().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x)
-           for n, x in args.items()}
-    o_ref, s_ref = op.reference(**ref)
-    torch.autograd.backward([o_ref, s_ref], [step["d_o"].double(), step["d_final"].double()])
-    return o_ref.detach(), s_ref.detach(), {n: ref[n].grad for n in op.input_names}, ref["initial_state"].grad
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +50,13 @@ def test_a_training_step_through_the_fused_kernel_matches_autograd(steps, spec):
     assert forward == ([] if spec in ("retnet", "linear_attn") else [f"{spec}_prep"]) + [f"{spec}_fused"]
     backward = [k.name for k in op.program.backward_program.kernels.kernels]
     assert names[len(forward):] == backward == [n for n, _ in separate["emulator"].calls if "backward" in n]
-    o_ref, s_ref, grads_ref, d_h0_ref = _reference(op, args, step)
-    assert rel_err(step["o"], o_ref) <= 1e-2 and rel_err(step["final"], s_ref) <= 1e-2
+    ref = reference_step(op, args, step)
+    assert rel_err(step["o"], ref["o"]) <= 1e-2 and rel_err(step["final"], ref["final"]) <= 1e-2
     # a state or v_new stored for the wrong chunk, slot or rows is O(1) off in d q, d k or d g
     for name in op.input_names:
-        assert rel_err(step["grads"][name], grads_ref[name]) <= 1e-2, name
+        assert rel_err(step["grads"][name], ref["grads"][name]) <= 1e-2, name
         assert rel_err(step["grads"][name], separate["grads"][name]) <= 1e-2, name
-    assert rel_err(step["d_h0"], d_h0_ref) <= 1e-2
+    assert rel_err(step["d_h0"], ref["d_h0"]) <= 1e-2
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -95,11 +87,11 @@ def test_the_wide_kernel_trains_too():
     kernel = step["emulator"].programs[0].kernels.kernels[-1]
     assert [r.name for r in kernel.warp_roles] == ["state", "value", "output", "loads"]
     assert step["emulator"].shapes[0].BV == 128
-    o_ref, s_ref, grads_ref, d_h0_ref = _reference(op, args, step)
-    assert rel_err(step["o"], o_ref) <= 1e-2 and rel_err(step["final"], s_ref) <= 1e-2
+    ref = reference_step(op, args, step)
+    assert rel_err(step["o"], ref["o"]) <= 1e-2 and rel_err(step["final"], ref["final"]) <= 1e-2
     for name in op.input_names:
-        assert rel_err(step["grads"][name], grads_ref[name]) <= 1e-2, name
-    assert rel_err(step["d_h0"], d_h0_ref) <= 1e-2
+        assert rel_err(step["grads"][name], ref["grads"][name]) <= 1e-2, name
+    assert rel_err(step["d_h0"], ref["d_h0"]) <= 1e-2
 
 
 def test_the_output_role_stores_each_hand_over_after_waiting_for_it():
@@ -185,9 +177,9 @@ def test_real_data_inputs_round_as_the_separate_kernels_do(case):
     for fused in (True, False):
         with fwd.launch_policy(fused=True, fused_training=fused):
             got[fused] = emulated_step(op, args, rounding=torch.bfloat16)
-    o_ref, s_ref, grads_ref, d_h0_ref = _reference(op, args, got[True])
-    pairs = [("o", "o", o_ref), ("final", "final", s_ref), ("d_h0", "d_h0", d_h0_ref)]
-    for what, key, ref in pairs + [(n, n, grads_ref[n]) for n in op.input_names]:
+    expected = reference_step(op, args, got[True])
+    pairs = [(key, key, expected[key]) for key in ("o", "final", "d_h0")]
+    for what, key, ref in pairs + [(n, n, expected["grads"][n]) for n in op.input_names]:
         ours, sep = [(s[key] if key in s else s["grads"][key]) for s in (got[True], got[False])]
         err, err_sep = rel_err(ours, ref), rel_err(sep, ref)
         assert err <= 2e-2 and err <= 1.5 * err_sep + 1e-4, (what, err, err_sep)
