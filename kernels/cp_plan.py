@@ -117,13 +117,11 @@ def launch_waves(segments: int, N: int, HV: int, K: int, V: int, sms: int, wide:
     return waves(V), waves(K + V), on_wide
 
 
-def walk_cost(segments: int, N: int, HV: int, K: int, V: int, sms: int, wide: bool = False,
-              costs: Costs | None = None) -> float:
+def walk_cost(segments: int, N: int, HV: int, K: int, V: int, sms: int, wide: bool = False) -> float:
     """The model's time of one chunk-step of a call's walks cut into `segments` (ms): their waves
     times a chunk's cost on the kernel they run on."""
-    costs = costs or H200
     walks, _, on_wide = launch_waves(segments, N, HV, K, V, sms, wide)
-    return walks * (costs.wide_chunk if on_wide else costs.chunk)
+    return walks * (H200.wide_chunk if on_wide else H200.chunk)
 
 
 def may_choose(segments: int, N: int, HV: int, K: int, V: int, sms: int, wide: bool = False) -> bool:
