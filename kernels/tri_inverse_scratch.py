@@ -37,6 +37,10 @@ INPUT_ROW_PAD = 4  # A_s's rows, 68 floats apart at C = 64
 # A_s and its tf32 staging 4 floats wide (kernels/tri_inverse.py); read once, at import, like the
 # passes' switches. At 0 the kernels are what they were before the switch, byte for byte
 PAD = os.environ.get("QLA_PREP_PAD", "1") != "0"
+# QLA_PREP_COLUMNS=1 (off until timed): the substitution's lanes each hold a column of their
+# 16-block (kernels/tri_inverse.py, _substitute_by_columns): one shuffle a sweep step where the row
+# lanes take eight, A's entries read 4 at a time; the same float32 operations in the same order
+COLUMNS = os.environ.get("QLA_PREP_COLUMNS", "0") == "1"
 HALF = 2 * BLOCK  # the 32 → 64 merge's blocks, multiplied on the tensor cores (tf32)
 # merges of blocks this wide multiply on the tensor cores, reading their operands as tf32 (the
 # inverse statement's field `tf32_from`: the KernelIR says it, the interpreter models it)

@@ -301,3 +301,31 @@ def test_the_padded_scratch_leaves_the_inverse_bit_for_bit(tmp_path):
         T_s = bits["1"][:C * (C + 4)].view(torch.float32).view(C, C + 4)
         for h in (slice(0, PAIR), slice(PAIR, C)):  # the emulation did invert: the 32-blocks of T
             assert (torch.tril(T_s[h, h]).double() - ref[h, h]).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="runs the generated CUDA on the CPU with g++")
+def test_the_column_lanes_leave_the_inverse_bit_for_bit(tmp_path):
+    """QLA_PREP_COLUMNS=1 deals each 16-block's sweeps to lanes by columns (one shuffle a step, A's
+    entries read 4 at a time): the same float32 operations on each element in the same order, so
+    the GDN prep's CUDA, run on the CPU from the substitution to the staged operands, leaves the
+    same bits as the row lanes' on A's zeros above the diagonal and on garbage there. The columns'
+    code is checked to be what ran: one shuffle a step, 128-bit loads of A."""
+    root = Path(__file__).resolve().parents[1]
+    cuda = {on: subprocess.run([sys.executable, "-c", _PREP_CUDA], capture_output=True, text=True, check=True,
+                               cwd=root, env={**os.environ, "QLA_PREP_COLUMNS": on}).stdout for on in ("0", "1")}
+    shuffles = {on: len(re.findall(r"__shfl_sync\(.*\bd\[", cuda[on])) for on in cuda}
+    assert shuffles == {"0": 1, "1": 1}  # one call in a loop each: over 8 values a step, or once a step
+    assert re.search(r"for \(int c_\d+ = 0; c_\d+ < 8; \+\+c_\d+\) \{\n.*__shfl_sync", cuda["0"])  # 8 a step
+    assert re.search(r"\*\(float4\*\)\(a \+ .*\) = \*\(float4\*\)\(\(\(float\*\)A_r_s\)", cuda["1"])
+    gen = torch.Generator().manual_seed(11)
+    for keys in ("uniform", "identical"):
+        A = delta_rule_A(keys_of(keys, gen), torch.rand(C, generator=gen, dtype=torch.float64)).float()
+        ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double())
+        for above in (torch.zeros(C, C), torch.randn(C, C, generator=gen)):
+            A_s = torch.full((C, C + 4), 12345.0)
+            A_s[:, :C] = A + torch.triu(above)
+            bits = {on: _emulate_inverse(cuda[on], A_s, tmp_path, f"columns{on}") for on in ("0", "1")}
+            assert torch.equal(bits["0"], bits["1"])
+            T_s = bits["1"][:C * (C + 4)].view(torch.float32).view(C, C + 4)
+            for h in (slice(0, PAIR), slice(PAIR, C)):
+                assert (torch.tril(T_s[h, h]).double() - ref[h, h]).abs().max() < 1e-5
