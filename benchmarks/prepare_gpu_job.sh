@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/prepare_gpu_job.sh [--tests] [--real-data] [--head-dims] [--backward] [--cp-auto] [--variants]
 #                                      [--fused-training] [--switches] [--lookahead] [--heads-first]
-#                                      [--inverse-products] [--cut-fused]
+#                                      [--inverse-products] [--cut-fused] [--prep-columns]
 #
 # Always: the bench rows' kernels, separate and fused (qla-bench, qla-bench --fused), and the
 # fused GPU tests' classes. --tests: every class of tests/test_gpu_*.py (precompile.py --tests;
@@ -29,7 +29,8 @@
 # test_gpu_backward's classes with the whole-V scan forming W (QLA_SCAN_PRODUCTS_ON_INVERSE=1).
 # --cut-fused: the bench rows as qla-bench --cut-fused runs them (QLA_CUT_WIDE=1 and
 # QLA_CUT_FUSED_TRAINING=1), forward and training, and cp_sweep.py's rows cut in 2, 4, 8 and 16
-# both ways (its --cut-wide sweep and a plain one to fit beside it).
+# both ways (its --cut-wide sweep and a plain one to fit beside it). --prep-columns: the forward
+# bench rows that fill the GPU with the substitution's lanes by columns (QLA_PREP_COLUMNS=1).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .gpu/enter.sh ] || { echo "no .gpu/: run bash ../shared/gpu/make-bundle.sh first" >&2; exit 1; }
@@ -101,6 +102,8 @@ for a in "$@"; do
                    sharded cut_wide_$S env QLA_CUT_WIDE=1 $PY benchmarks/precompile.py --bench --cp $S --rows $SWEEP
                    sharded cut_plain_$S $PY benchmarks/precompile.py --bench --cp $S --rows $SWEEP
                  done ;;
+    --prep-columns) sharded prep_columns env QLA_PREP_COLUMNS=1 $PY benchmarks/precompile.py --bench \
+                        --rows 16/64:8x4096 4/16:8x4096 2/8:8x4096 16/64:1x2048 ;;
     --cp-auto) sharded cp_auto $PY benchmarks/precompile.py --bench --backward --cp auto --rows $ROWS ;;
     --variants) $PY benchmarks/prep_variants.py --compile > "$LOGS/variants.txt" 2>&1
                 $PY benchmarks/window_search_variants.py --compile >> "$LOGS/variants.txt" 2>&1
