@@ -17,20 +17,74 @@ The variants (session 19; the predictions are in benchmarks/NOTES.md):
                          narrower V-block, where the grid would otherwise run the narrow kernel:
                          FlashQLA runs its four roles at V-block 32 on 8/32 heads, ~0.9 µs a chunk
                          against our narrow kernel's ~1.8
+  chain's hand-off first  (session 55) the wide kernel's value role hands the state role the
+                         decayed new values (V' = diag(decay)·V_new, the chain's next operand)
+                         before it hands the output role the undecayed ones, the decay read from
+                         a per-row register vector: the generated order puts the output's copy,
+                         its fence and arrival on the chain. A source patch of the generated
+                         module (an experiment; the schedule would derive the order if it pays)
 """
 import argparse
+import re
 import json
 import subprocess
 import sys
 
 ROWS = ["16/64:8x4096", "8/32:1x32768", "4/16:8x4096", "4/16:1x32768", "2/8:8x4096"]
-VARIANTS = ["as generated", "narrow at V-block 32", "R in the fused kernel", "four roles at 32", "four roles at 64"]
+VARIANTS = ["as generated", "narrow at V-block 32", "R in the fused kernel", "four roles at 32", "four roles at 64",
+            "chain's hand-off first"]
+
+# the wide kernel's value role as generated (kernels/forward's GDN at V-block 128), from the product
+# that makes the new values to the end of the chunk
+_HANDED = re.compile(r"""(?P<ind> +)T\.barrier_wait\(v_new_s_empty\[stage1\], phase1 \^ 1\)
+(?P=ind)T\.copy\(v_new, v_new_s\)
+(?P=ind)T\.fence_proxy_async\(\)(?P<c1>.*)
+(?P=ind)T\.barrier_arrive\(v_new_s_full\[stage1\]\)
+(?P=ind)for i, j in T\.Parallel\(C, BV\):
+(?P=ind)    v_new\[i, j\] = \(decay_to_end_s\[stage2, i\] \* v_new\[i, j\]\)
+(?P=ind)T\.barrier_arrive\(loads_empty\[stage2\]\)
+(?P=ind)T\.barrier_wait\(v_new_decayed_s_empty\[stage1\], phase1 \^ 1\)
+(?P=ind)T\.copy\(v_new, v_new_decayed_s\)
+(?P=ind)T\.fence_proxy_async\(\).*
+(?P=ind)T\.barrier_arrive\(v_new_decayed_s_full\[stage1\]\)
+""")
+
+
+def _chain_first(source: str) -> str:
+    """The generated module with the value role's two hand-offs swapped (see the docstring)."""
+    def swapped(m):
+        ind = m["ind"]
+        return "\n".join(ind + ln for ln in (
+            "for i in T.Parallel(C):",
+            "    decay_i[i] = decay_to_end_s[stage2, i]",
+            "T.barrier_wait(v_new_decayed_s_empty[stage1], phase1 ^ 1)",
+            "for i, j in T.Parallel(C, BV):",
+            "    v_new_decayed_s[i, j] = T.cast(decay_i[i] * v_new[i, j], IO)",
+            "T.fence_proxy_async()",
+            "T.barrier_arrive(v_new_decayed_s_full[stage1])",
+            "T.barrier_wait(v_new_s_empty[stage1], phase1 ^ 1)",
+            "T.copy(v_new, v_new_s)",
+            "T.fence_proxy_async()",
+            "T.barrier_arrive(v_new_s_full[stage1])",
+            "T.barrier_arrive(loads_empty[stage2])")) + "\n"
+    if "def gdn_fused" not in source or "T.set_max_nreg(112, 0)\n" not in source:
+        return source
+    patched, n = _HANDED.subn(swapped, source)
+    assert n == 1, "the wide kernel's value role is no longer as this experiment expects"
+    decl = re.search(r"( +)v_new = T\.alloc_fragment\(\(C, BV\), \"float32\"\)\n", patched)
+    return patched[:decl.end()] + f'{decl[1]}decay_i = T.alloc_fragment((C,), "float32")\n' + patched[decl.end():]
 
 
 def _set_up(variant: str) -> dict:
     """Patch this process for `variant`; the launch policy its calls take."""
     if variant == "narrow at V-block 32":
         return dict(block_v=32)
+    if variant == "chain's hand-off first":
+        from qla_compiler.kernels import runtime
+
+        lower = runtime.lower
+        runtime.lower = lambda *args: _chain_first(lower(*args))
+        return dict(wide=True)
     if variant == "R in the fused kernel":
         from qla_compiler.passes import partition
 
