@@ -25,8 +25,8 @@ The variants (session 19; the predictions are in benchmarks/NOTES.md):
                          module (an experiment; the schedule would derive the order if it pays)
 """
 import argparse
-import re
 import json
+import re
 import subprocess
 import sys
 
@@ -38,7 +38,7 @@ VARIANTS = ["as generated", "narrow at V-block 32", "R in the fused kernel", "fo
 # that makes the new values to the end of the chunk
 _HANDED = re.compile(r"""(?P<ind> +)T\.barrier_wait\(v_new_s_empty\[stage1\], phase1 \^ 1\)
 (?P=ind)T\.copy\(v_new, v_new_s\)
-(?P=ind)T\.fence_proxy_async\(\)(?P<c1>.*)
+(?P=ind)T\.fence_proxy_async\(\).*
 (?P=ind)T\.barrier_arrive\(v_new_s_full\[stage1\]\)
 (?P=ind)for i, j in T\.Parallel\(C, BV\):
 (?P=ind)    v_new\[i, j\] = \(decay_to_end_s\[stage2, i\] \* v_new\[i, j\]\)
