@@ -274,6 +274,28 @@ def _emulate_inverse(cuda: str, A_s: torch.Tensor, tmp_path, name: str) -> torch
     return torch.frombuffer(bytearray((tmp_path / f"{name}.out").read_bytes()), dtype=torch.int32)
 
 
+def _prep_cuda_both_ways(switch: str) -> dict:
+    """The GDN prep's CUDA with the environment switch `switch` at "0" and at "1"."""
+    root = Path(__file__).resolve().parents[1]
+    return {on: subprocess.run([sys.executable, "-c", _PREP_CUDA], capture_output=True, text=True, check=True,
+                               cwd=root, env={**os.environ, switch: on}).stdout for on in ("0", "1")}
+
+
+def _assert_same_bits(cuda: dict, A: torch.Tensor, gen, tmp_path, name: str) -> None:
+    """Both CUDA sources, replayed on A (with A's zeros above the diagonal, then garbage on and
+    above it, drawn from `gen`), leave the same bits in A_s and the staged operands, and did
+    invert: the 32-blocks of T within 1e-5 of a float64 solve."""
+    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double())
+    for above in (torch.zeros(C, C), torch.randn(C, C, generator=gen)):
+        A_s = torch.full((C, C + 4), 12345.0)  # the row padding: never read
+        A_s[:, :C] = A + torch.triu(above)
+        bits = {on: _emulate_inverse(cuda[on], A_s, tmp_path, f"{name}{on}") for on in ("0", "1")}
+        assert torch.equal(bits["0"], bits["1"])
+        T_s = bits["1"][:C * (C + 4)].view(torch.float32).view(C, C + 4)
+        for h in (slice(0, PAIR), slice(PAIR, C)):
+            assert (torch.tril(T_s[h, h]).double() - ref[h, h]).abs().max() < 1e-5
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="runs the generated CUDA on the CPU with g++")
 def test_the_padded_scratch_leaves_the_inverse_bit_for_bit(tmp_path):
     """QLA_PREP_PAD=1 pads D_s's rows and stores into D_s, A_s and the last merge's operands 4 floats
@@ -283,24 +305,14 @@ def test_the_padded_scratch_leaves_the_inverse_bit_for_bit(tmp_path):
     kernel stores them, and on garbage on and above it, which every read of it masks. Past the
     staging the two are the same code. The vector stores are checked to be there: TileLang lowers a T.vectorized
     loop it finds no plan for to scalar stores with only a warning."""
-    root = Path(__file__).resolve().parents[1]
-    cuda = {on: subprocess.run([sys.executable, "-c", _PREP_CUDA], capture_output=True, text=True, check=True,
-                               cwd=root, env={**os.environ, "QLA_PREP_PAD": on}).stdout for on in ("0", "1")}
+    cuda = _prep_cuda_both_ways("QLA_PREP_PAD")
     for b in ("T_r_D_s", "A_r_s", "T_r_A21_s", "T_r_T11_s", "T_r_T22_s"):  # the macro's 128-bit stores
         store = rf"^ *\*\(float4\*\)\(\(\(float\*\){b}\) \+ .* = \*\(float4\*\)\((d|x) \+"
         assert not re.search(store, cuda["0"], re.M) and re.search(store, cuda["1"], re.M), b
     assert re.search(r"\(\(float\*\)T_r_D_s\)\[.*\* 20\)", cuda["1"])  # a column read, rows 20 floats apart
     gen = torch.Generator().manual_seed(7)
     A = delta_rule_A(keys_of("uniform", gen), torch.rand(C, generator=gen, dtype=torch.float64)).float()
-    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double())
-    for above in (torch.zeros(C, C), torch.randn(C, C, generator=gen)):
-        A_s = torch.full((C, C + 4), 12345.0)  # the row padding: never read
-        A_s[:, :C] = A + torch.triu(above)
-        bits = {on: _emulate_inverse(cuda[on], A_s, tmp_path, f"pad{on}") for on in ("0", "1")}
-        assert torch.equal(bits["0"], bits["1"])
-        T_s = bits["1"][:C * (C + 4)].view(torch.float32).view(C, C + 4)
-        for h in (slice(0, PAIR), slice(PAIR, C)):  # the emulation did invert: the 32-blocks of T
-            assert (torch.tril(T_s[h, h]).double() - ref[h, h]).abs().max() < 1e-5
+    _assert_same_bits(cuda, A, gen, tmp_path, "pad")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="runs the generated CUDA on the CPU with g++")
@@ -310,9 +322,7 @@ def test_the_column_lanes_leave_the_inverse_bit_for_bit(tmp_path):
     the GDN prep's CUDA, run on the CPU from the substitution to the staged operands, leaves the
     same bits as the row lanes' on A's zeros above the diagonal and on garbage there. The columns'
     code is checked to be what ran: one shuffle a step, 128-bit loads of A."""
-    root = Path(__file__).resolve().parents[1]
-    cuda = {on: subprocess.run([sys.executable, "-c", _PREP_CUDA], capture_output=True, text=True, check=True,
-                               cwd=root, env={**os.environ, "QLA_PREP_COLUMNS": on}).stdout for on in ("0", "1")}
+    cuda = _prep_cuda_both_ways("QLA_PREP_COLUMNS")
     shuffles = {on: len(re.findall(r"__shfl_sync\(.*\bd\[", cuda[on])) for on in cuda}
     assert shuffles == {"0": 1, "1": 1}  # one call in a loop each: over 8 values a step, or once a step
     assert re.search(r"for \(int c_\d+ = 0; c_\d+ < 8; \+\+c_\d+\) \{\n.*__shfl_sync", cuda["0"])  # 8 a step
@@ -320,12 +330,4 @@ def test_the_column_lanes_leave_the_inverse_bit_for_bit(tmp_path):
     gen = torch.Generator().manual_seed(11)
     for keys in ("uniform", "identical"):
         A = delta_rule_A(keys_of(keys, gen), torch.rand(C, generator=gen, dtype=torch.float64)).float()
-        ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.double())
-        for above in (torch.zeros(C, C), torch.randn(C, C, generator=gen)):
-            A_s = torch.full((C, C + 4), 12345.0)
-            A_s[:, :C] = A + torch.triu(above)
-            bits = {on: _emulate_inverse(cuda[on], A_s, tmp_path, f"columns{on}") for on in ("0", "1")}
-            assert torch.equal(bits["0"], bits["1"])
-            T_s = bits["1"][:C * (C + 4)].view(torch.float32).view(C, C + 4)
-            for h in (slice(0, PAIR), slice(PAIR, C)):
-                assert (torch.tril(T_s[h, h]).double() - ref[h, h]).abs().max() < 1e-5
+        _assert_same_bits(cuda, A, gen, tmp_path, f"columns_{keys}")
